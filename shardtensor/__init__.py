@@ -1,0 +1,24 @@
+"""shardtensor: PyTorch programs sharded over many devices, compiled by XLA through JAX.
+
+Example::
+
+    import torch, shardtensor as st
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    x = st.shard(torch.randn(64, 16), mesh, ("data", None))
+"""
+from shardtensor.runtime import (  # noqa: F401  (configures jax before anything else imports it)
+    use_spmd, is_spmd, global_runtime_device_count, addressable_runtime_device_count,
+    global_runtime_device_attributes, runtime_device_attributes, process_index, process_count,
+)
+from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
+from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
+from shardtensor import ops  # noqa: F401  (fills the lowering table)
+from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
+from shardtensor.torch_device import device, devices  # noqa: F401
+from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
+from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError  # noqa: F401
+from shardtensor.rng import manual_seed  # noqa: F401
+from shardtensor.counters import counter_value, counter_names, counters, clear_counters  # noqa: F401
+from shardtensor import dispatch as _dispatch  # noqa: F401
+
+P = PartitionSpec

@@ -1,0 +1,557 @@
+"""What ``ShardedTensor.__torch_dispatch__`` does with one aten op.
+
+Functional ops are looked up in the lowering table and recorded as a graph node (run at once in eager
+mode); in-place and ``out=`` ops run their functional twin and write the result back; view ops add a
+step to the view chain; a few ops (device copies, ``.item()``, data-dependent shapes) are special.
+Output shapes and dtypes come from torch's meta kernels, memoised per op signature.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import torch
+from jax._src.lax.lax import _convert_element_type
+
+from shardtensor import counters, lazy, rng, views
+from shardtensor.dtypes import to_jax
+from shardtensor.ops import lookup
+from shardtensor.storage import Cell, Node, Pending, ScalarLeaf
+from shardtensor.tensor import ShardedTensor
+
+aten = torch.ops.aten
+
+
+# --- schema facts, memoised per overload ----------------------------------------------------------
+@dataclasses.dataclass
+class OpFacts:
+    scalar_slots: frozenset  # positions / names of Scalar or Scalar[] arguments
+    mutated: tuple  # names of arguments the op writes (a!)
+    out_names: tuple  # names of out= arguments
+    arg_names: tuple
+    is_view: bool
+    functional: object = None  # the overload to run for a mutating op
+
+
+_FACTS: dict = {}
+
+
+def facts(func) -> OpFacts:
+    f = _FACTS.get(func)
+    if f is None:
+        f = _FACTS[func] = _make_facts(func)
+    return f
+
+
+def _make_facts(func) -> OpFacts:
+    schema = func._schema
+    slots, mutated, outs, names = set(), [], [], []
+    for i, a in enumerate(schema.arguments):
+        names.append(a.name)
+        if "Scalar" in str(a.type):
+            slots.update((i, a.name))
+        if a.alias_info is not None and a.alias_info.is_write:
+            mutated.append(a.name)
+            if a.is_out:
+                outs.append(a.name)
+    f = OpFacts(frozenset(slots), tuple(mutated), tuple(outs), tuple(names), bool(func.is_view) and not mutated)
+    if mutated:
+        f.functional = _functional_twin(func, f)
+    return f
+
+
+def _functional_twin(func, f: OpFacts):
+    """``add_.Tensor`` -> ``add.Tensor``; ``sum.IntList_out`` -> ``sum.dim_IntList``;
+    ``_native_batch_norm_legit`` -> ``_native_batch_norm_legit_functional``."""
+    name = func._schema.name.split("::")[1]
+    inplace = name.endswith("_") and not name.endswith("__")
+    candidates = []
+    if inplace:
+        candidates.append(name[:-1])
+    elif not f.out_names:
+        candidates.append(name + "_functional")
+    else:
+        candidates.append(name)
+    wanted = [a for a in func._schema.arguments if not a.is_out]
+    for cand in candidates:
+        packet = getattr(aten, cand, None)
+        if packet is None:
+            continue
+        overloads = [func._overloadname] + [o for o in packet.overloads() if o != func._overloadname]
+        for o in overloads:
+            op = getattr(packet, o, None)
+            if op is None:
+                continue
+            args = op._schema.arguments
+            if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+                continue
+            if [a.name for a in args] == [a.name for a in wanted]:
+                return op
+    return None
+
+
+# --- turning arguments into a template (static, hashable) and dynamic references ------------------
+def _encode(value, is_scalar_slot, static_scalars, refs):
+    if isinstance(value, ShardedTensor):
+        refs.append(views.read(value))
+        return ("T", value.shape, value.dtype)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.device.type == "cpu":
+            refs.append(ScalarLeaf(value.item()))
+            return ("C", value.dtype)
+        raise _device_mismatch(value)
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, torch.Tensor) for v in value):
+            return ("L", tuple(_encode(v, False, False, refs) for v in value))
+        if is_scalar_slot and not static_scalars and value and not isinstance(value[0], (list, tuple)):
+            refs.extend(ScalarLeaf(v) for v in value)
+            return ("SL", len(value))
+        return ("X", tuple(value))
+    if is_scalar_slot and not static_scalars and isinstance(value, (int, float, bool, complex)):
+        refs.append(ScalarLeaf(value))
+        return ("S", type(value))
+    if isinstance(value, torch.Generator):
+        return ("X", None)
+    return ("X", value)
+
+
+def _device_mismatch(value):
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{value.device} and shardtensor:0! Move the {value.device} tensor with .to(st.device()) "
+        "or st.shard(t, mesh, spec) first."
+    )
+
+
+def _decode(entry, it):
+    kind = entry[0]
+    if kind == "T" or kind == "S":
+        return next(it)
+    if kind == "X":
+        v = entry[1]
+        return list(v) if isinstance(v, tuple) else v
+    if kind == "C":
+        return _convert_element_type(next(it), to_jax(entry[1]), weak_type=True)
+    if kind == "L":
+        return [None if e == ("X", None) else _decode(e, it) for e in entry[1]]
+    if kind == "SL":
+        return [next(it) for _ in range(entry[1])]
+    raise AssertionError(entry)
+
+
+def _flatten(func, args, kwargs, static_scalars=False):
+    f = facts(func)
+    refs = []
+    slots = f.scalar_slots
+    pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
+    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
+    return (pos, kw), refs
+
+
+# --- plans: everything about an op signature that does not depend on values ------------------------
+@dataclasses.dataclass
+class Plan:
+    caller: object
+    key: tuple
+    outs: tuple  # (shape, dtype) or None per flat output
+    structure: str  # "one" | "tuple" | "list"
+    random: bool
+
+
+_PLANS: dict = {}
+
+
+def plan_for(func, template, args, kwargs, lowering) -> Plan:
+    key = (func, template)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = _make_plan(func, template, args, kwargs, lowering)
+    return p
+
+
+def _meta(value):
+    if isinstance(value, ShardedTensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_meta(v) for v in value)
+    if isinstance(value, torch.device) and value.type != "cpu":
+        return torch.device("meta")
+    return value
+
+
+def meta_outputs(func, args, kwargs):
+    """Run torch's meta kernel: the shapes and dtypes torch gives, and the output structure."""
+    margs = [_meta(a) for a in args]
+    mkw = {k: _meta(v) for k, v in kwargs.items()}
+    with torch._C._DisableTorchDispatch():
+        out = func(*margs, **mkw)
+    if isinstance(out, torch.Tensor):
+        return ((tuple(out.shape), out.dtype),), "one"
+    structure = "list" if isinstance(out, list) else "tuple"
+    return tuple(None if o is None else (tuple(o.shape), o.dtype) for o in out), structure
+
+
+def _make_plan(func, template, args, kwargs, lowering) -> Plan:
+    outs, structure = meta_outputs(func, args, kwargs)
+    expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
+    fn, random = lowering.fn, lowering.random
+    pos_t, kw_t = template
+
+    def caller(*values):
+        it = iter(values)
+        if random:
+            key, sub = jax.random.split(next(it))
+        a = [_decode(e, it) for e in pos_t]
+        k = {name: _decode(e, it) for name, e in kw_t}
+        out = fn(sub, *a, **k) if random else fn(*a, **k)
+        if not isinstance(out, (tuple, list)):
+            out = (out,)
+        out = tuple(None if d is None else (o if o.dtype == d else o.astype(d)) for o, d in zip(out, expected))
+        return out + (key,) if random else out
+
+    return Plan(caller, (func, template), outs, structure, random)
+
+
+# --- the entry point ------------------------------------------------------------------------------
+def handle(func, args, kwargs):
+    try:
+        special = _SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        f = facts(func)
+        if f.is_view:
+            return _view_op(func, args, kwargs)
+        if f.mutated:
+            return _mutating_op(func, f, args, kwargs)
+        return _record_and_wrap(func, args, kwargs)
+    except BaseException as e:
+        _remember_for_backward(e)
+        raise
+
+
+def record(func, args, kwargs):
+    """Record ``func`` on these arguments; returns (output references, plan)."""
+    lowering = lookup(func)
+    if lowering is None:
+        return _fallback(func, args, kwargs)
+    template, refs = _flatten(func, args, kwargs, lowering.static_scalars)
+    plan = plan_for(func, template, args, kwargs, lowering)
+    if plan.random:
+        refs.insert(0, rng.current())
+    node = Node(plan.caller, plan.key, tuple(refs))
+    n = len(plan.outs)
+    out_refs = [None if o is None else Pending(node, i) for i, o in enumerate(plan.outs)]
+    if plan.random:
+        rng.advance(Pending(node, n))
+    return out_refs, plan
+
+
+class _Decomposed(Exception):
+    def __init__(self, result):
+        self.result = result
+
+
+_CORE_DECOMPOSITIONS = None
+
+
+def _decomposition(func):
+    global _CORE_DECOMPOSITIONS
+    if _CORE_DECOMPOSITIONS is None:
+        import torch._decomp
+
+        _CORE_DECOMPOSITIONS = torch._decomp.core_aten_decompositions()
+    return _CORE_DECOMPOSITIONS.get(func)
+
+
+def _fallback(func, args, kwargs):
+    decomp = _decomposition(func)
+    if decomp is not None:
+        counters.increment(f"Decomposition::{func}")
+        raise _Decomposed(decomp(*args, **kwargs))
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        counters.increment(f"Decomposition::{func}")
+        raise _Decomposed(out)
+    raise NotImplementedError(
+        f"shardtensor has no lowering for the aten op {func} (and torch has no decomposition for it). "
+        "Please report it; as a workaround move the tensors to CPU with .cpu() for this op."
+    )
+
+
+def _wrap(func, out_refs, plan=None):
+    if plan is None:
+        return out_refs  # a decomposition already produced the result
+    cells = []
+    outs = []
+    for ref, meta in zip(out_refs, plan.outs):
+        if ref is None:
+            outs.append(None)
+            continue
+        cell = Cell(ref, meta[0], meta[1])
+        lazy.set_pending(cell, ref)
+        cells.append(cell)
+        outs.append(ShardedTensor(cell))
+    if lazy.STATE.eager:
+        lazy.run_cells(cells + rng.pending_cells())
+    if plan.structure == "one":
+        return outs[0]
+    return list(outs) if plan.structure == "list" else tuple(outs)
+
+
+def _record_and_wrap(func, args, kwargs):
+    try:
+        return _wrap(func, *record(func, args, kwargs))
+    except _Decomposed as d:
+        return d.result
+
+
+def _view_op(func, args, kwargs):
+    base = args[0]
+    if not isinstance(base, ShardedTensor) or lookup(func) is None:
+        return _record_and_wrap(func, args, kwargs)
+    lowering = lookup(func)
+    template, refs = _flatten(func, args, kwargs, lowering.static_scalars)
+    if len(refs) != 1:  # a view with other dynamic inputs: compute it as a copy
+        return _record_and_wrap(func, args, kwargs)
+    plan = plan_for(func, template, args, kwargs, lowering)
+    outs = []
+    for i, meta in enumerate(plan.outs):
+        step = views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
+        outs.append(ShardedTensor(base._cell, meta[0], meta[1], chain=base._chain + (step,)))
+    if plan.structure == "one":
+        return outs[0]
+    return list(outs) if plan.structure == "list" else tuple(outs)
+
+
+def _alias(func, args, kwargs):
+    t = args[0]
+    return ShardedTensor(t._cell, t.shape, t.dtype, chain=t._chain)
+
+
+def _mutating_op(func, f: OpFacts, args, kwargs):
+    if f.functional is None:
+        return _record_and_wrap(func, args, kwargs)
+    bound = dict(zip(f.arg_names, args))
+    bound.update(kwargs)
+    targets = [bound[name] for name in f.mutated]
+    meta_outputs(func, args, kwargs)  # torch's own checks (broadcast into self, dtype casts)
+    fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
+    fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
+    try:
+        refs, plan = record(f.functional, fargs, fkw)
+        metas = plan.outs
+    except _Decomposed as d:
+        result = d.result
+        flat = [result] if isinstance(result, torch.Tensor) else list(result)
+        refs = [views.read(r) for r in flat]
+        metas = [(tuple(r.shape), r.dtype) for r in flat]
+    flat_targets = []
+    for t in targets:
+        flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
+    functional_variant = not (_is_inplace(func) or f.out_names)  # e.g. _native_batch_norm_legit
+    n_returned = len(refs) - len(flat_targets) if functional_variant else 0
+    written, written_metas = refs[n_returned:], metas[n_returned:]
+    cells = []
+    for t, ref, meta in zip(flat_targets, written, written_metas):
+        if tuple(meta[0]) != tuple(t.shape):
+            raise RuntimeError(f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor of "
+                               f"shape {tuple(t.shape)} (shardtensor tensors cannot be resized)")
+        if meta[1] != t.dtype:
+            ref = _cast(ref, t.dtype)
+        views.write(t, ref)
+        cells.append(t._cell)
+    if lazy.STATE.eager:
+        lazy.run_cells(cells + rng.pending_cells())
+    if functional_variant:
+        return _wrap_refs(refs[:n_returned], metas[:n_returned])
+    returns = func._schema.returns
+    if not returns:
+        return None
+    if len(returns) == 1:
+        return targets[0]
+    return tuple(targets)
+
+
+def _is_inplace(func):
+    name = func._schema.name
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _wrap_refs(refs, metas):
+    outs, cells = [], []
+    for ref, meta in zip(refs, metas):
+        cell = Cell(ref, meta[0], meta[1])
+        lazy.set_pending(cell, ref)
+        cells.append(cell)
+        outs.append(ShardedTensor(cell))
+    if lazy.STATE.eager:
+        lazy.run_cells(cells)
+    return tuple(outs)
+
+
+def zeros(shape, dtype) -> ShardedTensor:
+    """A lazily created zero tensor (what ``torch.empty`` gives on st.device())."""
+    jd = to_jax(dtype)
+    node = Node(lambda: (jax.numpy.zeros(shape, jd),), ("zeros", shape, dtype), ())
+    ref = Pending(node, 0)
+    cell = Cell(ref, shape, dtype)
+    lazy.set_pending(cell, ref)
+    if lazy.STATE.eager:
+        lazy.run_cells([cell])
+    return ShardedTensor(cell)
+
+
+def _cast(ref, dtype):
+    jd = to_jax(dtype)
+    node = Node(lambda x: (x.astype(jd),), ("cast", dtype), (ref,))
+    return Pending(node, 0)
+
+
+# --- materialising values -------------------------------------------------------------------------
+def materialize(t: ShardedTensor):
+    """The concrete stored jax array of ``t`` (computing what is pending)."""
+    cell = t._cell
+    if t._chain:
+        ref = views.read(t)
+        tmp = Cell(ref, t.shape, t.dtype)
+        lazy.set_pending(tmp, ref)
+        cell = tmp
+    if cell.is_pending():
+        lazy.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was needed")
+        lazy.run_cells(list(lazy._PENDING) + [cell])
+    return cell.value
+
+
+def logical_array(t: ShardedTensor):
+    """The concrete jax array of ``t`` without padding."""
+    a = materialize(t)
+    if tuple(a.shape) != tuple(t.shape):
+        a = a[tuple(slice(0, n) for n in t.shape)]
+    return a
+
+
+def to_cpu(t: ShardedTensor) -> torch.Tensor:
+    """A torch CPU tensor with the value of ``t``."""
+    from shardtensor.tensor import numpy_to_torch
+
+    a = materialize(t)
+    if a.is_fully_addressable:
+        host = np.asarray(a)
+    else:
+        from jax.experimental import multihost_utils
+
+        host = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    counters.increment("TransferFromDevice")
+    host = host[tuple(slice(0, n) for n in t.shape)]
+    return numpy_to_torch(host)
+
+
+# --- special ops ----------------------------------------------------------------------------------
+def _to_copy(func, args, kwargs):
+    t = args[0]
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        out = to_cpu(t)
+        dtype = kwargs.get("dtype")
+        return out.to(dtype) if dtype is not None else out
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory", "non_blocking")}
+    if kwargs.get("dtype") in (None, t.dtype) and kwargs.get("memory_format") is None:
+        return _record_and_wrap(aten.clone.default, (t,), {})
+    kwargs.pop("memory_format", None)
+    return _record_and_wrap(aten._to_copy.default, (t,), kwargs)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
+        from shardtensor import transfer
+
+        src = transfer.upload_like(src.to(dst.dtype).expand(dst.shape), dst)
+    return _mutating_op(func, facts(func), (dst, src), {})
+
+
+def _local_scalar_dense(func, args, kwargs):
+    return to_cpu(args[0]).item()
+
+
+def _equal(func, args, kwargs):
+    a, b = args
+    if a.shape != b.shape:
+        return False
+    return bool(to_cpu(aten.eq.Tensor(a, b).all()).item())
+
+
+def _is_nonzero(func, args, kwargs):
+    return bool(to_cpu(args[0]).item())
+
+
+def _sdp_choice(func, args, kwargs):
+    return 0  # SDPBackend.math: attention decomposes into ops we lower
+
+
+def _resize_(func, args, kwargs):
+    t, size = args[0], tuple(args[1])
+    if tuple(t.shape) != size:
+        raise RuntimeError(f"shardtensor tensors cannot be resized (from {tuple(t.shape)} to {size})")
+    return t
+
+
+def _data_dependent(func, args, kwargs):
+    """Ops whose output shape depends on values: compute them now on concrete arrays."""
+    lazy.check_execution_allowed(f"{func} has a data-dependent output shape")
+    lowering = lookup(func)
+    if lowering is None:
+        return _fallback_eager(func, args, kwargs)
+    conv = lambda v: logical_array(v) if isinstance(v, ShardedTensor) else (
+        [conv(x) for x in v] if isinstance(v, (list, tuple)) else v)
+    out = lowering.fn(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
+    from shardtensor import transfer
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(transfer.wrap_array(o) for o in out)
+    return transfer.wrap_array(out)
+
+
+def _fallback_eager(func, args, kwargs):
+    try:
+        return _record_and_wrap(func, args, kwargs)
+    except NotImplementedError:
+        raise
+
+
+def _index(func, args, kwargs):
+    x, indices = args[0], list(args[1])
+    if any(isinstance(i, ShardedTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        lazy.check_execution_allowed("boolean-mask indexing has a data-dependent shape")
+        expanded = []
+        for i in indices:
+            if isinstance(i, ShardedTensor) and i.dtype in (torch.bool, torch.uint8):
+                expanded.extend(aten.nonzero.default(i).unbind(1))
+            else:
+                expanded.append(i)
+        indices = expanded
+    return _record_and_wrap(func, (x, indices), kwargs)
+
+
+def _remember_for_backward(e):
+    from shardtensor import torch_device as device
+
+    device.remember_backward_error(e)
+
+
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.equal.default: _equal,
+    aten.is_nonzero.default: _is_nonzero,
+    aten._fused_sdp_choice.default: _sdp_choice,
+    aten.resize_.default: _resize_,
+    aten.detach.default: _alias,
+    aten.alias.default: _alias,
+    aten.index.Tensor: _index,
+}
+for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
+            aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default):
+    _SPECIAL[_op] = _data_dependent

@@ -1,0 +1,351 @@
+"""Lazy graphs: the pending cells, turning them into one JAX program, the executable cache, sync.
+
+Ops record ``Node``s; ``sync()`` gathers every live cell whose value is pending, wires the nodes
+behind them into one function, and runs it with ``jax.jit`` under a structural key (ops, static
+arguments, input shapes, dtypes and shardings), so a loop of identical steps compiles once. Inputs
+stored padded are sliced on entry; outputs whose cell asks for a sharding are padded and constrained
+on exit. Arrays of cells that the graph overwrites are donated.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lax.lax import _convert_element_type
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as JaxSpec
+
+from shardtensor import counters
+from shardtensor.storage import Cell, Leaf, Pending, ScalarLeaf
+
+_PENDING: "weakref.WeakSet[Cell]" = weakref.WeakSet()
+_EXECUTABLES: dict = {}
+
+
+class _State:
+    eager = False
+    epoch = 0  # bumped by every run; view caches are valid within one epoch
+    execution_guard = None  # set by compile(full_graph=True): a message to raise on any execution
+
+
+STATE = _State()
+
+
+class UnexpectedExecutionError(RuntimeError):
+    """A value was needed inside ``compile(..., full_graph=True)``."""
+
+
+def set_pending(cell: Cell, ref: Pending) -> None:
+    """Give ``cell`` a new (lazy) value."""
+    cell.value = ref
+    cell.version += 1
+    cell._leaf = None
+    _PENDING.add(cell)
+
+
+def set_concrete(cell: Cell, array, owned: bool) -> None:
+    """Give ``cell`` a new concrete value."""
+    cell.value = array
+    cell.version += 1
+    cell._leaf = None
+    cell.owned = owned
+    _PENDING.discard(cell)
+
+
+def check_execution_allowed(what: str) -> None:
+    if STATE.execution_guard is not None:
+        raise UnexpectedExecutionError(
+            f"Unexpected execution happens inside the compiled function ({what}); exiting. "
+            f"{STATE.execution_guard}"
+        )
+
+
+def sync(wait: bool = False) -> None:
+    """Compile (or fetch from the cache) and run everything pending.
+
+    Example::
+
+        loss = model(x).sum(); loss.backward(); opt.step()
+        st.sync()        # one program runs the whole step
+    """
+    counters.increment("MarkStep")
+    check_execution_allowed("sync()")
+    run_cells(list(_PENDING), wait=wait)
+
+
+def run_cells(cells, wait: bool = False) -> None:
+    """Compute the pending values of ``cells`` (and nothing that no cell needs)."""
+    cells = [c for c in cells if c.is_pending()]
+    if not cells:
+        return
+    program, arrays, scalars = _Program.build(cells)
+    fn = _EXECUTABLES.get(program.key)
+    if fn is None:
+        counters.increment("UncachedCompile")
+        fn = _EXECUTABLES[program.key] = program.make_executable()
+    else:
+        counters.increment("CachedCompile")
+        program = fn.program
+    donated = [arrays[i] for i in program.donated]
+    kept = [arrays[i] for i in program.kept]
+    outs = fn(donated, kept, *scalars)
+    counters.increment("ExecuteReplicated")
+    if wait:
+        jax.block_until_ready(outs)
+    forwarded = program.forwarded
+    for i, (cell, out) in enumerate(zip(cells, outs)):
+        cell.value = out
+        cell._leaf = None
+        cell.owned = i not in forwarded
+        _PENDING.discard(cell)
+    for i in program.forwarded_leaves:
+        leaf_cell = program.leaf_cells[i]
+        if leaf_cell is not None:
+            leaf_cell.owned = False
+    STATE.epoch += 1
+
+
+def _scalar_kind(value) -> str:
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):
+        return "i"
+    if isinstance(value, float):
+        return "f"
+    return "c"
+
+
+_SCALAR_DTYPES = {"b": np.bool_, "i": np.int64, "f": np.float64, "c": np.complex128}
+
+
+class _Program:
+    """The structure of one graph: everything about it except the concrete input values."""
+
+    def __init__(self):
+        self.steps = []  # (caller, codes)
+        self.leaf_shapes = []  # (logical shape, padded?)
+        self.scalar_slots = []  # (kind, position within that kind's vector)
+        self.outputs = []  # (code, pad widths or None, jax sharding or None)
+        self.donated = []
+        self.kept = []
+        self.leaf_cells = []
+        self.forwarded = set()  # outputs that are an input leaf unchanged
+        self.forwarded_leaves = set()
+        self.key = None
+
+    @classmethod
+    def build(cls, cells):
+        prog = cls()
+        node_pos: dict[int, int] = {}
+        leaf_pos: dict[int, int] = {}
+        arrays: list = []
+        scalar_vals = {"b": [], "i": [], "f": [], "c": []}
+        key_parts = []
+
+        def code_of(ref):
+            if isinstance(ref, Pending):
+                return (0, node_pos[id(ref.node)], ref.index)
+            if isinstance(ref, Leaf):
+                k = leaf_pos.get(id(ref.array))
+                if k is None:
+                    k = leaf_pos[id(ref.array)] = len(arrays)
+                    arrays.append(ref.array)
+                    padded = tuple(ref.array.shape) != tuple(ref.shape)
+                    prog.leaf_shapes.append((tuple(ref.shape), padded))
+                    prog.leaf_cells.append(ref.cell_ref() if ref.cell_ref is not None else None)
+                return (1, k)
+            kind = _scalar_kind(ref.value)
+            vals = scalar_vals[kind]
+            prog.scalar_slots.append((kind, len(vals)))
+            vals.append(ref.value)
+            return (2, len(prog.scalar_slots) - 1)
+
+        for node in _topological_order([c.value.node for c in cells]):
+            codes = tuple(code_of(r) for r in node.inputs)
+            node_pos[id(node)] = len(prog.steps)
+            prog.steps.append((node.caller, codes))
+            key_parts.append((node.key, codes))
+
+        mesh = _graph_mesh(cells, arrays)
+        arrays = [_to_mesh(a, mesh) for a in arrays]
+        out_keys = []
+        for cell in cells:
+            code = code_of(cell.value)
+            pad, sharding = _output_layout(cell)
+            prog.outputs.append((code, pad, sharding))
+            out_keys.append((code, pad, sharding))
+
+        overwritten = {id(c) for c in cells}
+        for i, c in enumerate(prog.leaf_cells):
+            donate = c is not None and id(c) in overwritten and c.owned
+            (prog.donated if donate else prog.kept).append(i)
+        leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
+        scalars = [np.asarray(scalar_vals[k], dtype=_SCALAR_DTYPES[k]) for k in "bifc"]
+        prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated))
+        return prog, arrays, scalars
+
+    def make_executable(self):
+        steps, leaf_shapes, slots, outputs = self.steps, self.leaf_shapes, self.scalar_slots, self.outputs
+        order = self.donated + self.kept
+        forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
+
+        def replay(donated, kept, bvec, ivec, fvec, cvec):
+            arrays = [None] * len(order)
+            for i, a in zip(order, list(donated) + list(kept)):
+                arrays[i] = a
+            leaves = [a[tuple(slice(0, n) for n in shape)] if padded else a
+                      for a, (shape, padded) in zip(arrays, leaf_shapes)]
+            vecs = {"b": bvec, "i": ivec, "f": fvec, "c": cvec}
+            scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
+            values = []
+
+            def resolve(code):
+                if code[0] == 0:
+                    return values[code[1]][code[2]]
+                return leaves[code[1]] if code[0] == 1 else scalars[code[1]]
+
+            for caller, codes in steps:
+                values.append(caller(*[resolve(c) for c in codes]))
+            results = []
+            for i, (code, pad, sharding) in enumerate(outputs):
+                x = resolve(code)
+                if code[0] == 1 and not leaf_shapes[code[1]][1]:
+                    forwarded.add(i)
+                    forwarded_leaves.add(code[1])
+                if pad is not None:
+                    x = jnp.pad(x, pad)
+                if sharding is not None:
+                    x = jax.lax.with_sharding_constraint(x, sharding)
+                results.append(x)
+            return results
+
+        out_shardings = [sharding for _, _, sharding in outputs]
+        fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
+        fn.program = self
+        return fn
+
+
+def _topological_order(roots):
+    """Nodes reachable from ``roots``, inputs before users (iterative: graphs can be deep)."""
+    order, seen = [], set()
+    stack = [(n, False) for n in reversed(roots)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for ref in reversed(node.inputs):
+            if isinstance(ref, Pending) and id(ref.node) not in seen:
+                stack.append((ref.node, False))
+    return order
+
+
+def _output_layout(cell: Cell):
+    """(pad widths or None, sharding or None) for a cell the user gave a sharding."""
+    if cell.spec is None:
+        return None, None
+    from shardtensor import sharding as sh
+
+    padded = sh.padded_shape(cell.shape, cell.mesh, cell.spec)
+    pad = None
+    if tuple(padded) != tuple(cell.shape):
+        pad = tuple((0, p - n) for n, p in zip(cell.shape, padded))
+    spec = sh.to_jax_spec(cell.mesh, cell.spec, len(cell.shape))
+    return pad, NamedSharding(cell.mesh.get_jax_mesh(), spec)
+
+
+def _mesh_of(array):
+    s = getattr(array, "sharding", None)
+    return s.mesh if isinstance(s, NamedSharding) else None
+
+
+def _is_replicated(array) -> bool:
+    return array.sharding.is_fully_replicated
+
+
+def _graph_mesh(cells, arrays):
+    """The one jax mesh of this graph; two meshes holding sharded data are an error."""
+    meshes = {}
+    for c in cells:
+        if c.mesh is not None:
+            m = c.mesh.get_jax_mesh()
+            meshes[m] = c.mesh
+    for a in arrays:
+        m = _mesh_of(a)
+        if m is not None and not _is_replicated(a):
+            meshes.setdefault(m, m)
+    if len(meshes) > 1:
+        raise ValueError(
+            "These tensors are sharded over different meshes "
+            f"({', '.join(str(m) for m in meshes.values())}); one computation can use only one mesh. "
+            "Reshard them onto one mesh first (st.mark_sharding / st.shard with the same Mesh)."
+        )
+    if meshes:
+        return next(iter(meshes))
+    from shardtensor import torch_device as device
+
+    return device.default_mesh().get_jax_mesh()
+
+
+def _to_mesh(array, mesh):
+    """Put a replicated array (or one on a single device) onto ``mesh`` so jit sees one mesh."""
+    m = _mesh_of(array)
+    if m is mesh or m == mesh:
+        return array
+    if m is not None and not _is_replicated(array):
+        return array  # sharded on another mesh: _graph_mesh already refused a real conflict
+    counters.increment("ReplicateToGraphMesh")
+    return jax.device_put(array, NamedSharding(mesh, JaxSpec()))
+
+
+class eager_mode(contextlib.ContextDecorator):
+    """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default).
+
+    Works as a call and as a context manager that restores the previous mode::
+
+        st.eager_mode(True)
+        with st.eager_mode(False):
+            ...
+    """
+
+    def __init__(self, enable: bool = True):
+        self.previous = STATE.eager
+        _set_eager(bool(enable))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        _set_eager(self.previous)
+        return False
+
+
+def _set_eager(enable: bool) -> None:
+    if enable and not STATE.eager and _PENDING:
+        run_cells(list(_PENDING))
+    STATE.eager = enable
+
+
+def is_eager_mode() -> bool:
+    """True when ops run at once."""
+    return STATE.eager
+
+
+@contextlib.contextmanager
+def step():
+    """A training step: everything recorded inside runs as one program when the block ends normally.
+
+    Example::
+
+        with st.step():
+            loss = model(x).mean(); loss.backward(); opt.step(); opt.zero_grad()
+    """
+    yield
+    sync()

@@ -1,0 +1,296 @@
+"""Lowerings of indexing ops: advanced indexing and index_put, gather/scatter (and their reductions),
+index_select/add/copy/fill/reduce, masked_scatter, take/put, embedding and its backward.
+
+Integer index tensors may be int64 or int32 and negative (they count from the end, as in torch).
+Bool masks are normally converted to integer indices by the dispatcher; here they work only on
+concrete values (their result shape depends on the data).
+
+Example::
+
+    lookup(aten.index.Tensor).fn(x, [None, idx])       # x[:, idx]
+    lookup(aten.gather.default).fn(logp, 1, target[:, None])
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from shardtensor.ops.registry import register
+from shardtensor.ops.shape import wrap_dim
+
+aten = torch.ops.aten
+
+
+# ----------------------------------------------------------------------------------------- helpers
+
+
+def _index_tuple(indices):
+    out = []
+    for i in indices:
+        if i is None:
+            out.append(slice(None))
+        elif i.dtype == jnp.uint8:  # legacy byte masks
+            out.append(i.astype(jnp.bool_))
+        else:
+            out.append(i)
+    return tuple(out)
+
+
+def _along(ndim, dim, idx):
+    """An index tuple selecting ``idx`` along ``dim`` and everything along the other dims."""
+    return (slice(None),) * dim + (idx,) + (slice(None),) * (ndim - dim - 1)
+
+
+def _scatter_index(index, dim):
+    """The full index tuple of torch's scatter/gather: ``index`` along dim, a position elsewhere."""
+    nd = index.ndim
+    out = []
+    for d in range(nd):
+        if d == dim:
+            out.append(index)
+        else:
+            shape = [1] * nd
+            shape[d] = index.shape[d]
+            out.append(np.arange(index.shape[d]).reshape(shape))
+    return tuple(out)
+
+
+def _crop(x, shape):
+    """x[:shape[0], :shape[1], ...] — torch's gather/scatter only read the index-shaped corner."""
+    if tuple(x.shape) == tuple(shape):
+        return x
+    return x[tuple(slice(0, s) for s in shape)]
+
+
+def _lowest(dtype):
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype):
+    return jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+
+
+def _as_nd(x):
+    """Scatter/gather treat a 0-d tensor as 1-d with one element."""
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+# ------------------------------------------------------------------------------ advanced indexing
+
+
+@register(aten.index.Tensor, aten._unsafe_index.Tensor)
+def index(x, indices):
+    return x[_index_tuple(indices)]
+
+
+@register(aten.index_put.default, aten._unsafe_index_put.default)
+def index_put(x, indices, values, accumulate=False):
+    ref = x.at[_index_tuple(indices)]
+    values = values.astype(x.dtype)
+    return ref.add(values) if accumulate else ref.set(values)
+
+
+@register(aten._index_put_impl.default)
+def index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    return index_put(x, indices, values, accumulate)
+
+
+@register(aten.index_select.default)
+def index_select(x, dim, index):
+    if index.ndim > 1:
+        raise IndexError("index_select(): Index is supposed to be a vector")
+    if x.ndim == 0:
+        return jnp.take(x.reshape(1), index.reshape(-1), axis=0).reshape(())
+    d = wrap_dim(dim, x.ndim)
+    return jnp.take(x, index.reshape(-1), axis=d)
+
+
+@register(aten.take.default)
+def take(x, index):
+    return jnp.reshape(x, (-1,))[index]
+
+
+@register(aten.put.default)
+def put(x, index, source, accumulate=False):
+    ref = jnp.reshape(x, (-1,)).at[index.reshape(-1)]
+    src = source.reshape(-1).astype(x.dtype)
+    return (ref.add(src) if accumulate else ref.set(src)).reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------- gather/scatter
+
+
+@register(aten.gather.default)
+def gather(x, dim, index, *, sparse_grad=False):
+    if index.size == 0:
+        return jnp.zeros(index.shape, x.dtype)
+    x1, i1 = _as_nd(x), _as_nd(index)
+    d = wrap_dim(dim, x1.ndim)
+    if i1.ndim != x1.ndim:
+        raise RuntimeError("gather(): Index tensor must have the same number of dimensions as input tensor")
+    crop = [s if k != d else x1.shape[d] for k, s in enumerate(i1.shape)]
+    out = jnp.take_along_axis(_crop(x1, crop), i1, axis=d)
+    return out.reshape(index.shape)
+
+
+def _scatter_apply(x, dim, index, src, mode):
+    """x with src (index-shaped) written at torch's scatter positions by mode 'set'/'add'/'mul'/'max'/'min'."""
+    x1, i1 = _as_nd(x), _as_nd(index)
+    d = wrap_dim(dim, x1.ndim)
+    if i1.ndim != x1.ndim:
+        raise RuntimeError("scatter(): Index tensor must have the same number of dimensions as self tensor")
+    if i1.size == 0:
+        return x
+    src = jnp.broadcast_to(src, ()) if jnp.ndim(src) == 0 else _crop(_as_nd(src), i1.shape)
+    src = jnp.broadcast_to(jnp.asarray(src).astype(x.dtype), i1.shape)
+    ref = x1.at[_scatter_index(i1, d)]
+    out = {"set": ref.set, "add": ref.add, "mul": ref.multiply, "max": ref.max, "min": ref.min}[mode](src)
+    return out.reshape(x.shape)
+
+
+@register(aten.scatter.src, aten.scatter.value)
+def scatter(x, dim, index, src):
+    return _scatter_apply(x, dim, index, src, "set")
+
+
+_LEGACY_REDUCE = {"add": "add", "multiply": "mul"}
+
+
+@register(aten.scatter.reduce, aten.scatter.value_reduce)
+def scatter_reduce_legacy(x, dim, index, src, *, reduce):
+    if reduce not in _LEGACY_REDUCE:
+        raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce!r}")
+    return _scatter_apply(x, dim, index, src, _LEGACY_REDUCE[reduce])
+
+
+@register(aten.scatter_add.default)
+def scatter_add(x, dim, index, src):
+    return _scatter_apply(x, dim, index, src, "add")
+
+
+_REDUCE = {"sum": ("add", 0), "prod": ("mul", 1), "mean": ("add", 0), "amax": ("max", None), "amin": ("min", None)}
+
+
+def _reduce_into(x, reduce, include_self, scatter_fn):
+    """torch's scatter_reduce/index_reduce: ``scatter_fn(base, mode, values)`` writes into base."""
+    if reduce not in _REDUCE:
+        raise RuntimeError(f"reduce argument must be one of sum, prod, mean, amax, amin, got {reduce!r}")
+    mode, ident = _REDUCE[reduce]
+    if reduce == "amax":
+        ident = _lowest(x.dtype)
+    elif reduce == "amin":
+        ident = _highest(x.dtype)
+    base = x
+    hit = None
+    if not include_self or reduce == "mean":
+        hit = scatter_fn(jnp.zeros(x.shape, jnp.int64), "add", jnp.ones((), jnp.int64))
+    if not include_self:
+        base = jnp.where(hit > 0, jnp.asarray(ident, x.dtype), x)
+    out = scatter_fn(base, mode, None)
+    if reduce == "mean":
+        count = hit + (1 if include_self else 0)
+        count = jnp.maximum(count, 1)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            out = (out / count.astype(x.dtype)).astype(x.dtype)
+        else:
+            out = jnp.floor_divide(out, count.astype(x.dtype))
+    return out
+
+
+@register(aten.scatter_reduce.two)
+def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    def fn(base, mode, values):
+        return _scatter_apply(base, dim, index, src if values is None else values, mode)
+
+    return _reduce_into(x, reduce, include_self, fn)
+
+
+# ------------------------------------------------------------------------------ index_add & co
+
+
+def _index_dim_apply(x, dim, index, source, mode):
+    """x with ``source`` written at x.select(dim, index[i]) <- source.select(dim, i), by mode."""
+    x1 = _as_nd(x)
+    d = wrap_dim(dim, x1.ndim)
+    idx = index.reshape(-1)
+    want = x1.shape[:d] + (idx.shape[0],) + x1.shape[d + 1:]
+    src = jnp.broadcast_to(jnp.asarray(source).astype(x.dtype).reshape(want if jnp.ndim(source) else ()), want)
+    ref = x1.at[_along(x1.ndim, d, idx)]
+    out = {"set": ref.set, "add": ref.add, "mul": ref.multiply, "max": ref.max, "min": ref.min}[mode](src)
+    return out.reshape(x.shape)
+
+
+@register(aten.index_add.default)
+def index_add(x, dim, index, source, *, alpha=1):
+    if not (isinstance(alpha, (int, float)) and alpha == 1):
+        source = source * alpha
+    return _index_dim_apply(x, dim, index, source, "add")
+
+
+@register(aten.index_copy.default)
+def index_copy(x, dim, index, source):
+    return _index_dim_apply(x, dim, index, source, "set")
+
+
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(x, dim, index, value):
+    x1 = _as_nd(x)
+    d = wrap_dim(dim, x1.ndim)
+    return x1.at[_along(x1.ndim, d, index.reshape(-1))].set(jnp.asarray(value).astype(x.dtype)).reshape(x.shape)
+
+
+@register(aten.index_reduce.default)
+def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    def fn(base, mode, values):
+        src = source if values is None else jnp.broadcast_to(values, ())
+        return _index_dim_apply(base, dim, index, src, mode)
+
+    return _reduce_into(x, reduce, include_self, fn)
+
+
+# ---------------------------------------------------------------------------------- masked_scatter
+
+
+@register(aten.masked_scatter.default)
+def masked_scatter(x, mask, source):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    m = jnp.broadcast_to(mask, shape).reshape(-1)
+    flat_src = source.reshape(-1).astype(x.dtype)
+    pos = jnp.cumsum(m.astype(jnp.int64)) - 1
+    vals = flat_src[jnp.clip(pos, 0, max(flat_src.shape[0] - 1, 0))] if flat_src.shape[0] else jnp.zeros_like(pos, x.dtype)
+    return jnp.where(m, vals, jnp.broadcast_to(x, shape).reshape(-1)).reshape(shape)
+
+
+@register(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad, mask, sizes):
+    n = int(np.prod(sizes))
+    m = jnp.broadcast_to(mask, grad.shape).reshape(-1)
+    pos = jnp.where(m, jnp.cumsum(m.astype(jnp.int64)) - 1, n)  # unmasked -> out of range -> dropped
+    out = jnp.zeros((n,), grad.dtype).at[pos].add(grad.reshape(-1), mode="drop")
+    return out.reshape(tuple(sizes))
+
+
+# --------------------------------------------------------------------------------------- embedding
+
+
+@register(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if weight.ndim != 2:
+        raise RuntimeError("'weight' must be 2-D")
+    return jnp.take(weight, indices, axis=0)
+
+
+@register(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    idx = indices.reshape(-1)
+    dim = grad.shape[-1]
+    g = grad.reshape(-1, dim)
+    acc = jnp.float32 if grad.dtype in (jnp.bfloat16, jnp.float16) else grad.dtype
+    g = g.astype(acc)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), acc).at[idx].add(1)
+        g = g / counts[idx][:, None]
+    if padding_idx >= 0:
+        g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), acc), g)
+    return jnp.zeros((num_weights, dim), acc).at[idx].add(g).astype(grad.dtype)

@@ -1,0 +1,72 @@
+"""The lowering table: aten op overload -> a function of jax values with torch semantics.
+
+A lowering receives, in the positions of the aten schema:
+  * tensors as ``jax.Array`` (or tracers) with the logical (unpadded) shape and the exact torch dtype;
+  * ``Scalar`` arguments as 0-d weakly-typed jax values (so they are graph inputs, not constants, and a
+    loop whose learning rate changes does not recompile) — unless the op is registered with
+    ``static_scalars=True``, in which case they arrive as Python numbers;
+  * everything else (int, int[], bool, float, str, torch.dtype, torch.device, None) as the Python value.
+It returns jax values shaped like the schema's returns (one value, or a tuple). The dispatcher casts
+each result to the dtype torch would give, as a safety net, but a lowering should get it right itself.
+
+Example::
+
+    @register(aten.neg.default)
+    def neg(x):
+        return -x
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """One entry of the table: the function and how the dispatcher must call it."""
+
+    fn: Callable
+    static_scalars: bool = False  # Scalar args are Python numbers baked into the program
+    random: bool = False  # fn(key, *args, **kwargs): gets a fresh jax PRNG key first
+
+
+_TABLE: dict[torch._ops.OpOverload, Lowering] = {}
+
+
+def register(*ops, static_scalars: bool = False, random: bool = False):
+    """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
+
+    Example::
+
+        @register(aten.add.Tensor, aten.add.Scalar)
+        def add(x, y, *, alpha=1):
+            return x + alpha * y
+    """
+
+    def deco(fn):
+        for op in ops:
+            if not isinstance(op, torch._ops.OpOverload):
+                raise TypeError(f"register() takes aten overloads such as aten.add.Tensor, got {op!r}")
+            if op in _TABLE:
+                raise ValueError(f"{op} has two lowerings")
+            _TABLE[op] = Lowering(fn, static_scalars=static_scalars, random=random)
+        return fn
+
+    return deco
+
+
+def lookup(op) -> Lowering | None:
+    """The lowering registered for ``op``, or None.
+
+    Example::
+
+        lookup(torch.ops.aten.add.Tensor).fn(x, y)
+    """
+    return _TABLE.get(op)
+
+
+def registered_ops() -> list:
+    """Every aten overload that has a direct lowering."""
+    return list(_TABLE)

@@ -1,0 +1,70 @@
+"""The random-number state: one JAX PRNG key in a Cell that every graph drawing numbers reads and
+writes, so each call gives new numbers and a seed reproduces them whatever the mesh or spec.
+
+Example::
+
+    st.manual_seed(0)        # or torch.manual_seed(0)
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as JaxSpec
+
+from shardtensor import lazy
+from shardtensor.storage import Cell
+
+_CELL: Cell | None = None
+
+
+def _cell() -> Cell:
+    global _CELL
+    if _CELL is None:
+        import torch
+
+        manual_seed(torch.initial_seed())
+    return _CELL
+
+
+def manual_seed(seed: int) -> None:
+    """Reset the key from ``seed``; kept replicated over all devices (a key committed to one device
+    would make a later jit over the mesh fail).
+
+    Example::
+
+        st.manual_seed(1234)
+    """
+    global _CELL
+    from shardtensor import torch_device as device
+
+    mesh = device.default_mesh().get_jax_mesh()
+    key = jax.device_put(jax.random.PRNGKey(int(seed) % (2**63)), NamedSharding(mesh, JaxSpec()))
+    if _CELL is None:
+        _CELL = Cell(key, (2,), None, owned=True)
+    else:
+        lazy.set_concrete(_CELL, key, owned=True)
+
+
+def current():
+    """The key's value reference for a node that draws random numbers."""
+    cell = _cell()
+    return cell.value if cell.is_pending() else cell.leaf()
+
+
+def advance(ref) -> None:
+    """The key after a draw."""
+    lazy.set_pending(_cell(), ref)
+
+
+def pending_cells() -> list:
+    cell = _cell()
+    return [cell] if cell.is_pending() else []
+
+
+def get_state() -> np.ndarray:
+    """The current key as numpy (for checkpoints)."""
+    cell = _cell()
+    if cell.is_pending():
+        lazy.run_cells([cell])
+    return np.asarray(cell.value)

@@ -1,0 +1,313 @@
+"""The PJRT runtime under shardtensor: platform, simulated CPU devices, device lists, processes.
+
+This is the lowest layer and the only module that configures JAX. Importing it, before JAX is
+imported if JAX is not imported yet:
+
+* ``SHARDTENSOR_CPU_DEVICES=N`` asks for N simulated CPU devices (it adds
+  ``--xla_force_host_platform_device_count=N`` to ``XLA_FLAGS``);
+* ``SHARDTENSOR_PLATFORM`` (``cpu``, ``cuda`` or ``tpu``) chooses the platform; unset, JAX picks;
+* JAX's 64-bit mode is turned on, so int64 and float64 stay 64-bit as in torch.
+
+Both variables must be set before JAX starts its backend. Asking for something else after it has
+started is an error, never a silent mismatch.
+
+Example::
+
+    # SHARDTENSOR_CPU_DEVICES=8 python train.py
+    import shardtensor.runtime as rt
+    rt.global_runtime_device_count()     # 8
+    rt.global_runtime_device_attributes()[0]['name']   # 'CPU:0'
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+
+CPU_DEVICES_ENV = "SHARDTENSOR_CPU_DEVICES"
+PLATFORM_ENV = "SHARDTENSOR_PLATFORM"
+SPMD_ENVS = ("SHARDTENSOR_USE_SPMD", "XLA_USE_SPMD")
+
+# SHARDTENSOR_PLATFORM value -> (jax_platforms value, jax.default_backend() name).
+_PLATFORMS = {"cpu": ("cpu", "cpu"), "cuda": ("cuda", "gpu"), "tpu": ("tpu", "tpu")}
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+_HOW_TO_FIX = (
+    f"Set {CPU_DEVICES_ENV} / {PLATFORM_ENV} before importing jax or shardtensor "
+    "(at the top of the script, in conftest.py, or in the shell), or unset them."
+)
+
+
+# --------------------------------------------------------------------------- start-up
+
+
+def _requested_cpu_device_count() -> int | None:
+    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{CPU_DEVICES_ENV} must be a positive integer, got {raw!r}.")
+    return int(raw)
+
+
+def _requested_platform() -> str | None:
+    raw = os.environ.get(PLATFORM_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _PLATFORMS:
+        raise ValueError(
+            f"{PLATFORM_ENV}={raw!r} is not a known platform; use one of "
+            f"{', '.join(_PLATFORMS)} (or leave it unset to let JAX pick)."
+        )
+    return raw
+
+
+def _add_device_count_flag(count: int) -> None:
+    """Put the count into XLA_FLAGS; a different count already there is a conflict."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    named = re.findall(_DEVICE_COUNT_FLAG + r"=(\d+)", flags)
+    if any(int(n) != count for n in named):
+        raise ValueError(
+            f"{CPU_DEVICES_ENV}={count} conflicts with XLA_FLAGS, which asks for "
+            f"{_DEVICE_COUNT_FLAG}={named[-1]}. Set only one of them, or make them agree."
+        )
+    if not named:
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+
+
+def _backends_started() -> bool:
+    # Only meaningful once jax is imported; importing it here is what the caller wants anyway.
+    from jax._src import xla_bridge
+
+    return xla_bridge.backends_are_initialized()
+
+
+def _check_started_backend(cpu_count: int | None, platform_name: str | None) -> None:
+    """Raise if the running JAX backend is not what the environment asks for."""
+    import jax
+
+    running = jax.default_backend()
+    if platform_name is not None and _PLATFORMS[platform_name][1] != running:
+        raise RuntimeError(
+            f"JAX already started on platform {running!r}, but {PLATFORM_ENV}="
+            f"{platform_name!r}. The platform is fixed when JAX starts. {_HOW_TO_FIX}"
+        )
+    if cpu_count is not None and running == "cpu" and jax.local_device_count() != cpu_count:
+        raise RuntimeError(
+            f"JAX's CPU backend already started with {jax.local_device_count()} device(s), but "
+            f"{CPU_DEVICES_ENV}={cpu_count}. The device count is fixed when JAX starts (something "
+            f"imported and used jax before shardtensor, or XLA_FLAGS set another "
+            f"{_DEVICE_COUNT_FLAG}). {_HOW_TO_FIX}"
+        )
+
+
+def _configure_jax():
+    cpu_count = _requested_cpu_device_count()
+    platform_name = _requested_platform()
+    started = "jax" in sys.modules and _backends_started()
+    if cpu_count is not None and not started:
+        _add_device_count_flag(cpu_count)  # must precede `import jax` to take effect
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    if started:
+        _check_started_backend(cpu_count, platform_name)
+        return
+    # jax may have been imported (not started) before us: its config still takes effect.
+    if cpu_count is not None:
+        jax.config.update("jax_num_cpu_devices", cpu_count)
+    if platform_name is not None:
+        jax.config.update("jax_platforms", _PLATFORMS[platform_name][0])
+
+
+_configure_jax()
+
+import jax  # noqa: E402  (configured above)
+
+# --------------------------------------------------------------------------- SPMD mode
+
+
+def use_spmd(auto: bool = False) -> None:
+    """Turn on SPMD mode (one process drives all its devices as one logical device).
+
+    shardtensor always runs SPMD; this call exists for PyTorch/XLA code and makes `is_spmd()`
+    true by setting ``SHARDTENSOR_USE_SPMD=1``. XLA auto-sharding (``auto=True``) is not supported.
+
+    Example::
+
+        rt.use_spmd()
+        rt.is_spmd()   # True
+    """
+    if auto:
+        raise NotImplementedError(
+            "use_spmd(auto=True): XLA auto-sharding is not supported by shardtensor; "
+            "call use_spmd() and give shardings with mark_sharding / shard."
+        )
+    os.environ[SPMD_ENVS[0]] = "1"
+
+
+def is_spmd() -> bool:
+    """Whether SPMD mode was asked for: by `use_spmd()` or ``SHARDTENSOR_USE_SPMD`` / ``XLA_USE_SPMD``.
+
+    Example::
+
+        rt.is_spmd()   # False in a fresh process without the variables
+    """
+    return any(os.environ.get(name, "").strip().lower() not in ("", "0", "false") for name in SPMD_ENVS)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@functools.cache
+def _global_devices() -> tuple:
+    devices = tuple(sorted(jax.devices(), key=lambda d: d.id))
+    # The backend may have been started by someone else after our import: check once.
+    _check_started_backend(_requested_cpu_device_count(), _requested_platform())
+    return devices
+
+
+def jax_devices() -> list:
+    """All global JAX devices (every process), ordered by device id.
+
+    Example::
+
+        rt.jax_devices()[:2]   # [CpuDevice(id=0), CpuDevice(id=1)]
+    """
+    return list(_global_devices())
+
+
+def global_runtime_device_count() -> int:
+    """The number of physical devices over all processes.
+
+    Example::
+
+        rt.global_runtime_device_count()   # 8 with SHARDTENSOR_CPU_DEVICES=8
+    """
+    return len(_global_devices())
+
+
+def addressable_runtime_device_count() -> int:
+    """The number of physical devices attached to this process.
+
+    Example::
+
+        rt.addressable_runtime_device_count()   # 8 on a single host
+    """
+    _global_devices()
+    return jax.local_device_count()
+
+
+def platform() -> str:
+    """The platform JAX runs on: ``'cpu'``, ``'gpu'`` or ``'tpu'``.
+
+    Example::
+
+        rt.platform()   # 'cpu'
+    """
+    _global_devices()
+    return jax.default_backend()
+
+
+def device_type() -> str:
+    """The platform in PyTorch/XLA's spelling: ``'CPU'``, ``'GPU'`` or ``'TPU'``.
+
+    Example::
+
+        rt.device_type()   # 'CPU'
+    """
+    return platform().upper()
+
+
+def _device_attributes(device) -> dict:
+    attributes = {
+        "name": f"{device.platform.upper()}:{device.id}",
+        "id": device.id,
+        "platform": device.platform,
+        "device_kind": device.device_kind,
+        "process_index": device.process_index,
+    }
+    # Only some platforms (TPU) know where a device sits; add what is there.
+    for optional in ("slice_index", "coords", "core_on_chip"):
+        value = getattr(device, optional, None)
+        if value is not None:
+            attributes[optional] = list(value) if optional == "coords" else value
+    return attributes
+
+
+def global_runtime_device_attributes() -> list[dict]:
+    """One dict per global device, in global order (a fresh list each call).
+
+    Keys: ``name`` (``'CPU:0'``), ``id``, ``platform``, ``device_kind``, ``process_index``, and
+    ``slice_index`` / ``coords`` / ``core_on_chip`` where the platform has them.
+
+    Example::
+
+        rt.global_runtime_device_attributes()[3]
+        # {'name': 'CPU:3', 'id': 3, 'platform': 'cpu', 'device_kind': 'cpu', 'process_index': 0}
+    """
+    return [_device_attributes(d) for d in _global_devices()]
+
+
+def runtime_device_attributes(name: str) -> dict:
+    """The attributes of one device, by name (``'CPU:3'``, case-insensitive).
+
+    Example::
+
+        rt.runtime_device_attributes('CPU:3')['id']   # 3
+    """
+    for attributes in global_runtime_device_attributes():
+        if attributes["name"].lower() == str(name).lower():
+            return attributes
+    known = [d["name"] for d in global_runtime_device_attributes()]
+    raise ValueError(f"No device named {name!r}; the devices are {known}.")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def process_index() -> int:
+    """This process's index among the processes of a multi-host run (0 on one host).
+
+    Example::
+
+        rt.process_index()   # 0
+    """
+    return jax.process_index()
+
+
+def process_count() -> int:
+    """How many processes (hosts) take part in the run (1 on one host).
+
+    Example::
+
+        rt.process_count()   # 1
+    """
+    return jax.process_count()
+
+
+def initialize_distributed(
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    local_device_ids: list[int] | None = None,
+) -> None:
+    """Join a multi-process run through ``jax.distributed.initialize``.
+
+    Call it in every process before anything touches a device. CPU processes talk through gloo.
+
+    Example::
+
+        rt.initialize_distributed('10.0.0.1:1234', num_processes=2, process_id=0)
+        rt.process_count()   # 2
+    """
+    # CPU backends need a collectives implementation to see each other's devices; an explicit
+    # user choice (e.g. mpi) wins.
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=coordinator_address,
+        num_processes=num_processes,
+        process_id=process_id,
+        local_device_ids=local_device_ids,
+    )

@@ -1,0 +1,382 @@
+"""Partition specs and the placement math: which device holds which slice of a tensor.
+
+Pure functions of shapes, meshes and specs (no tensors, no device arrays). A spec has one entry
+per tensor dimension: ``None`` (not split), a mesh axis name or index, or a tuple of axes (split
+over their product, the first listed being the major one). Mesh axes that no entry uses replicate
+the tensor. A dimension of size N split k ways gives shards of ``ceil(N/k)``, padded at the end,
+exactly PyTorch/XLA's layout.
+
+Example::
+
+    mesh = Mesh(range(8), (4, 2), ('x', 'y'))
+    sharding_string(mesh, P('x', None), 2)
+    # '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
+    placements((8, 4), mesh, P('x', 'y'))[3].indices   # (slice(2, 4, 1), slice(2, 4, 1))
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+from shardtensor.mesh import Mesh, jax_axis_names
+
+_SPEC_HELP = (
+    "A partition spec has one entry per tensor dimension: None (replicate it), a mesh axis "
+    "name, a mesh axis index, or a tuple of those (first is major)."
+)
+
+
+class ShardingSpecError(AssertionError, ValueError):
+    """An invalid partition spec (an AssertionError or ValueError, as in PyTorch/XLA)."""
+
+
+class PartitionSpec(tuple):
+    """A partition spec: one entry per tensor dimension. `P` is an alias.
+
+    Lists given as entries become tuples, so specs are hashable.
+
+    Example::
+
+        P('x', None, ('x', 'y'))   # dim 0 over 'x', dim 1 whole, dim 2 over x*y (x major)
+        P() == ()                  # a scalar's spec
+    """
+
+    def __new__(cls, *entries):
+        return super().__new__(cls, (_tuple_if_list(e) for e in entries))
+
+    def __getnewargs__(self):  # pickle/deepcopy: rebuild from the entries
+        return tuple(self)
+
+    def __repr__(self):
+        return f"PartitionSpec({', '.join(map(repr, self))})"
+
+
+P = PartitionSpec
+
+
+class ShardingType(IntEnum):
+    """PyTorch/XLA's sharding types (OpSharding's numbering)."""
+
+    REPLICATED = 0
+    MAXIMAL = 1
+    TUPLE = 2
+    TILED = 3
+    MANUAL = 4
+    PARTIAL = 5
+    UNKNOWN = 6
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one device holds of a tensor.
+
+    `indices` are the slices of the tensor it holds, without padding (Ellipsis when the tensor is
+    fully replicated); `padded_shape` is its shard's shape with padding; `replica_id` is 0 for a
+    tiled tensor, the device's place within its replica group for a partly replicated one, and the
+    device id for a fully replicated one.
+    """
+
+    device_id: int
+    indices: tuple | type(Ellipsis)
+    padded_shape: tuple[int, ...]
+    replica_id: int
+
+
+@dataclass(frozen=True)
+class ShardingSpec:
+    """A mesh and a partition spec, to apply to any tensor of matching rank.
+
+    Example::
+
+        spec = ShardingSpec(mesh, ('x', None))
+        spec.can_apply(torch.zeros(8, 4))   # True
+        spec.xla_spec(torch.zeros(8))       # None: wrong rank (such a tensor stays replicated)
+    """
+
+    mesh: Mesh
+    partition_spec: tuple
+    minibatch: bool = False
+
+    def __post_init__(self):
+        spec = PartitionSpec(*_canonical_spec(self.partition_spec))
+        object.__setattr__(self, "partition_spec", spec)
+        _check_entry_types(spec)
+        _mesh_axes_per_dim(self.mesh, spec)  # validate names and indices now
+
+    def can_apply(self, t) -> bool:
+        """Whether the spec fits `t` (anything with a ``.shape``): one entry per dimension."""
+        return len(t.shape) == len(self.partition_spec)
+
+    def xla_spec(self, t) -> str | None:
+        """The sharding string for `t`, or None when the spec does not fit it."""
+        if not self.can_apply(t):
+            return None
+        return sharding_string(self.mesh, self.partition_spec, len(t.shape))
+
+
+# --------------------------------------------------------------------------- checking specs
+
+
+def _tuple_if_list(entry):
+    return tuple(entry) if isinstance(entry, list) else entry
+
+
+def _canonical_spec(spec) -> tuple:
+    """`spec` as a plain tuple with list entries turned into tuples."""
+    if isinstance(spec, (str, int)) or spec is None:
+        raise ShardingSpecError(
+            f"A partition spec must be a tuple, got {spec!r}; for one dimension write "
+            f"({spec!r},). {_SPEC_HELP}"
+        )
+    return tuple(_tuple_if_list(e) for e in spec)
+
+
+def _is_axis_index(entry) -> bool:
+    return isinstance(entry, (int, np.integer)) and not isinstance(entry, bool)
+
+
+def _check_entry_types(spec: tuple) -> None:
+    for entry in spec:
+        members = entry if isinstance(entry, tuple) else (entry,)
+        if isinstance(entry, tuple) and any(isinstance(m, tuple) for m in entry):
+            raise ShardingSpecError(
+                f"Partition spec cannot contain nested tuples, got {entry!r} in {spec}. "
+                "List all the axes of one dimension in one flat tuple, e.g. ('x', 'y')."
+            )
+        for member in members:
+            if member is None and not isinstance(entry, tuple):
+                continue
+            if not (isinstance(member, str) or _is_axis_index(member)):
+                raise ShardingSpecError(
+                    f"Spec type {type(member)} is not supported in partition spec {spec}. "
+                    f"{_SPEC_HELP}"
+                )
+
+
+def _check_rank(spec: tuple, ndim: int) -> None:
+    if len(spec) != ndim:
+        raise ShardingSpecError(
+            f"Partition spec length ({len(spec)}) should be equal to the input rank ({ndim}). "
+            f"{_SPEC_HELP}"
+        )
+
+
+def _axis_index(mesh: Mesh, axis) -> int:
+    if isinstance(axis, str):
+        index = mesh.get_axis_name_idx(axis)
+        if index is None:
+            raise ShardingSpecError(
+                f"Axis name {axis} is not defined in the given mesh "
+                f"(its axes are {mesh.axis_names or 'unnamed: use indices'})."
+            )
+        return index
+    return int(axis)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mesh_axes_per_dim(mesh: Mesh, spec: tuple) -> tuple[tuple[int, ...], ...]:
+    per_dim = tuple(
+        tuple(_axis_index(mesh, a) for a in (entry if isinstance(entry, tuple) else (entry,)))
+        if entry is not None
+        else ()
+        for entry in spec
+    )
+    used = [a for axes in per_dim for a in axes]
+    if not all(0 <= a < len(mesh.mesh_shape) for a in used):
+        raise ShardingSpecError(
+            f"partition_spec ({spec}) contains out of bound index into mesh_shape "
+            f"{mesh.mesh_shape} (valid indices: 0..{len(mesh.mesh_shape) - 1})."
+        )
+    if len(set(used)) != len(used):
+        raise ShardingSpecError(
+            f"Each device mesh dimension should appear at most once in partition_spec {spec}; "
+            "to split one tensor dimension over several axes, put them in one tuple."
+        )
+    return per_dim
+
+
+def normalize_spec(mesh: Mesh, spec, ndim: int) -> tuple[tuple[int, ...], ...]:
+    """Check `spec` for a rank-`ndim` tensor; per dimension, the mesh-axis indices it uses.
+
+    Example::
+
+        normalize_spec(Mesh(range(8), (4, 2), ('x', 'y')), ('y', None), 2)   # ((1,), ())
+    """
+    spec = _canonical_spec(spec)
+    _check_rank(spec, ndim)
+    _check_entry_types(spec)
+    return _mesh_axes_per_dim(mesh, spec)
+
+
+# --------------------------------------------------------------------------- tile assignment
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    shard_counts: tuple[int, ...]  # shards per tensor dimension
+    replicas: int  # copies of each shard (product of unused mesh axes)
+    device_order: tuple[int, ...]  # device ids, row-major over shard_counts + (replicas,)
+
+    @property
+    def is_replicated(self) -> bool:
+        return math.prod(self.shard_counts) == 1
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiling(mesh: Mesh, spec: tuple) -> _Tiling:
+    per_dim = _mesh_axes_per_dim(mesh, spec)
+    used = [a for axes in per_dim for a in axes]
+    unused = [a for a in range(len(mesh.mesh_shape)) if a not in used]
+    # Axes in spec order (tuple members adjacent, major first), then the replicating axes:
+    # flattening gives the devices in tile order.
+    order = mesh.get_logical_mesh().transpose(used + unused).reshape(-1)
+    return _Tiling(
+        shard_counts=tuple(math.prod(mesh.mesh_shape[a] for a in axes) for axes in per_dim),
+        replicas=math.prod(mesh.mesh_shape[a] for a in unused),
+        device_order=tuple(order.tolist()),
+    )
+
+
+def _checked_tiling(mesh: Mesh, spec, ndim: int) -> tuple[tuple, _Tiling]:
+    spec = _canonical_spec(spec)
+    normalize_spec(mesh, spec, ndim)
+    return spec, _tiling(mesh, spec)
+
+
+def tile_assignment(mesh: Mesh, spec, ndim: int) -> tuple[tuple[int, ...], list[int], bool]:
+    """XLA's tile assignment: (tile dims, flat device ids, last_tile_dim_replicate).
+
+    The tile dims are the shard counts per dimension plus a trailing replica dim when unused mesh
+    axes give more than one copy (a replica factor of 1 is dropped).
+
+    Example::
+
+        tile_assignment(Mesh(range(8), (4, 2), ('x', 'y')), ('x', None), 2)
+        # ((4, 1, 2), [0, 1, 2, 3, 4, 5, 6, 7], True)
+    """
+    _, tiling = _checked_tiling(mesh, spec, ndim)
+    replicate = tiling.replicas > 1
+    dims = tiling.shard_counts + ((tiling.replicas,) if replicate else ())
+    return dims, list(tiling.device_order), replicate
+
+
+def sharding_type(mesh: Mesh, spec, ndim: int) -> ShardingType:
+    """REPLICATED (nothing split), PARTIAL (split and replicated) or TILED.
+
+    Example: ``sharding_type(Mesh(range(8), (4, 2)), (0, None), 2) == ShardingType.PARTIAL``.
+    """
+    _, tiling = _checked_tiling(mesh, spec, ndim)
+    if tiling.is_replicated:
+        return ShardingType.REPLICATED
+    return ShardingType.PARTIAL if tiling.replicas > 1 else ShardingType.TILED
+
+
+def sharding_string(mesh: Mesh, spec, ndim: int) -> str:
+    """PyTorch/XLA's sharding string (HLO's V1 format), for debugging.
+
+    Example::
+
+        sharding_string(Mesh(range(8), (4, 2), ('x', 'y')), ('y', 'x'), 2)
+        # '{devices=[2,4]0,2,4,6,1,3,5,7}'
+    """
+    if sharding_type(mesh, spec, ndim) == ShardingType.REPLICATED:
+        return "{replicated}"
+    dims, devices, replicate = tile_assignment(mesh, spec, ndim)
+    suffix = " last_tile_dim_replicate" if replicate else ""
+    return f"{{devices=[{','.join(map(str, dims))}]{','.join(map(str, devices))}{suffix}}}"
+
+
+def shard_counts(mesh: Mesh, spec, ndim: int) -> tuple[int, ...]:
+    """How many shards each dimension is split into.
+
+    Example: ``shard_counts(Mesh(range(8), (4, 2), ('x', 'y')), (None, ('x', 'y')), 2) == (1, 8)``.
+    """
+    return _checked_tiling(mesh, spec, ndim)[1].shard_counts
+
+
+# --------------------------------------------------------------------------- shapes and placement
+
+
+def _as_shape(shape) -> tuple[int, ...]:
+    shape = tuple(int(n) for n in shape)
+    if any(n < 0 for n in shape):
+        raise ValueError(f"A shape has no negative sizes, got {shape}.")
+    return shape
+
+
+def shard_shape(shape, mesh: Mesh, spec) -> tuple[int, ...]:
+    """The padded shape of each shard: ``ceil(N / k)`` per dimension.
+
+    Example: ``shard_shape((10,), Mesh(range(8), (8,)), (0,)) == (2,)``.
+    """
+    shape = _as_shape(shape)
+    counts = shard_counts(mesh, spec, len(shape))
+    return tuple(-(-n // k) for n, k in zip(shape, counts))
+
+
+def padded_shape(shape, mesh: Mesh, spec) -> tuple[int, ...]:
+    """The tensor's shape padded so that every shard has the same size.
+
+    Example: ``padded_shape((10, 3), Mesh(range(8), (4, 2)), (0, 1)) == (12, 4)``.
+    """
+    shape = _as_shape(shape)
+    counts = shard_counts(mesh, spec, len(shape))
+    return tuple(s * k for s, k in zip(shard_shape(shape, mesh, spec), counts))
+
+
+def placements(shape, mesh: Mesh, spec) -> tuple[Placement, ...]:
+    """For every global device, in id order, the part of the tensor it holds.
+
+    Example::
+
+        p = placements((5,), Mesh(range(4), (4,)), (0,))    # on 4 devices
+        [x.indices for x in p]   # [(slice(0, 2, 1),), (slice(2, 4, 1),), (slice(4, 5, 1),), (slice(5, 5, 1),)]
+        p[3].padded_shape        # (2,): all padding
+    """
+    shape = _as_shape(shape)
+    spec, _ = _checked_tiling(mesh, spec, len(shape))
+    return _placements(shape, mesh, spec)
+
+
+@functools.lru_cache(maxsize=1024)
+def _placements(shape: tuple, mesh: Mesh, spec: tuple) -> tuple[Placement, ...]:
+    tiling = _tiling(mesh, spec)
+    if tiling.is_replicated:
+        return tuple(Placement(d, Ellipsis, shape, d) for d in sorted(tiling.device_order))
+    sizes = shard_shape(shape, mesh, spec)
+    grid = tiling.shard_counts + (tiling.replicas,)
+    by_device = {}
+    for position, device in enumerate(tiling.device_order):
+        *tile, replica = (int(c) for c in np.unravel_index(position, grid))
+        indices = tuple(
+            slice(min(t * s, n), min((t + 1) * s, n), 1) for t, s, n in zip(tile, sizes, shape)
+        )
+        by_device[device] = Placement(device, indices, sizes, replica)
+    return tuple(by_device[d] for d in sorted(by_device))
+
+
+def to_jax_spec(mesh: Mesh, spec, ndim: int):
+    """The same spec as a ``jax.sharding.PartitionSpec`` over `mesh.get_jax_mesh()`'s names.
+
+    Example::
+
+        to_jax_spec(Mesh(range(8), (4, 2)), ((1, 0), None), 2)   # PartitionSpec(('1', '0'), None)
+    """
+    from jax.sharding import PartitionSpec as JaxPartitionSpec
+
+    spec = _canonical_spec(spec)
+    per_dim = normalize_spec(mesh, spec, ndim)
+    names = jax_axis_names(mesh)
+    entries = []
+    for entry, axes in zip(spec, per_dim):
+        if not axes:
+            entries.append(None)
+        elif isinstance(entry, tuple):
+            entries.append(tuple(names[a] for a in axes))
+        else:
+            entries.append(names[axes[0]])
+    return JaxPartitionSpec(*entries)

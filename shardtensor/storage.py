@@ -1,0 +1,84 @@
+"""The storage model: a Cell holds one value; lazy values are references into a graph of Nodes.
+
+A Cell's value is a concrete ``jax.Array`` (stored padded when its sharding does not divide a
+dimension), a ``Pending`` reference to an output of a recorded ``Node``, or a jax tracer. Several
+tensors may share one Cell (views, ``detach()``, ``.data``); in-place ops replace the Cell's value.
+"""
+from __future__ import annotations
+
+import weakref
+
+
+class Node:
+    """One recorded op: ``caller(*input_values) -> tuple of outputs``.
+
+    ``key`` identifies the computation structurally (op, static arguments, input signature), so two
+    graphs made of equal keys wired the same way compile to the same program.
+    """
+
+    __slots__ = ("caller", "key", "inputs", "__weakref__")
+
+    def __init__(self, caller, key, inputs):
+        self.caller = caller
+        self.key = key
+        self.inputs = inputs  # tuple of Pending | Leaf | ScalarLeaf
+
+
+class Pending:
+    """Output ``index`` of ``node``, not computed yet."""
+
+    __slots__ = ("node", "index")
+
+    def __init__(self, node: Node, index: int):
+        self.node = node
+        self.index = index
+
+
+class Leaf:
+    """A concrete array entering a graph; ``shape`` is the logical shape (the array may be padded)."""
+
+    __slots__ = ("array", "shape", "cell_ref")
+
+    def __init__(self, array, shape, cell=None):
+        self.array = array
+        self.shape = shape
+        self.cell_ref = weakref.ref(cell) if cell is not None else None
+
+
+class ScalarLeaf:
+    """A Python number entering a graph as a runtime input (so new values don't recompile)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class Cell:
+    """Storage of one logical tensor value shared by a base tensor and its views.
+
+    ``mesh``/``spec`` are the sharding the user asked for (None: let XLA choose); ``owned`` says the
+    array belongs to this cell alone, so a graph that overwrites the cell may donate it.
+    """
+
+    __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "__weakref__")
+
+    def __init__(self, value, shape, dtype, mesh=None, spec=None, owned=False):
+        self.value = value
+        self.shape = tuple(shape)
+        self.dtype = dtype  # torch dtype
+        self.mesh = mesh
+        self.spec = spec  # normalised partition spec (tuple), or None
+        self.version = 0
+        self.owned = owned
+        self._leaf = None
+
+    def is_pending(self) -> bool:
+        return isinstance(self.value, Pending)
+
+    def leaf(self) -> Leaf:
+        """The Leaf for the current concrete value (cached so a graph dedupes it cheaply)."""
+        leaf = self._leaf
+        if leaf is None or leaf.array is not self.value:
+            leaf = self._leaf = Leaf(self.value, self.shape, self)
+        return leaf

@@ -1,0 +1,222 @@
+"""ShardedTensor: a torch tensor whose value lives in JAX, sharded over a mesh.
+
+Each ShardedTensor points at a storage ``Cell`` and, for views, a chain of view ops from the Cell's
+value to its own. Conversion to and from torch CPU tensors, numpy and jax arrays lives here too.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import jax
+import numpy as np
+import torch
+
+from shardtensor import counters, lazy
+from shardtensor import sharding as sh
+from shardtensor.dtypes import to_jax, to_torch
+from shardtensor.storage import Cell
+
+
+def contiguous_strides(shape):
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+class ShardedTensor(torch.Tensor):
+    """A tensor on ``st.device()`` whose data is a (possibly sharded) JAX array.
+
+    Create one with ``st.shard(t, mesh, spec)``, ``t.to(st.device())`` or a factory with
+    ``device=st.device()``::
+
+        x = st.shard(torch.randn(8, 4), mesh, ("x", None))
+        x.sharding_spec   # '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
+    """
+
+    _cell: Cell
+    _chain: tuple  # view ops from the cell's value to this tensor's value
+
+    @staticmethod
+    def __new__(cls, cell: Cell, shape=None, dtype=None, chain=(), requires_grad=False):
+        from shardtensor import torch_device as device
+
+        shape = tuple(cell.shape if shape is None else shape)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, shape, strides=contiguous_strides(shape), dtype=dtype or cell.dtype,
+            device=device.device(), requires_grad=requires_grad,
+        )
+        r._cell = cell
+        r._chain = chain
+        r._vcache = None
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from shardtensor import dispatch
+
+        return dispatch.handle(func, args, kwargs or {})
+
+    # --- sharding metadata ---------------------------------------------------------------
+    @property
+    def mesh(self):
+        """The Mesh this tensor was sharded over (``None`` when XLA chose its layout)."""
+        return self._cell.mesh if not self._chain else None
+
+    @property
+    def partition_spec(self):
+        """The PartitionSpec given to ``shard``/``mark_sharding`` (``None`` if none)."""
+        spec = self._cell.spec if not self._chain else None
+        return None if spec is None else sh.PartitionSpec(*spec)
+
+    @property
+    def sharding_spec(self) -> str:
+        """PyTorch/XLA's sharding string, e.g. ``'{devices=[4,2]0,1,2,3,4,5,6,7}'``; ``''`` if unknown."""
+        cell = self._cell
+        if self._chain:
+            return ""
+        if cell.spec is not None:
+            return sh.sharding_string(cell.mesh, cell.spec, len(cell.shape))
+        if cell.is_pending():
+            return ""
+        return _string_of_jax_sharding(cell.value, len(cell.shape))
+
+    @property
+    def local_shards(self):
+        """Each addressable device's shard: ``data`` (padded CPU tensor), ``indices``, ``unpadded_data``,
+        ``device`` and ``replica_id``.
+
+        Example::
+
+            [s.indices for s in x.local_shards]
+        """
+        array = self._concrete_array()
+        mesh, spec = self._layout()
+        by_id = {p.device_id: p for p in sh.placements(self.shape, mesh, spec)}
+        shards = []
+        for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
+            p = by_id[s.device.id]
+            data = _jax_to_torch(np.asarray(s.data))
+            shards.append(Shard(data, p.indices, f"{s.device.platform.upper()}:{s.device.id}", p.replica_id))
+        counters.increment("TransferFromDevice")
+        return shards
+
+    def _layout(self):
+        """(mesh, spec) of this tensor's stored array, deriving them from jax when XLA chose."""
+        cell = self._cell
+        if cell.spec is not None and not self._chain:
+            return cell.mesh, cell.spec
+        from shardtensor import torch_device as device
+
+        array = self._concrete_array()
+        s = array.sharding
+        if isinstance(s, jax.sharding.NamedSharding):
+            from shardtensor import mesh as mesh_mod
+
+            m = mesh_mod.mesh_for_jax_mesh(s.mesh)
+            return m, sh.normalize_spec(m, _spec_from_jax(s.spec, array.ndim), array.ndim)
+        return device.default_mesh(), (None,) * array.ndim
+
+    def _concrete_array(self):
+        """The stored jax array of this tensor (views and pending values are computed first)."""
+        from shardtensor import dispatch
+
+        return dispatch.materialize(self)
+
+    # --- conversions ---------------------------------------------------------------------
+    def numpy(self, *, force=False):
+        return self.cpu().numpy()
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def __repr__(self, *, tensor_contents=None):
+        value = self.cpu()
+        grad = f", grad_fn={self.grad_fn.name()}" if self.grad_fn is not None else ""
+        req = ", requires_grad=True" if self.requires_grad and self.grad_fn is None else ""
+        return f"ShardedTensor({value!r}, sharding={self.sharding_spec!r}{grad}{req})"
+
+    def __reduce_ex__(self, protocol):
+        # torch.save of a ShardedTensor writes a plain CPU tensor that loads without shardtensor.
+        cpu = self.detach().cpu()
+        if self.requires_grad:
+            cpu.requires_grad_(True)
+        return cpu.__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone()
+        if self._cell.spec is not None and not self._chain:
+            new._cell.mesh, new._cell.spec = self._cell.mesh, self._cell.spec
+        new.requires_grad_(self.requires_grad)
+        if getattr(self, "_is_param", False):
+            new._is_param = True
+        if self.grad is not None:
+            new.grad = copy.deepcopy(self.grad, memo)
+        memo[id(self)] = new
+        return new
+
+
+@dataclasses.dataclass
+class Shard:
+    """One device's piece of a ShardedTensor (PyTorch/XLA's XLAShard)."""
+
+    data: torch.Tensor  # padded to the shard shape
+    indices: object  # tuple of slices into the global tensor, or Ellipsis when replicated
+    device: str
+    replica_id: int
+
+    @property
+    def unpadded_data(self) -> torch.Tensor:
+        """The shard without its padding: ``t[shard.indices]``."""
+        if self.indices is Ellipsis:
+            return self.data
+        return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
+
+
+def _spec_from_jax(spec, ndim):
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return tuple(entries[:ndim])
+
+
+def _string_of_jax_sharding(array, ndim):
+    s = array.sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+        from shardtensor import mesh as mesh_mod
+
+        m = mesh_mod.mesh_for_jax_mesh(s.mesh)
+        return sh.sharding_string(m, _spec_from_jax(s.spec, ndim), ndim)
+    if s.is_fully_replicated:
+        return "{replicated}"
+    return str(s._to_xla_hlo_sharding(ndim))
+
+
+# --- torch <-> numpy for every dtype (numpy lacks bfloat16 and float8: go through same-width ints) ---
+_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
+            torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy array with the exact dtype of a CPU tensor (ml_dtypes for bfloat16/float8)."""
+    t = t.detach().contiguous()
+    if t.dtype in _BITCAST:
+        return t.view(_BITCAST[t.dtype]).numpy().view(to_jax(t.dtype))
+    return t.numpy()
+
+
+def _jax_to_torch(a: np.ndarray) -> torch.Tensor:
+    dtype = to_torch(a.dtype)
+    if dtype in _BITCAST:
+        return torch.from_numpy(np.ascontiguousarray(a).view(to_jax(_BITCAST[dtype]))).view(dtype)
+    return torch.from_numpy(np.array(a, copy=True))
+
+
+def numpy_to_torch(a) -> torch.Tensor:
+    """A torch CPU tensor from a numpy (or jax) array, exact dtype."""
+    return _jax_to_torch(np.asarray(a))

@@ -1,0 +1,165 @@
+"""The torch device: a renamed PrivateUse1 backend, so ``model.to(st.device())`` and
+``torch.zeros(..., device=st.device())`` give ShardedTensors (replicated over the mesh).
+
+Also: ``torch.manual_seed`` reaches shardtensor's key through the backend module, and errors raised
+inside ``backward()`` reach the user as themselves (a Python backend otherwise turns them into a bare
+``SystemError``).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+BACKEND = "shardtensor"
+_DEVICE = None
+
+
+def device(index=None) -> torch.device:
+    """The one logical torch device that stands for the whole mesh (SPMD style).
+
+    Example::
+
+        model = torch.nn.Linear(4, 4).to(st.device())
+    """
+    return _DEVICE
+
+
+def devices() -> list:
+    """The devices of this process as torch sees them: ``[st.device()]`` in SPMD mode."""
+    return [_DEVICE]
+
+
+@functools.lru_cache(maxsize=None)
+def _all_devices_mesh():
+    from shardtensor.mesh import get_1d_mesh
+
+    return get_1d_mesh()
+
+
+def default_mesh():
+    """The mesh replicated tensors live on: the global mesh if set, else a 1-D mesh of all devices."""
+    from shardtensor.mesh import get_global_mesh
+
+    return get_global_mesh() or _all_devices_mesh()
+
+
+class _BackendModule:
+    """What torch asks of a device module (``torch.shardtensor``)."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        from shardtensor import rng
+
+        rng.manual_seed(seed)
+
+    manual_seed = manual_seed_all
+
+    @staticmethod
+    def get_amp_supported_dtype():
+        return [torch.float16, torch.bfloat16]
+
+
+# --- errors inside backward() ---------------------------------------------------------------------
+_backward_error = threading.local()
+_last_error = {}
+
+
+def remember_backward_error(e: BaseException) -> None:
+    """Keep an exception raised while autograd runs backward, to re-raise it on the user's thread."""
+    if torch._C._current_autograd_node() is not None:
+        _last_error["error"] = e
+
+
+def _engine_wrapper(run):
+    @functools.wraps(run)
+    def run_backward(*args, **kwargs):
+        _last_error.pop("error", None)
+        try:
+            return run(*args, **kwargs)
+        except BaseException as e:
+            original = _last_error.pop("error", None)
+            if original is not None and original is not e:
+                raise original.with_traceback(original.__traceback__) from None
+            raise
+
+    return run_backward
+
+
+def _install_backward_error_fix():
+    import torch.autograd
+    import torch.autograd.graph
+
+    wrapped = _engine_wrapper(torch.autograd.graph._engine_run_backward)
+    torch.autograd.graph._engine_run_backward = wrapped
+    torch.autograd._engine_run_backward = wrapped
+
+
+# --- factories with device=st.device() ------------------------------------------------------------
+_LIB = None
+_FACTORIES = ("empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
+              "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
+              "randint.low", "randperm", "zeros", "ones")
+
+
+def _register_factories():
+    global _LIB
+    from shardtensor import dispatch
+    from shardtensor.ops import lookup
+
+    aten = torch.ops.aten
+    _LIB = torch.library.Library("aten", "IMPL")
+    for name in _FACTORIES:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet), overload or "default")
+        if name in ("empty.memory_format", "empty_strided"):
+            _LIB.impl(name, _empty_kernel, "PrivateUse1")
+        elif lookup(op) is not None:
+            _LIB.impl(name, _factory_kernel(op, dispatch), "PrivateUse1")
+
+
+def _empty_kernel(size, *args, dtype=None, **kwargs):
+    """``torch.empty`` on st.device(): zeros, recorded lazily (no transfer)."""
+    from shardtensor import dispatch
+
+    return dispatch.zeros(tuple(size), dtype or torch.get_default_dtype())
+
+
+def _factory_kernel(op, dispatch):
+    def kernel(*args, **kwargs):
+        return dispatch._record_and_wrap(op, args, kwargs)
+
+    return kernel
+
+
+def _install():
+    global _DEVICE
+    _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_BackendModule())
+    _DEVICE = torch.device(BACKEND, 0)
+    _install_backward_error_fix()
+    _register_factories()
+
+
+_install()

@@ -1,0 +1,57 @@
+"""Moving values between the host and the devices: uploads sharded (each device receives only its
+own shard, stored padded where the sharding does not divide), and wrapping concrete jax arrays.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import NamedSharding
+
+from shardtensor import counters
+from shardtensor import sharding as sh
+from shardtensor.storage import Cell
+from shardtensor.tensor import ShardedTensor, torch_to_numpy, numpy_to_torch  # noqa: F401
+from shardtensor.dtypes import to_torch
+
+
+def jax_sharding(mesh, spec, ndim) -> NamedSharding:
+    """The jax NamedSharding of (mesh, spec) for a tensor of rank ``ndim``."""
+    return NamedSharding(mesh.get_jax_mesh(), sh.to_jax_spec(mesh, spec, ndim))
+
+
+def upload(host: np.ndarray, mesh, spec):
+    """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims."""
+    shape = tuple(host.shape)
+    padded = tuple(sh.padded_shape(shape, mesh, spec))
+    if padded != shape:
+        host = np.pad(host, [(0, p - n) for n, p in zip(shape, padded)])
+    sharding = jax_sharding(mesh, spec, len(shape))
+    counters.increment("TransferToDevice")
+    return jax.make_array_from_callback(padded, sharding, lambda index: host[index])
+
+
+def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
+    """A Cell that owns a fresh upload of ``host``; ``spec=None`` stores it replicated."""
+    shape = tuple(host.shape)
+    if spec is None:
+        array = upload(host, mesh, (None,) * len(shape))
+        return Cell(array, shape, dtype, owned=True)
+    return Cell(upload(host, mesh, spec), shape, dtype, mesh=mesh, spec=tuple(spec), owned=True)
+
+
+def upload_like(t: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
+    """The CPU tensor ``t`` uploaded with the layout of ``like`` (for ``dst.copy_(cpu_tensor)``)."""
+    from shardtensor import torch_device as device
+
+    cell = like._cell
+    if cell.spec is not None and not like._chain:
+        mesh, spec = cell.mesh, cell.spec
+    else:
+        mesh, spec = device.default_mesh(), None
+    return ShardedTensor(cell_from_host(torch_to_numpy(t.contiguous()), mesh, spec, t.dtype))
+
+
+def wrap_array(array) -> ShardedTensor:
+    """A ShardedTensor over a concrete jax array (its layout is the one the array has)."""
+    return ShardedTensor(Cell(array, tuple(array.shape), to_torch(array.dtype), owned=False))

@@ -1,0 +1,167 @@
+"""Helpers shared by the ``test_lowerings_*`` files: call a lowering the way the dispatcher does and
+compare it with eager torch on CPU.
+
+Works before the package is wired up: if ``import shardtensor.ops`` fails (other op modules not
+written yet), the lowering modules are imported one by one under stub parent packages.
+
+``call(op, *args, **kwargs)`` runs ``lookup(op).fn`` under ``jax.jit``: torch tensors become jax
+arrays, and numbers in ``Scalar`` / ``Tensor`` positions become weakly typed 0-d jax values (a
+Python number passed to a jitted function), exactly the dispatcher's calling convention. Numbers in
+other positions (int, float, bool arguments) and everything else stay Python values.
+"""
+from __future__ import annotations
+
+import importlib
+import numbers
+import pathlib
+import sys
+import types
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODULES = ("elementwise", "activation", "reduction", "creation", "random", "foreach")
+
+
+def _load():
+    try:
+        import shardtensor.ops  # noqa: F401  (the real package, once every op module exists)
+    except ImportError:
+        for name, path in (("shardtensor", ROOT / "shardtensor"), ("shardtensor.ops", ROOT / "shardtensor" / "ops")):
+            if name not in sys.modules:
+                mod = types.ModuleType(name)
+                mod.__path__ = [str(path)]
+                sys.modules[name] = mod
+    for m in MODULES:  # (no-op for modules the package already imported)
+        importlib.import_module(f"shardtensor.ops.{m}")
+    from shardtensor import dtypes
+    from shardtensor.ops import registry
+
+    return registry, dtypes
+
+
+registry, dtypes = _load()
+lookup = registry.lookup
+
+
+# ----------------------------------------------------------------------------------------------
+def to_jax(t: torch.Tensor):
+    """A torch CPU tensor as a jax array of the exact same dtype."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
+    return jnp.asarray(t.numpy())
+
+
+def to_torch(a) -> torch.Tensor:
+    """A jax array as a torch CPU tensor of the exact same dtype."""
+    a = np.asarray(a)
+    dt = dtypes.to_torch(a.dtype)
+    if dt == torch.bfloat16:
+        return torch.from_numpy(a.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.array(a))
+
+
+def _dynamic(value, type_str: str, static_scalars: bool) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, numbers.Number) and not static_scalars:
+        return "number" in type_str or "Tensor" in type_str
+    return False
+
+
+def _split(op, args, kwargs):
+    """Flatten the call into (leaves, rebuild): leaves are what the dispatcher makes jax values."""
+    low = lookup(op)
+    assert low is not None, f"no lowering registered for {op}"
+    schema_args = op._schema.arguments
+    positional = [a for a in schema_args if not a.kwarg_only]
+    types_by_name = {a.name: str(a.type) for a in schema_args}
+    leaves: list = []
+
+    def conv(value, type_str):
+        if isinstance(value, (list, tuple)):
+            return type(value)(conv(v, type_str) for v in value)
+        if _dynamic(value, type_str, low.static_scalars):
+            leaves.append(to_jax(value) if isinstance(value, torch.Tensor) else value)
+            return ("__leaf__", len(leaves) - 1)
+        return value
+
+    cargs = [conv(v, str(positional[i].type) if i < len(positional) else "") for i, v in enumerate(args)]
+    ckwargs = {k: conv(v, types_by_name.get(k, "")) for k, v in kwargs.items()}
+
+    def rebuild(vals):
+        def r(x):
+            if isinstance(x, tuple) and len(x) == 2 and x[0] == "__leaf__":
+                return vals[x[1]]
+            if isinstance(x, (list, tuple)):
+                return type(x)(r(v) for v in x)
+            return x
+
+        return [r(a) for a in cargs], {k: r(v) for k, v in ckwargs.items()}
+
+    return low, leaves, rebuild
+
+
+def call(op, *args, jit=True, **kwargs):
+    """Run the lowering of ``op`` on torch-style arguments; returns jax values."""
+    low, leaves, rebuild = _split(op, args, kwargs)
+    assert not low.random, f"{op} is a random op: use call_random"
+
+    def f(vals):
+        a, k = rebuild(vals)
+        return low.fn(*a, **k)
+
+    if not jit:
+        return f([jnp.asarray(v) if isinstance(v, numbers.Number) else v for v in leaves])
+    return jax.jit(f)(leaves)
+
+
+def call_random(op, key, *args, jit=True, **kwargs):
+    """Run the random lowering of ``op`` with PRNG ``key``."""
+    low, leaves, rebuild = _split(op, args, kwargs)
+    assert low.random, f"{op} is not registered as random"
+
+    def f(key, vals):
+        a, k = rebuild(vals)
+        return low.fn(key, *a, **k)
+
+    return (jax.jit(f) if jit else f)(key, leaves)
+
+
+def _to_torch_tree(x):
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_torch_tree(v) for v in x)
+    return to_torch(x)
+
+
+def check(op, *args, atol=None, rtol=None, jit=True, **kwargs):
+    """Compare the lowering with ``op`` run by eager torch on CPU (values, shapes and exact dtypes)."""
+    expected = op(*args, **kwargs)
+    got = _to_torch_tree(call(op, *args, jit=jit, **kwargs))
+    if isinstance(expected, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), (got, expected)
+        for g, e in zip(got, expected):
+            torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True)
+    else:
+        torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, equal_nan=True)
+    return got
+
+
+def make(shape, dtype, *, low=-3, high=3, seed=0, nan=False):
+    """A deterministic torch test tensor (ints in [low, high), floats uniform; optional NaNs)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if not dtype.is_floating_point:
+        return torch.randint(low, high, shape, generator=g).to(dtype)
+    t = (torch.rand(shape, generator=g, dtype=torch.float64) * (high - low) + low).to(dtype)
+    if nan and t.numel() > 1:
+        t.view(-1)[:: max(2, t.numel() // 3)] = float("nan")
+    return t
