@@ -85,7 +85,7 @@ def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec) -> ShardedTensor
     cell.mesh, cell.spec = mesh, spec
     was_pending = cell.is_pending()
     lazy.set_pending(cell, Pending(node, 0))
-    if not was_pending and lazy.STATE.execution_guard is None:
+    if not was_pending and not lazy.STATE.tracing:
         lazy.run_cells([cell])  # a computed tensor: move its data now
     return t
 

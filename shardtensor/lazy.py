@@ -27,6 +27,8 @@ _EXECUTABLES: dict = {}
 
 class _State:
     eager = False
+    tracing = False  # inside compile(): record everything, run nothing until the end
+    trace_broken = None  # why the current compile() trace cannot be replayed without Python
     epoch = 0  # bumped by every run; view caches are valid within one epoch
     execution_guard = None  # set by compile(full_graph=True): a message to raise on any execution
 
@@ -76,35 +78,83 @@ def sync(wait: bool = False) -> None:
     run_cells(list(_PENDING), wait=wait)
 
 
-def run_cells(cells, wait: bool = False) -> None:
-    """Compute the pending values of ``cells`` (and nothing that no cell needs)."""
+def run_cells(cells, wait: bool = False):
+    """Compute the pending values of ``cells`` (and nothing that no cell needs).
+
+    Returns the ``Execution`` that ran (None when nothing was pending).
+    """
     cells = [c for c in cells if c.is_pending()]
     if not cells:
-        return
-    program, arrays, scalars = _Program.build(cells)
-    fn = _EXECUTABLES.get(program.key)
-    if fn is None:
-        counters.increment("UncachedCompile")
-        fn = _EXECUTABLES[program.key] = program.make_executable()
-    else:
-        counters.increment("CachedCompile")
-        program = fn.program
+        return None
+    if STATE.tracing:
+        STATE.trace_broken = "a value was computed in the middle of the function"
+    execution = Execution.prepare(cells)
+    execution.run(wait=wait)
+    return execution
+
+
+class Execution:
+    """One graph run: its program (structure), executable and concrete inputs."""
+
+    def __init__(self, cells, program, executable, arrays, scalars):
+        self.cells, self.program, self.executable = cells, program, executable
+        self.arrays, self.scalars = arrays, scalars
+
+    @classmethod
+    def prepare(cls, cells):
+        program, arrays, scalars = _Program.build(cells)
+        fn = _EXECUTABLES.get(program.key)
+        if fn is None:
+            counters.increment("UncachedCompile")
+            fn = _EXECUTABLES[program.key] = program.make_executable()
+        else:
+            counters.increment("CachedCompile")
+        return cls(cells, fn.program, fn, arrays, scalars)
+
+    def run(self, wait=False):
+        outs = call_executable(self.executable, self.arrays, self.scalars, wait)
+        assign_outputs(self.program, self.cells, outs)
+        for i in self.program.forwarded_leaves:
+            leaf_cell = self.program.leaf_cells[i]
+            if leaf_cell is not None:
+                leaf_cell.owned = False
+        return outs
+
+
+_SCALAR_CACHE: dict = {}
+
+
+def _device_scalars(vec: np.ndarray, mesh):
+    """The scalar vector on the devices; recent vectors are kept so a constant lr costs no transfer."""
+    key = (mesh, vec.dtype, vec.tobytes())
+    arr = _SCALAR_CACHE.get(key)
+    if arr is None:
+        if len(_SCALAR_CACHE) > 512:
+            _SCALAR_CACHE.clear()
+        arr = _SCALAR_CACHE[key] = jax.device_put(vec, NamedSharding(mesh, JaxSpec()))
+    return arr
+
+
+def call_executable(fn, arrays, scalars, wait=False):
+    program = fn.program
     donated = [arrays[i] for i in program.donated]
     kept = [arrays[i] for i in program.kept]
-    outs = fn(donated, kept, *scalars)
+    outs = fn(donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()})
     counters.increment("ExecuteReplicated")
     if wait:
         jax.block_until_ready(outs)
+    return outs
+
+
+def assign_outputs(program, cells, outs):
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
+        if cell is None:
+            continue
         cell.value = out
         cell._leaf = None
         cell.owned = i not in forwarded
         _PENDING.discard(cell)
-    for i in program.forwarded_leaves:
-        leaf_cell = program.leaf_cells[i]
-        if leaf_cell is not None:
-            leaf_cell.owned = False
     STATE.epoch += 1
 
 
@@ -135,6 +185,7 @@ class _Program:
         self.forwarded = set()  # outputs that are an input leaf unchanged
         self.forwarded_leaves = set()
         self.key = None
+        self.mesh = None
 
     @classmethod
     def build(cls, cells):
@@ -183,8 +234,10 @@ class _Program:
             donate = c is not None and id(c) in overwritten and c.owned
             (prog.donated if donate else prog.kept).append(i)
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
-        scalars = [np.asarray(scalar_vals[k], dtype=_SCALAR_DTYPES[k]) for k in "bifc"]
-        prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated))
+        scalars = {k: np.asarray(v, dtype=_SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
+        prog.mesh = mesh
+        prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
+                    mesh)
         return prog, arrays, scalars
 
     def make_executable(self):
@@ -192,13 +245,12 @@ class _Program:
         order = self.donated + self.kept
         forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
 
-        def replay(donated, kept, bvec, ivec, fvec, cvec):
+        def replay(donated, kept, vecs):
             arrays = [None] * len(order)
             for i, a in zip(order, list(donated) + list(kept)):
                 arrays[i] = a
             leaves = [a[tuple(slice(0, n) for n in shape)] if padded else a
                       for a, (shape, padded) in zip(arrays, leaf_shapes)]
-            vecs = {"b": bvec, "i": ivec, "f": fvec, "c": cvec}
             scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
             values = []
 

@@ -231,13 +231,15 @@ def _tiling(mesh: Mesh, spec: tuple) -> _Tiling:
     per_dim = _mesh_axes_per_dim(mesh, spec)
     used = [a for axes in per_dim for a in axes]
     unused = [a for a in range(len(mesh.mesh_shape)) if a not in used]
+    replicas = math.prod(mesh.mesh_shape[a] for a in unused)
     # Axes in spec order (tuple members adjacent, major first), then the replicating axes:
-    # flattening gives the devices in tile order.
-    order = mesh.get_logical_mesh().transpose(used + unused).reshape(-1)
+    # flattening gives the devices in tile order. XLA lists each replica group in id order
+    # (its normal form), so sort within groups; this also fixes the replica ids.
+    order = mesh.get_logical_mesh().transpose(used + unused).reshape(-1, replicas)
     return _Tiling(
         shard_counts=tuple(math.prod(mesh.mesh_shape[a] for a in axes) for axes in per_dim),
-        replicas=math.prod(mesh.mesh_shape[a] for a in unused),
-        device_order=tuple(order.tolist()),
+        replicas=replicas,
+        device_order=tuple(np.sort(order, axis=1).reshape(-1).tolist()),
     )
 
 

@@ -61,7 +61,9 @@ class Cell:
     array belongs to this cell alone, so a graph that overwrites the cell may donate it.
     """
 
-    __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "__weakref__")
+    __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "serial",
+                 "__weakref__")
+    _next_serial = 0
 
     def __init__(self, value, shape, dtype, mesh=None, spec=None, owned=False):
         self.value = value
@@ -72,6 +74,8 @@ class Cell:
         self.version = 0
         self.owned = owned
         self._leaf = None
+        self.serial = Cell._next_serial  # creation order: compile() tells old cells from new ones
+        Cell._next_serial += 1
 
     def is_pending(self) -> bool:
         return isinstance(self.value, Pending)

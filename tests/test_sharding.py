@@ -104,7 +104,7 @@ def test_tuple_order_changes_device_order():
 
 def test_uneven_ten_over_four():
     mesh = Mesh(range(8), (4, 2))
-    assert sharding_string(mesh, (0,), 1) == "{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"
+    assert sharding_string(mesh, (0,), 1) == "{devices=[4,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"
     assert shard_shape((10,), mesh, (0,)) == (3,) and padded_shape((10,), mesh, (0,)) == (12,)
     held = [by_device((10,), mesh, (0,))[2 * k].indices for k in range(4)]
     assert held == [(s(0, 3),), (s(3, 6),), (s(6, 9),), (s(9, 10),)]  # the last: 1 value + 2 padding
@@ -148,6 +148,16 @@ def test_a_size_one_leftover_axis_is_dropped():
     mesh = Mesh(range(8), (4, 2, 1), ("x", "y", "z"))
     assert sharding_string(mesh, ("x", "y"), 2) == "{devices=[4,2]0,1,2,3,4,5,6,7}"
     assert tile_assignment(mesh, ("x", "y"), 2) == ((4, 2), list(range(8)), False)
+
+
+def test_replica_groups_are_listed_in_id_order():
+    # XLA's normal form lists each replica group by device id, whatever the mesh order;
+    # replica ids follow that order.
+    mesh = Mesh([0, 1, 2, 3, 4, 5, 7, 6], (4, 2))
+    assert sharding_string(mesh, (0,), 1) == "{devices=[4,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}"
+    p = by_device((8,), mesh, (0,))
+    assert (p[6].replica_id, p[7].replica_id) == (0, 1)
+    assert p[6].indices == p[7].indices == (s(6, 8),)
 
 
 def test_scalar_is_replicated():
@@ -446,7 +456,8 @@ def test_shard_shapes_are_ceil_and_slices_fit(case):
         assert p.padded_shape == sizes
         if p.indices is not Ellipsis:
             for index, size, n in zip(p.indices, sizes, shape):
-                assert index.step == 1 and index.start % max(size, 1) == 0 or index.start == n
+                assert index.step == 1
+                assert index.start == n or index.start % max(size, 1) == 0  # clipped or on a tile edge
                 assert 0 <= index.stop - index.start <= size and index.stop <= n
 
 
@@ -474,7 +485,18 @@ def test_sharding_string_is_xlas_normal_form(case):
     parsed = xla_client.HloSharding.from_string(ours)
     assert str(parsed) == ours  # XLA would print exactly this (already normalised)
     named = NamedSharding(mesh.get_jax_mesh(), to_jax_spec(mesh, spec, len(shape)))
-    assert parsed == named._to_xla_hlo_sharding(len(shape))
+    theirs = named._to_xla_hlo_sharding(len(shape))
+    assert parsed.is_replicated() == theirs.is_replicated()
+    if not theirs.is_replicated():
+        # JAX numbers devices by their place in the mesh's device list (ours are ids), so its
+        # replica groups are sorted by place: compare the groups as sets.
+        ids = np.array([d.id for d in named._device_assignment])
+        dims = parsed.tile_assignment_dimensions()
+        assert dims == theirs.tile_assignment_dimensions()
+        group = dims[-1] if parsed.replicate_on_last_tile_dim() else 1
+        mapped = ids[theirs.tile_assignment_devices()].reshape(-1, group)
+        assert np.array(parsed.tile_assignment_devices()).reshape(-1, group).tolist() == np.sort(mapped, axis=1).tolist()
+        assert parsed.replicate_on_last_tile_dim() == theirs.replicate_on_last_tile_dim()
     kind = sharding_type(mesh, spec, len(shape))
     assert (kind == ShardingType.REPLICATED) == parsed.is_replicated()
     assert (kind == ShardingType.PARTIAL) == (not parsed.is_replicated() and parsed.replicate_on_last_tile_dim())

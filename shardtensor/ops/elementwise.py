@@ -650,6 +650,3 @@ def fill(self, value):
 @register(aten.zero.default)
 def zero(self):
     return jnp.zeros(jnp.shape(self), dtype_of(self))
-
-
-

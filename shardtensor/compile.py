@@ -1,0 +1,261 @@
+"""``st.compile(fn)``: trace a function into one JAX program and replay it without its Python.
+
+The first calls run ``fn`` in lazy mode and record everything it does: which tensors it reads
+(arguments, parameters, optimizer state, the RNG key), which it writes, and what it returns. When two
+consecutive calls with the same input signature record the same program from the same tensors, with
+the same Python scalars, and touch no host state (no ``.item()`` on CPU tensors, no in-place update of
+CPU tensors such as Adam's default step counters), the program is frozen: later calls feed the
+current values in, run the executable and write the results back, running no Python of ``fn``.
+Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from shardtensor import counters, lazy
+from shardtensor.storage import Cell
+from shardtensor.tensor import ShardedTensor
+
+aten = torch.ops.aten
+
+
+def compile(fn=None, *, full_graph: bool = False, name: str | None = None):
+    """Compile ``fn`` (also usable as ``@st.compile`` or ``@st.compile(full_graph=True)``).
+
+    With ``full_graph=True`` anything inside that needs a concrete value (``.item()``,
+    ``if t.sum() > 0``, a data-dependent shape) raises instead of running part of the program.
+
+    Example::
+
+        @st.compile
+        def train_step(x, y):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+            return loss
+
+        for x, y in batches:
+            loss = train_step(x, y)
+    """
+    if fn is None:
+        return functools.partial(compile, full_graph=full_graph, name=name)
+    return CompiledFunction(fn, full_graph=full_graph, name=name)
+
+
+class CompiledFunction:
+    """A function traced once per input signature into one JAX program."""
+
+    def __init__(self, fn, full_graph=False, name=None):
+        self.fn, self.full_graph = fn, full_graph
+        self.name = name or getattr(fn, "__name__", "compiled")
+        self._frozen: dict = {}
+        self._last_trace: dict = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args, **kwargs):
+        lazy.check_execution_allowed(f"compiled function {self.name} called inside another")
+        lazy.run_cells(list(lazy._PENDING))  # PyTorch/XLA syncs pending work on entry too
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        signature = _signature(flat, spec)
+        frozen = self._frozen.get(signature)
+        if frozen is not None:
+            result = frozen.replay(flat)
+            if result is not _STALE:
+                return result
+            del self._frozen[signature]
+        return self._trace(signature, flat, args, kwargs)
+
+    def _trace(self, signature, flat, args, kwargs):
+        counters.increment("CompileTrace")
+        first_serial = Cell._next_serial
+        monitor = _HostStateMonitor()
+        previous = (lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken)
+        lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.trace_broken = False, True, None
+        if self.full_graph:
+            lazy.STATE.execution_guard = (
+                f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
+                "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
+                "full_graph=False.")
+        try:
+            with monitor:
+                out = self.fn(*args, **kwargs)
+            broken = lazy.STATE.trace_broken or monitor.reason
+        finally:
+            lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken = previous
+        cells = [c for c in lazy._PENDING]
+        execution = lazy.Execution.prepare(cells) if cells else None
+        trace = _Trace(execution, flat, out, first_serial, broken)
+        if execution is not None:
+            execution.run()
+        last = self._last_trace.get(signature)
+        self._last_trace[signature] = trace.fingerprint
+        if trace.broken is None and last is not None and last == trace.fingerprint:
+            self._frozen[signature] = trace.freeze()
+            counters.increment("CompileFrozen")
+        elif trace.broken is not None and os.environ.get("SHARDTENSOR_DEBUG"):
+            print(f"[shardtensor] {self.name}: re-running Python each call: {trace.broken}")
+        return out
+
+
+_STALE = object()
+
+
+def _signature(flat, spec):
+    parts = []
+    for x in flat:
+        if isinstance(x, ShardedTensor):
+            parts.append(("T", tuple(x.shape), x.dtype, x._cell.spec, x.requires_grad))
+        elif isinstance(x, torch.Tensor):
+            parts.append(("C", tuple(x.shape), x.dtype))
+        else:
+            parts.append(("V", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x)))
+    return (spec, tuple(parts))
+
+
+class _Trace:
+    """What one traced call read, wrote and returned, and whether that can be replayed."""
+
+    def __init__(self, execution, flat_args, out, first_serial, broken):
+        self.execution, self.broken = execution, broken
+        arg_cells = {id(x._cell): i for i, x in enumerate(flat_args) if isinstance(x, ShardedTensor)}
+        if any(isinstance(x, ShardedTensor) and x._chain for x in flat_args):
+            self.broken = self.broken or "an argument is a view"
+        self.out_flat, self.out_spec = pytree.tree_flatten(out)
+        returned = {}
+        for i, x in enumerate(self.out_flat):
+            if isinstance(x, torch.Tensor):
+                if not isinstance(x, ShardedTensor) or x._chain:
+                    self.broken = self.broken or "it returns a CPU tensor or a view"
+                elif x.requires_grad:
+                    self.broken = self.broken or "it returns a tensor that requires grad"
+                else:
+                    returned[id(x._cell)] = i
+        program = execution.program if execution else None
+        sources, targets = [], []
+        if program is not None:
+            for leaf_i, cell in enumerate(program.leaf_cells):
+                sources.append(_source(cell, execution.arrays[leaf_i], arg_cells, first_serial))
+            new_count = 0
+            for cell in execution.cells:
+                if id(cell) in arg_cells:
+                    targets.append(("arg", arg_cells[id(cell)]))
+                elif id(cell) in returned:
+                    targets.append(("ret", returned[id(cell)]))
+                elif cell.serial < first_serial:
+                    targets.append(("old", id(cell)))
+                else:
+                    targets.append(("new", new_count))
+                    new_count += 1
+        for i, x in enumerate(self.out_flat):
+            if isinstance(x, ShardedTensor) and id(x._cell) in returned and not (
+                    execution and any(c is x._cell for c in execution.cells)):
+                self.broken = self.broken or "it returns a tensor it did not compute"
+        scalars = tuple((k, tuple(v.tolist())) for k, v in sorted(execution.scalars.items())) if execution else ()
+        key = program.key if program else None
+        plain_outputs = tuple(x if not isinstance(x, torch.Tensor) else None for x in self.out_flat)
+        self.sources, self.targets = sources, targets
+        self.fingerprint = (key, scalars, tuple(s[:2] for s in sources), tuple(targets), self.out_spec,
+                            _hashable(plain_outputs))
+
+    def freeze(self):
+        return _Frozen(self)
+
+
+def _hashable(values):
+    try:
+        hash(values)
+        return values
+    except TypeError:
+        return repr(values)
+
+
+def _source(cell, array, arg_cells, first_serial):
+    if cell is not None and id(cell) in arg_cells:
+        return ("arg", arg_cells[id(cell)], None)
+    if cell is not None and cell.serial < first_serial:
+        return ("old", id(cell), weakref.ref(cell))
+    return ("const", id(array), array)
+
+
+class _Frozen:
+    """A replayable trace: where each input comes from and where each output goes."""
+
+    def __init__(self, trace: _Trace):
+        ex = trace.execution
+        self.executable = ex.executable if ex else None
+        self.scalars = ex.scalars if ex else {}
+        self.sources = trace.sources
+        self.out_flat, self.out_spec = trace.out_flat, trace.out_spec
+        self.targets = []
+        for target, cell in zip(trace.targets, ex.cells if ex else ()):
+            kind = target[0]
+            self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
+        for kind, _, ref in self.sources:
+            if kind == "const" and hasattr(ref, "shape"):
+                pass
+        self.leaf_sigs = ex.program.key[2] if ex else ()
+        self.donated = set(ex.program.donated) if ex else set()
+
+    def replay(self, flat):
+        if self.executable is None:
+            return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
+        arrays = []
+        for i, (kind, ident, ref) in enumerate(self.sources):
+            if kind == "arg":
+                t = flat[ident]
+                cell = t._cell
+            elif kind == "old":
+                cell = ref()
+                if cell is None:
+                    return _STALE
+            else:
+                arrays.append(ref)
+                continue
+            if cell.is_pending() or (i in self.donated and not cell.owned):
+                return _STALE
+            arrays.append(cell.value)
+        program = self.executable.program
+        for a, sig in zip(arrays, self.leaf_sigs):
+            if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
+                return _STALE
+        counters.increment("CompileReplay")
+        outs = lazy.call_executable(self.executable, arrays, self.scalars)
+        cells, results = [], list(self.out_flat)
+        for (kind, ident, ref), out in zip(self.targets, outs):
+            if kind == "arg":
+                cell = flat[ident]._cell
+            elif kind == "ret":
+                old = self.out_flat[ident]
+                cell = Cell(None, old.shape, old.dtype, old._cell.mesh, old._cell.spec)
+                results[ident] = ShardedTensor(cell)
+            else:
+                cell = ref()
+            cells.append(cell)
+        lazy.assign_outputs(program, cells, outs)
+        for c in cells:
+            if c is not None:
+                c.version += 1
+        return pytree.tree_unflatten(results, self.out_spec)
+
+
+class _HostStateMonitor(TorchDispatchMode):
+    """Notices what a replay could not repeat: reading CPU scalars, updating CPU tensors in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.reason = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.reason is None:
+            if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
+                self.reason = "it reads a CPU tensor's value (.item())"
+            elif func._schema.is_mutable and any(
+                    type(a) is torch.Tensor and a.device.type == "cpu" for a in args):
+                self.reason = f"it updates a CPU tensor in place ({func})"
+        return func(*args, **kwargs)

@@ -1,0 +1,94 @@
+"""Lowerings of convolution (1-3 spatial dims, strided, padded, dilated, grouped, transposed with
+output_padding) and convolution_backward, on ``lax.conv_general_dilated`` at full float32 precision.
+
+convolution_backward returns None for the outputs its ``output_mask`` does not ask for (as torch does).
+Its input and weight gradients are the transposes of the (linear) forward, so no forward is recomputed.
+
+Example::
+
+    lookup(aten.convolution.default).fn(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from shardtensor.ops.pooling import acc_dtype, expand_param
+from shardtensor.ops.registry import register
+
+aten = torch.ops.aten
+
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _dimension_numbers(nsp):
+    sp = "DHW"[3 - nsp:] if nsp <= 3 else None
+    if sp is None:
+        raise NotImplementedError(f"convolution with {nsp} spatial dims")
+    return ("NC" + sp, "OI" + sp, "NC" + sp)
+
+
+def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
+    """torch's convolution without bias, on batched input (N, C, *spatial)."""
+    nsp = x.ndim - 2
+    stride, padding, dilation = (expand_param(v, nsp) for v in (stride, padding, dilation))
+    output_padding = expand_param(output_padding, nsp, 0)
+    dn = _dimension_numbers(nsp)
+    out_dtype = x.dtype
+    if not transposed:
+        if x.shape[1] != w.shape[1] * groups:
+            raise RuntimeError(
+                f"Given groups={groups}, weight of size {list(w.shape)}, expected input{list(x.shape)} "
+                f"to have {w.shape[1] * groups} channels, but got {x.shape[1]} channels instead"
+            )
+        y = lax.conv_general_dilated(
+            x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
+            dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
+        )
+        return y.astype(out_dtype)
+    # transposed: weight is (C_in, C_out / groups, *k); run the adjoint as a dilated conv
+    cin, cout_g, k = w.shape[0], w.shape[1], w.shape[2:]
+    wt = w.reshape((groups, cin // groups, cout_g) + k)
+    wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+    wt = jnp.flip(wt, axis=tuple(range(2, 2 + nsp)))
+    pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
+    y = lax.conv_general_dilated(
+        x, wt, window_strides=(1,) * nsp, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
+        dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
+    )
+    return y.astype(out_dtype)
+
+
+def _bias_shape(nsp):
+    return (1, -1) + (1,) * nsp
+
+
+@register(aten.convolution.default, aten._convolution.default)
+def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
+    unbatched = x.ndim == w.ndim - 1
+    if unbatched:
+        x = x[None]
+    y = conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    if bias is not None:
+        y = (y + bias.reshape(_bias_shape(x.ndim - 2))).astype(y.dtype)
+    return y[0] if unbatched else y
+
+
+@register(aten.convolution_backward.default)
+def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+    args = (stride, padding, dilation, transposed, output_padding, groups)
+    unbatched = x.ndim == w.ndim - 1
+    if unbatched:
+        x, grad = x[None], grad[None]
+    gx = gw = gb = None
+    if output_mask[0]:
+        (gx,) = jax.linear_transpose(lambda v: conv(v, w, *args), jax.ShapeDtypeStruct(x.shape, x.dtype))(grad)
+        gx = gx[0] if unbatched else gx
+    if output_mask[1]:
+        (gw,) = jax.linear_transpose(lambda v: conv(x, v, *args), jax.ShapeDtypeStruct(w.shape, w.dtype))(grad)
+    if output_mask[2]:
+        axes = (0,) + tuple(range(2, grad.ndim))
+        gb = jnp.sum(grad, axis=axes, dtype=acc_dtype(grad.dtype)).astype(grad.dtype)
+    return gx, gw, gb
