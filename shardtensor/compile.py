@@ -59,7 +59,7 @@ class CompiledFunction:
 
     def __call__(self, *args, **kwargs):
         lazy.check_execution_allowed(f"compiled function {self.name} called inside another")
-        lazy.run_cells(list(lazy._PENDING))  # PyTorch/XLA syncs pending work on entry too
+        lazy.run_cells(lazy.pending_cells())  # PyTorch/XLA syncs pending work on entry too
         flat, spec = pytree.tree_flatten((args, kwargs))
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
@@ -87,7 +87,7 @@ class CompiledFunction:
             broken = lazy.STATE.trace_broken or monitor.reason
         finally:
             lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken = previous
-        cells = [c for c in lazy._PENDING]
+        cells = lazy.pending_cells()
         execution = lazy.Execution.prepare(cells) if cells else None
         trace = _Trace(execution, flat, out, first_serial, broken)
         if execution is not None:

@@ -70,6 +70,7 @@ class GPT(nn.Module):
     def __init__(self, vocab=VOCAB, seq=SEQ, d=D_MODEL, heads=HEADS, layers=LAYERS):
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
+        nn.init.normal_(self.tok.weight, std=0.02)  # small, since the LM head shares it
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)

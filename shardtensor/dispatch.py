@@ -226,8 +226,13 @@ def handle(func, args, kwargs):
             return _mutating_op(func, f, args, kwargs)
         return _record_and_wrap(func, args, kwargs)
     except BaseException as e:
+        if torch._C._current_autograd_node() is None:
+            raise
+        # Inside backward, an exception leaving __torch_dispatch__ aborts the process (torch's
+        # Python device guard runs with the error still set). Keep it, finish backward with
+        # zeros, and let the wrapper around the autograd engine raise it on the user's thread.
         _remember_for_backward(e)
-        raise
+        return _placeholder(func, args, kwargs)
 
 
 def record(func, args, kwargs):
@@ -419,7 +424,7 @@ def materialize(t: ShardedTensor):
         cell = tmp
     if cell.is_pending():
         lazy.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was needed")
-        lazy.run_cells(list(lazy._PENDING) + [cell])
+        lazy.run_cells(lazy.pending_cells() + [cell])
     return cell.value
 
 
@@ -532,6 +537,17 @@ def _index(func, args, kwargs):
                 expanded.append(i)
         indices = expanded
     return _record_and_wrap(func, (x, indices), kwargs)
+
+
+def _placeholder(func, args, kwargs):
+    """Zeros shaped like ``func``'s result: what a failed op returns while backward unwinds."""
+    if facts(func).mutated:
+        return args[0]
+    outs, structure = meta_outputs(func, args, kwargs)
+    values = [None if o is None else zeros(o[0], o[1]) for o in outs]
+    if structure == "one":
+        return values[0]
+    return values if structure == "list" else tuple(values)
 
 
 def _remember_for_backward(e):

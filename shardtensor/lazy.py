@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as JaxSpec
 from shardtensor import counters
 from shardtensor.storage import Cell, Leaf, Pending, ScalarLeaf
 
-_PENDING: "weakref.WeakSet[Cell]" = weakref.WeakSet()
+_PENDING: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()  # serial -> cell
 _EXECUTABLES: dict = {}
 
 
@@ -45,7 +45,7 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     cell.value = ref
     cell.version += 1
     cell._leaf = None
-    _PENDING.add(cell)
+    _PENDING[cell.serial] = cell
 
 
 def set_concrete(cell: Cell, array, owned: bool) -> None:
@@ -54,7 +54,14 @@ def set_concrete(cell: Cell, array, owned: bool) -> None:
     cell.version += 1
     cell._leaf = None
     cell.owned = owned
-    _PENDING.discard(cell)
+    _PENDING.pop(cell.serial, None)
+
+
+def pending_cells() -> list:
+    """Every live cell with a pending value, oldest first (a stable order keeps graph keys stable)."""
+    items = list(_PENDING.items())
+    items.sort(key=lambda kv: kv[0])
+    return [c for _, c in items]
 
 
 def check_execution_allowed(what: str) -> None:
@@ -75,7 +82,7 @@ def sync(wait: bool = False) -> None:
     """
     counters.increment("MarkStep")
     check_execution_allowed("sync()")
-    run_cells(list(_PENDING), wait=wait)
+    run_cells(pending_cells(), wait=wait)
 
 
 def run_cells(cells, wait: bool = False):
@@ -154,7 +161,7 @@ def assign_outputs(program, cells, outs):
         cell.value = out
         cell._leaf = None
         cell.owned = i not in forwarded
-        _PENDING.discard(cell)
+        _PENDING.pop(cell.serial, None)
     STATE.epoch += 1
 
 
@@ -381,7 +388,7 @@ class eager_mode(contextlib.ContextDecorator):
 
 def _set_eager(enable: bool) -> None:
     if enable and not STATE.eager and _PENDING:
-        run_cells(list(_PENDING))
+        run_cells(pending_cells())
     STATE.eager = enable
 
 

@@ -8,7 +8,6 @@ inside ``backward()`` reach the user as themselves (a Python backend otherwise t
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -83,14 +82,13 @@ class _BackendModule:
 
 
 # --- errors inside backward() ---------------------------------------------------------------------
-_backward_error = threading.local()
 _last_error = {}
 
 
 def remember_backward_error(e: BaseException) -> None:
-    """Keep an exception raised while autograd runs backward, to re-raise it on the user's thread."""
-    if torch._C._current_autograd_node() is not None:
-        _last_error["error"] = e
+    """Keep an exception raised while autograd runs backward, to re-raise it on the user's thread
+    (the first one wins: later ones are consequences)."""
+    _last_error.setdefault("error", e)
 
 
 def _engine_wrapper(run):
@@ -98,12 +96,16 @@ def _engine_wrapper(run):
     def run_backward(*args, **kwargs):
         _last_error.pop("error", None)
         try:
-            return run(*args, **kwargs)
+            result = run(*args, **kwargs)
         except BaseException as e:
             original = _last_error.pop("error", None)
             if original is not None and original is not e:
                 raise original.with_traceback(original.__traceback__) from None
             raise
+        original = _last_error.pop("error", None)
+        if original is not None:
+            raise original.with_traceback(original.__traceback__)
+        return result
 
     return run_backward
 

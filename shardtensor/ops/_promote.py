@@ -183,12 +183,25 @@ def cast(x, dt):
     return lax.convert_element_type(x, dt)
 
 
-def promote(*xs, dtype=None):
-    """``(result_dtype, compute_dtype, *operands cast to compute_dtype)`` with torch's promotion
-    (or with ``dtype`` given)."""
+def to_compute(x, rt, ct, *, exact=False):
+    """Operand ``x`` of an op with result dtype ``rt`` computed in ``ct``: rounded to ``rt`` first (the
+    common-dtype cast of torch's TensorIterator), then widened. ``exact``: a 0-d operand keeps its
+    original value (torch's mul/div kernels read a scalar divisor/factor in opmath precision)."""
+    if x is None:
+        return None
+    if ct != rt and not (exact and np.ndim(x) == 0):
+        x = cast(x, rt)
+    return cast(x, ct)
+
+
+def promote(*xs, dtype=None, exact_last=False):
+    """``(result_dtype, compute_dtype, *operands)`` with torch's promotion (or with ``dtype`` given):
+    operands are rounded to the result dtype, then widened to the compute dtype (float32 for
+    bfloat16/float16). ``exact_last``: a 0-d last operand skips the rounding (see ``to_compute``)."""
     rt = result_type(*xs) if dtype is None else np.dtype(dtype)
     ct = opmath(rt)
-    return (rt, ct, *(cast(x, ct) for x in xs))
+    last = len(xs) - 1
+    return (rt, ct, *(to_compute(x, rt, ct, exact=exact_last and i == last) for i, x in enumerate(xs)))
 
 
 def is_python_number(x) -> bool:

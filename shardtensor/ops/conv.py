@@ -67,25 +67,20 @@ def _bias_shape(nsp):
 
 @register(aten.convolution.default, aten._convolution.default)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
-    unbatched = x.ndim == w.ndim - 1
-    if unbatched:
-        x = x[None]
+    if x.ndim != w.ndim:
+        raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
     y = conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
         y = (y + bias.reshape(_bias_shape(x.ndim - 2))).astype(y.dtype)
-    return y[0] if unbatched else y
+    return y
 
 
 @register(aten.convolution_backward.default)
 def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
     args = (stride, padding, dilation, transposed, output_padding, groups)
-    unbatched = x.ndim == w.ndim - 1
-    if unbatched:
-        x, grad = x[None], grad[None]
     gx = gw = gb = None
     if output_mask[0]:
         (gx,) = jax.linear_transpose(lambda v: conv(v, w, *args), jax.ShapeDtypeStruct(x.shape, x.dtype))(grad)
-        gx = gx[0] if unbatched else gx
     if output_mask[1]:
         (gw,) = jax.linear_transpose(lambda v: conv(x, v, *args), jax.ShapeDtypeStruct(w.shape, w.dtype))(grad)
     if output_mask[2]:

@@ -32,6 +32,7 @@ from shardtensor.ops._promote import (
     opmath,
     promote,
     result_type,
+    to_compute,
 )
 from shardtensor.ops.registry import register
 
@@ -142,11 +143,15 @@ def _identity(x):
     return x
 
 
+def _int_sign(x):
+    return x if is_bool(x.dtype) else _sign(x)
+
+
 _UNARY_SAME = {
     aten.abs.default: (jnp.abs, None),
     aten.neg.default: (jnp.negative, lambda x: jnp.logical_not(x) if is_bool(x.dtype) else -x),
-    aten.sign.default: (_sign, _identity),
-    aten.sgn.default: (_sgn, _identity),
+    aten.sign.default: (_sign, _int_sign),
+    aten.sgn.default: (_sgn, _int_sign),
     aten.floor.default: (jnp.floor, _identity),
     aten.ceil.default: (jnp.ceil, _identity),
     aten.round.default: (jnp.round, _identity),
@@ -187,7 +192,7 @@ def logit(self, eps=None):
 def polygamma(n, self):
     rt = float_type(self)
     x = cast(self, opmath(rt))
-    out = _digamma(x) if n == 0 else jsp.polygamma(jnp.asarray(n, x.dtype), x)
+    out = _digamma(x) if n == 0 else jsp.polygamma(jnp.asarray(n, np.int64), x)
     return cast(out, rt)
 
 
@@ -317,40 +322,42 @@ def _is_one(v) -> bool:
     return is_python_number(v) and v == 1
 
 
-def _scaled(b, alpha, ct):
-    """``alpha * b`` in the compute dtype (skipped for a Python ``alpha == 1``)."""
+def _scaled(b, alpha, rt, ct):
+    """``alpha * b`` in the compute dtype, alpha rounded to the result dtype first (as torch);
+    skipped for a Python ``alpha == 1``."""
     if _is_one(alpha):
         return b
-    a = cast(alpha, ct)
+    a = to_compute(alpha, rt, ct)
     return jnp.logical_and(b, a) if ct == BOOL else b * a
 
 
 @register(aten.add.Tensor, aten.add.Scalar)
 def add(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
-    b = _scaled(b, alpha, ct)
+    b = _scaled(b, alpha, rt, ct)
     return cast(jnp.logical_or(a, b) if ct == BOOL else a + b, rt)
 
 
 @register(aten.sub.Tensor, aten.sub.Scalar)
 def sub(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
-    return cast(a - _scaled(b, alpha, ct), rt)
+    return cast(a - _scaled(b, alpha, rt, ct), rt)
 
 
 @register(aten.rsub.Tensor, aten.rsub.Scalar)
 def rsub(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
-    return cast(b - _scaled(a, alpha, ct), rt)
+    return cast(b - _scaled(a, alpha, rt, ct), rt)
 
 
 @register(aten.mul.Tensor, aten.mul.Scalar)
 def mul(self, other):
-    rt, ct, a, b = promote(self, other)
+    rt, ct, a, b = promote(self, other, exact_last=True)
     return cast(jnp.logical_and(a, b) if ct == BOOL else a * b, rt)
 
 
 def _int_div_floor(a, b):
+    a, b = jnp.broadcast_arrays(a, b)
     q = lax.div(a, b)
     r = lax.rem(a, b)
     fix = (r != 0) & ((a < 0) != (b < 0))
@@ -359,6 +366,7 @@ def _int_div_floor(a, b):
 
 def _float_div_floor(a, b):
     # c10::div_floor_floating
+    a, b = jnp.broadcast_arrays(a, b)
     mod = lax.rem(a, b)
     div = (a - mod) / b
     div = jnp.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1, div)
@@ -371,20 +379,20 @@ def _float_div_floor(a, b):
 def true_divide(self, other):
     rt = float_type(self, other)
     ct = opmath(rt)
-    return cast(cast(self, ct) / cast(other, ct), rt)
+    return cast(to_compute(self, rt, ct) / to_compute(other, rt, ct, exact=True), rt)
 
 
 def floor_divide(self, other):
-    rt, ct, a, b = promote(self, other)
+    rt, ct, a, b = promote(self, other, exact_last=True)
     if is_int(ct) or ct == BOOL:
         return cast(_int_div_floor(cast(a, np.int64) if ct == BOOL else a, b), rt)
     return cast(_float_div_floor(a, b), rt)
 
 
 def trunc_divide(self, other):
-    rt, ct, a, b = promote(self, other)
+    rt, ct, a, b = promote(self, other, exact_last=True)
     if is_int(ct) or ct == BOOL:
-        return cast(lax.div(a, b), rt)
+        return cast(lax.div(*jnp.broadcast_arrays(a, b)), rt)
     return cast(jnp.trunc(a / b), rt)
 
 
@@ -410,6 +418,7 @@ register(aten.floor_divide.default, aten.floor_divide.Scalar)(floor_divide)
 @register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
 def remainder(self, other):
     rt, ct, a, b = promote(self, other)
+    a, b = jnp.broadcast_arrays(a, b)
     r = lax.rem(a, b)
     r = jnp.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
     return cast(r, rt)
@@ -418,7 +427,7 @@ def remainder(self, other):
 @register(aten.fmod.Tensor, aten.fmod.Scalar)
 def fmod(self, other):
     rt, ct, a, b = promote(self, other)
-    return cast(lax.rem(a, b), rt)
+    return cast(lax.rem(*jnp.broadcast_arrays(a, b)), rt)
 
 
 def _int_pow(base, exp):
@@ -445,7 +454,7 @@ def _int_pow(base, exp):
 
 
 def _float_pow_scalar(x, e):
-    """``x ** e`` for a concrete Python exponent, with torch's special cases."""
+    """``x ** e`` for the exponents torch special-cases (2, 3, 0.5, -1, ...); None for others."""
     if e == 2:
         return x * x
     if e == 3:
@@ -462,7 +471,7 @@ def _float_pow_scalar(x, e):
         return 1 / x
     if e == -2:
         return 1 / (x * x)
-    return jnp.power(x, jnp.asarray(e, x.dtype))
+    return None
 
 
 def pow_(self, exponent):
@@ -473,8 +482,10 @@ def pow_(self, exponent):
         return cast(_int_pow(cast(self, ct), e), rt)
     ct = opmath(rt)
     if is_python_number(exponent) and not is_complex(ct) and not isinstance(self, (int, float)):
-        return cast(_float_pow_scalar(cast(self, ct), exponent), rt)
-    return cast(jnp.power(cast(self, ct), cast(exponent, ct)), rt)
+        out = _float_pow_scalar(to_compute(self, rt, ct), exponent)
+        if out is not None:
+            return cast(out, rt)
+    return cast(jnp.power(to_compute(self, rt, ct), to_compute(exponent, rt, ct)), rt)
 
 
 register(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar)(pow_)
@@ -493,7 +504,7 @@ def _binary_float(fn):
     def lowering(self, other):
         rt = float_type(self, other)
         ct = opmath(rt)
-        return cast(fn(cast(self, ct), cast(other, ct)), rt)
+        return cast(fn(to_compute(self, rt, ct), to_compute(other, rt, ct)), rt)
 
     return lowering
 

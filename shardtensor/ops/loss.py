@@ -67,9 +67,9 @@ def nll_forward(x, target, weight, reduction, ignore_index):
     acc = acc_dtype(x.dtype)
     picked = jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
     loss = jnp.where(valid, -picked * w, jnp.zeros((), acc))
-    if reduction == NONE:
-        return loss.astype(x.dtype), jnp.zeros((), x.dtype)
     total = jnp.sum(w)
+    if reduction == NONE:  # torch reports a total weight only for 1-d input
+        return loss.astype(x.dtype), (total if x.ndim == 1 else jnp.zeros((), acc)).astype(x.dtype)
     out = jnp.sum(loss)
     if reduction == MEAN:
         out = out / total

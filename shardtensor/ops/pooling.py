@@ -186,16 +186,29 @@ def _avg_divisor(in_sizes, kernel, stride, padding, outs, count_include_pad, div
     return np.maximum(div, 1)
 
 
+def window_sum(x, kernel, stride, padding, out_sizes):
+    """Sum over each pooling window (zero padding, extra zeros past the end for ceil_mode)."""
+    nsp = len(kernel)
+    lead = x.ndim - nsp
+    pads = [(0, 0)] * lead
+    for n, k, s, p, o in zip(x.shape[lead:], kernel, stride, padding, out_sizes):
+        pads.append((p, max((o - 1) * s + k - n - p, 0)))
+    out = lax.reduce_window(
+        x, np.zeros((), x.dtype), lax.add, (1,) * lead + tuple(kernel), (1,) * lead + tuple(stride), pads
+    )
+    return out[(Ellipsis,) + tuple(slice(0, o) for o in out_sizes)]
+
+
 def avg_pool(x, nsp, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
     kernel, stride, padding, _ = _pool_args(x, nsp, kernel_size, stride, padding)
     in_sizes = x.shape[-nsp:]
     dil = (1,) * nsp
     outs = [pool_out_size(*a, ceil_mode) for a in zip(in_sizes, kernel, stride, padding, dil)]
     acc = acc_dtype(x.dtype)
-    total = jnp.sum(windows(x.astype(acc), kernel, stride, padding, dil, outs, 0), axis=-1)
+    total = window_sum(x.astype(acc), kernel, stride, padding, outs)
     div = _avg_divisor(in_sizes, kernel, stride, padding, outs, count_include_pad, divisor_override)
     if jnp.issubdtype(acc, jnp.integer):
-        return lax.div(total, jnp.asarray(div, acc)).astype(x.dtype)  # C++ integer division truncates
+        return lax.div(total, jnp.broadcast_to(jnp.asarray(div, acc), total.shape)).astype(x.dtype)  # C++ division truncates
     return (total / jnp.asarray(div, acc)).astype(x.dtype)
 
 
@@ -266,10 +279,30 @@ def _adaptive_windows(x, out_sizes):
 
 
 def adaptive_avg_pool(x, out_sizes):
+    """Separable: per spatial dim, sum each adaptive window (a reshape when the size divides evenly,
+    else a static gather with a mask), then divide by the window sizes."""
+    nsp = len(out_sizes)
     acc = acc_dtype(x.dtype)
-    win, valid, _ = _adaptive_windows(x.astype(acc), out_sizes)
-    total = jnp.sum(jnp.where(valid, win, jnp.zeros((), acc)), axis=-1)
-    return (total / jnp.asarray(valid.sum(-1), acc)).astype(x.dtype)
+    y = x.astype(acc)
+    count = np.ones((), np.int64)
+    for i, o in enumerate(out_sizes):
+        axis = y.ndim - nsp + i
+        n = y.shape[axis]
+        start, end = _adaptive_ranges(n, o)
+        if o and n % o == 0:
+            y = jnp.sum(y.reshape(y.shape[:axis] + (o, n // o) + y.shape[axis + 1:]), axis=axis + 1)
+        else:
+            length = int((end - start).max()) if o else 1
+            pos = start[:, None] + np.arange(length)[None, :]
+            ok = pos < end[:, None]
+            win = jnp.take(y, np.minimum(pos, n - 1).reshape(-1), axis=axis)
+            win = win.reshape(y.shape[:axis] + (o, length) + y.shape[axis + 1:])
+            mask = ok.reshape((o, length) + (1,) * (y.ndim - axis - 1))
+            y = jnp.sum(jnp.where(mask, win, jnp.zeros((), acc)), axis=axis + 1)
+        shape = [1] * nsp
+        shape[i] = o
+        count = count * (end - start).reshape(shape)
+    return (y / jnp.asarray(count, acc)).astype(x.dtype)
 
 
 def _adaptive_out(out_size, nsp):

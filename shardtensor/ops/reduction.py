@@ -227,8 +227,9 @@ def std_mean(self, dim=None, *, correction=None, keepdim=False):
 # ----------------------------------------------------------------------------------------------
 # norms (the order is static: it picks the formula)
 # ----------------------------------------------------------------------------------------------
-def vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
-    """torch.linalg.vector_norm; ``ord`` must be a Python number."""
+def vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None, root=True):
+    """torch.linalg.vector_norm; ``ord`` must be a Python number. ``root=False``: sum(|x|**ord)
+    without the final root (``_foreach_powsum``)."""
     in_dt = dtype_arg(dtype) if dtype is not None else dtype_of(self)
     if not (is_float(in_dt) or is_complex(in_dt)):
         in_dt = default_float()
@@ -247,9 +248,11 @@ def vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None):
     elif ord == 1:
         out = jnp.sum(a, axis=ax, keepdims=keepdim)
     elif ord == 2:
-        out = jnp.sqrt(jnp.sum(a * a, axis=ax, keepdims=keepdim))
+        out = jnp.sum(a * a, axis=ax, keepdims=keepdim)
+        out = jnp.sqrt(out) if root else out
     else:
-        out = jnp.power(jnp.sum(jnp.power(a, ord), axis=ax, keepdims=keepdim), 1.0 / ord)
+        out = jnp.sum(jnp.power(a, ord), axis=ax, keepdims=keepdim)
+        out = jnp.power(out, 1.0 / ord) if root else out
     return cast(out, rt)
 
 

@@ -26,6 +26,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+EAGER = False  # Batch: True computes values op by op (slower here than one jit compile per batch)
+# test-only XLA options: these small programs compile ~2x faster without LLVM's expensive passes
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+                    "xla_allow_excess_precision": False}
 MODULES = ("elementwise", "activation", "reduction", "creation", "random", "foreach")
 
 
@@ -109,8 +113,13 @@ def _split(op, args, kwargs):
     return low, leaves, rebuild
 
 
-def call(op, *args, jit=True, **kwargs):
-    """Run the lowering of ``op`` on torch-style arguments; returns jax values."""
+def call(op, *args, jit=False, **kwargs):
+    """Run the lowering of ``op`` on torch-style arguments; returns jax values.
+
+    Eagerly by default (fast: jax caches each primitive), with Python scalars as weak 0-d arrays;
+    the function is also traced with ``jax.make_jaxpr`` (scalars as weak tracers, as under the
+    dispatcher's jit) and must give the same shapes and dtypes there. ``jit=True`` runs it jitted.
+    """
     low, leaves, rebuild = _split(op, args, kwargs)
     assert not low.random, f"{op} is a random op: use call_random"
 
@@ -118,9 +127,20 @@ def call(op, *args, jit=True, **kwargs):
         a, k = rebuild(vals)
         return low.fn(*a, **k)
 
-    if not jit:
-        return f([jnp.asarray(v) if isinstance(v, numbers.Number) else v for v in leaves])
-    return jax.jit(f)(leaves)
+    if jit:
+        return jax.jit(f)(leaves)
+    out = f([jnp.asarray(v) if isinstance(v, numbers.Number) else v for v in leaves])
+    traced = jax.eval_shape(f, leaves)
+    _same_avals(out, traced, op)
+    return out
+
+
+def _same_avals(out, traced, op):
+    flat_out, tree_out = jax.tree_util.tree_flatten(out)
+    flat_tr, tree_tr = jax.tree_util.tree_flatten(traced)
+    assert tree_out == tree_tr, (op, tree_out, tree_tr)
+    for o, t in zip(flat_out, flat_tr):
+        assert (o.shape, o.dtype) == (t.shape, t.dtype), (op, o.shape, o.dtype, t.shape, t.dtype)
 
 
 def call_random(op, key, *args, jit=True, **kwargs):
@@ -141,17 +161,99 @@ def _to_torch_tree(x):
     return to_torch(x)
 
 
-def check(op, *args, atol=None, rtol=None, jit=True, **kwargs):
-    """Compare the lowering with ``op`` run by eager torch on CPU (values, shapes and exact dtypes)."""
-    expected = op(*args, **kwargs)
-    got = _to_torch_tree(call(op, *args, jit=jit, **kwargs))
+def _compare(got, expected, atol, rtol, what):
     if isinstance(expected, (list, tuple)):
-        assert isinstance(got, (list, tuple)) and len(got) == len(expected), (got, expected)
+        assert isinstance(got, (list, tuple)) and len(got) == len(expected), (what, got, expected)
         for g, e in zip(got, expected):
-            torch.testing.assert_close(g, e, atol=atol, rtol=rtol, equal_nan=True)
-    else:
+            _compare(g, e, atol, rtol, what)
+        return
+    try:
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, equal_nan=True)
-    return got
+    except AssertionError as e:
+        raise AssertionError(f"{what}:\n{e}\ngot      {got}\nexpected {expected}") from None
+
+
+def _describe(op, args, kwargs):
+    def short(v):
+        if isinstance(v, torch.Tensor):
+            return f"Tensor{tuple(v.shape)}:{str(v.dtype).replace('torch.', '')}"
+        if isinstance(v, (list, tuple)):
+            return "[" + ", ".join(short(x) for x in v) + "]"
+        return repr(v)
+
+    parts = [short(a) for a in args] + [f"{k}={short(v)}" for k, v in kwargs.items()]
+    return f"{op}({', '.join(parts)})"
+
+
+class Batch:
+    """Collects checks and runs every lowering in one ``jax.jit`` (one XLA compile for the lot, with
+    the dispatcher's calling convention: scalars are weakly typed tracers), then compares each result
+    with eager torch. Use as a context manager::
+
+        with Batch() as b:
+            b.check(aten.add.Tensor, x, 2.5)
+            b.check(aten.mul.Tensor, x, y)
+    """
+
+    def __init__(self):
+        self.items = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.run()
+        return False
+
+    def check(self, op, *args, atol=None, rtol=None, **kwargs):
+        """Queue a comparison of ``op``'s lowering with ``op`` run by eager torch."""
+        expected = op(*args, **kwargs)
+        low, leaves, rebuild = _split(op, args, kwargs)
+        assert not low.random, f"{op} is a random op"
+        self.items.append((low, leaves, rebuild, expected, atol, rtol, _describe(op, args, kwargs)))
+
+    def check_or_skip(self, op, *args, **kwargs):
+        """``check`` unless eager torch itself rejects the call (e.g. bool - bool)."""
+        try:
+            op(*args, **kwargs)
+        except (RuntimeError, ZeroDivisionError):
+            return
+        self.check(op, *args, **kwargs)
+
+    def run(self):
+        items, self.items = self.items, []
+        if not items:
+            return
+
+        def f(all_leaves):
+            outs = []
+            for (low, _, rebuild, _, _, _, what), vals in zip(items, all_leaves):
+                a, k = rebuild(vals)
+                try:
+                    outs.append(low.fn(*a, **k))
+                except Exception as e:
+                    raise AssertionError(f"lowering failed for {what}: {type(e).__name__}: {e}") from e
+            return outs
+
+        leaves = [it[1] for it in items]
+        if EAGER:
+            # values op by op (each primitive compiles once per signature, cached across tests), plus
+            # a trace with weak tracers (the dispatcher's calling convention) for shapes and dtypes
+            traced = jax.eval_shape(f, leaves)
+            with jax.disable_jit():
+                outs = f([[jnp.asarray(v) if isinstance(v, numbers.Number) else v for v in lv] for lv in leaves])
+            _same_avals(outs, traced, "batch")
+        else:
+            outs = jax.jit(f).lower(leaves).compile(COMPILER_OPTIONS)(leaves)
+        for (_, _, _, expected, atol, rtol, what), out in zip(items, outs):
+            _compare(_to_torch_tree(out), expected, atol, rtol, what)
+
+
+def check(op, *args, atol=None, rtol=None, **kwargs):
+    """Compare one lowering (run jitted) with ``op`` run by eager torch on CPU."""
+    with Batch() as b:
+        b.check(op, *args, atol=atol, rtol=rtol, **kwargs)
 
 
 def make(shape, dtype, *, low=-3, high=3, seed=0, nan=False):

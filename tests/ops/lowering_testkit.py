@@ -14,6 +14,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 import torch
 
 jax.config.update("jax_enable_x64", True)
@@ -21,6 +22,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp  # noqa: E402
 
 aten = torch.ops.aten
+JIT = __import__("os").environ.get("LOWERING_JIT", "1") == "1"
 ROOT = "/work/main/shardtensor"
 
 
@@ -70,7 +72,7 @@ def to_torch(x):
     x = jnp.asarray(x)
     dt = dtypes.to_torch(x.dtype)
     if dt == torch.bfloat16:
-        return torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16)
     return torch.from_numpy(np.array(x))
 
 
@@ -109,31 +111,78 @@ def assert_same(got, want, rtol=None, atol=None, equal_nan=True):
     torch.testing.assert_close(g, want.detach().resolve_conj(), equal_nan=equal_nan, **kw)
 
 
-def check(op, *args, rtol=None, atol=None, scalars=True, **kwargs):
-    """Run ``op`` in torch and its lowering on the same inputs and compare; returns the torch result."""
+def _jit_many(calls):
+    """[fn(*args, **kwargs) for fn, args, kwargs in calls] inside one jax.jit: jax arrays are the
+    inputs (so lowerings must work on tracers), every other argument is static, as in a compiled graph."""
+    leaves, treedef = jax.tree_util.tree_flatten([(list(a), k) for _, a, k in calls], is_leaf=lambda v: v is None)
+    pos = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array)]
+
+    def inner(*arrays):
+        filled = list(leaves)
+        for i, a in zip(pos, arrays):
+            filled[i] = a
+        outs = []
+        for (fn, _, _), (a, k) in zip(calls, jax.tree_util.tree_unflatten(treedef, filled)):
+            try:
+                outs.append(fn(*a, **k))
+            except Exception as e:
+                e.add_note(f"while lowering {getattr(fn, '_op', fn)}")
+                raise
+        return outs
+
+    return jax.jit(inner)(*[leaves[i] for i in pos])
+
+
+def call(fn, args, kwargs, jit=True):
+    """fn(*args, **kwargs), under jax.jit if ``jit``."""
+    return _jit_many([(fn, args, kwargs)])[0] if jit else fn(*args, **kwargs)
+
+
+# Checks made inside a test are compared when the test ends, all lowerings compiled as one jit
+# (one XLA compilation per test instead of one per check: the tests stay fast).
+_pending = None
+
+
+@pytest.fixture(autouse=True)
+def batch_checks():
+    """Autouse fixture (import it into a test module): defer that module's checks to the test's end."""
+    global _pending
+    _pending = []
+    try:
+        yield
+        flush()
+    finally:
+        _pending = None
+
+
+def flush():
+    """Run and compare every deferred check now."""
+    global _pending
+    pending, _pending = _pending or [], []
+    if not pending:
+        return
+    outs = _jit_many([(fn, a, k) for fn, a, k, *_ in pending])
+    for (fn, _, _, want, rtol, atol, op), got in zip(pending, outs):
+        try:
+            assert_same(got, want, rtol, atol)
+        except AssertionError as e:
+            raise AssertionError(f"{op}: {e}") from None
+
+
+def check(op, *args, rtol=None, atol=None, scalars=True, jit=JIT, **kwargs):
+    """Run ``op`` in torch and its lowering on the same inputs and compare (at the end of the test when
+    checks are batched); returns the torch result."""
     want = op(*args, **kwargs)
     jargs, jkw = to_jax(list(args)), {k: to_jax(v) for k, v in kwargs.items()}
     if scalars:
         jargs, jkw = _scalar_args(op, jargs, jkw)
-    got = lower(op)(*jargs, **jkw)
-    assert_same(got, want, rtol, atol)
+    fn = lower(op)
+    if jit and _pending is not None:
+        _pending.append((fn, jargs, jkw, want, rtol, atol, op))
+        return want
+    try:
+        got = call(fn, jargs, jkw, jit)
+        assert_same(got, want, rtol, atol)
+    except AssertionError as e:
+        raise AssertionError(f"{op}: {e}") from None
     return want
-
-
-def check_fn(lowering, torch_fn, *args, rtol=None, atol=None, **kwargs):
-    """Compare an arbitrary torch callable with a lowering callable on the same (converted) inputs."""
-    want = torch_fn(*args, **kwargs)
-    got = lowering(*to_jax(list(args)), **{k: to_jax(v) for k, v in kwargs.items()})
-    assert_same(got, want, rtol, atol)
-    return want
-
-
-def grads(fn, *inputs, grad_out=None, seed=0):
-    """torch grads of fn(*inputs) w.r.t. the inputs that require grad, for a random grad_output."""
-    out = fn(*inputs)
-    outs = out if isinstance(out, (tuple, list)) else (out,)
-    g = torch.Generator().manual_seed(seed)
-    if grad_out is None:
-        grad_out = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
-    torch.autograd.backward(outs, grad_out)
-    return out, grad_out

@@ -1,0 +1,77 @@
+"""Matrix-product lowerings (shardtensor/ops/matmul.py) against eager torch on CPU."""
+import pytest
+import torch
+
+from lowering_testkit import aten, check, batch_checks  # noqa: F401  (autouse fixture)
+
+torch.manual_seed(0)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+
+
+def r(*shape, dtype=torch.float32):
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(*shape, dtype=torch.float32 if dtype == torch.bfloat16 else dtype).to(dtype)
+    return torch.randint(-9, 9, shape, dtype=dtype)
+
+
+def tol(dtype):
+    return {"rtol": 1.6e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mm_bmm_mv_dot(dtype):
+    check(aten.mm.default, r(3, 7, dtype=dtype), r(7, 5, dtype=dtype), **tol(dtype))
+    check(aten.bmm.default, r(2, 3, 7, dtype=dtype), r(2, 7, 1, dtype=dtype), **tol(dtype))
+    check(aten.mv.default, r(3, 7, dtype=dtype), r(7, dtype=dtype), **tol(dtype))
+    check(aten.dot.default, r(7, dtype=dtype), r(7, dtype=dtype), **tol(dtype))
+
+
+def test_empty_and_complex():
+    check(aten.mm.default, r(3, 0), r(0, 4))
+    check(aten.bmm.default, r(0, 2, 3), r(0, 3, 4))
+    z = torch.randn(5, dtype=torch.complex128)
+    check(aten.vdot.default, z, torch.randn(5, dtype=torch.complex128))
+    check(aten.mm.default, torch.randn(2, 3, dtype=torch.complex64), torch.randn(3, 2, dtype=torch.complex64))
+
+
+def test_float32_precision_is_full():
+    # large contraction: at default (bf16-pass) precision XLA would be off by ~1e-2
+    a, b = torch.randn(16, 512), torch.randn(512, 16)
+    check(aten.mm.default, a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("beta,alpha", [(1, 1), (0.5, 2), (0, 1), (2, 0)])
+def test_addmm_family(dtype, beta, alpha):
+    if dtype == torch.int64:
+        beta, alpha = int(beta * 2), int(alpha)
+    kw = dict(beta=beta, alpha=alpha, **tol(dtype))
+    check(aten.addmm.default, r(5, dtype=dtype), r(3, 4, dtype=dtype), r(4, 5, dtype=dtype), **kw)
+    check(aten.addmm.default, r(3, 5, dtype=dtype), r(3, 4, dtype=dtype), r(4, 5, dtype=dtype), **kw)
+    check(aten.baddbmm.default, r(2, 3, 5, dtype=dtype), r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype), **kw)
+    check(aten.baddbmm.default, r(1, 5, dtype=dtype), r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype), **kw)
+    check(aten.addbmm.default, r(3, 5, dtype=dtype), r(2, 3, 4, dtype=dtype), r(2, 4, 5, dtype=dtype), **kw)
+    check(aten.addmv.default, r(3, dtype=dtype), r(3, 4, dtype=dtype), r(4, dtype=dtype), **kw)
+    check(aten.addr.default, r(3, 4, dtype=dtype), r(3, dtype=dtype), r(4, dtype=dtype), **kw)
+
+
+def test_beta_zero_ignores_nan():
+    bias = torch.full((3, 5), float("nan"))
+    check(aten.addmm.default, bias, r(3, 4), r(4, 5), beta=0, alpha=1)
+    check(aten.baddbmm.default, torch.full((2, 3, 5), float("inf")), r(2, 3, 4), r(2, 4, 5), beta=0.0)
+    check(aten.addmv.default, torch.full((3,), float("nan")), r(3, 4), r(4), beta=0)
+
+
+def test_addr_bool_and_addmm_activation():
+    check(aten.addr.default, torch.rand(3, 4) > 0.5, torch.rand(3) > 0.5, torch.rand(4) > 0.5, beta=True, alpha=True)
+    check(aten.addr.default, torch.rand(3, 4) > 0.5, torch.rand(3) > 0.5, torch.rand(4) > 0.5, beta=False, alpha=True)
+    for gelu in (False, True):
+        check(aten._addmm_activation.default, r(5), r(3, 4), r(4, 5), beta=0.5, alpha=2, use_gelu=gelu)
+
+
+def test_dtype_mismatch_raises():
+    from lowering_testkit import lower, to_jax
+
+    with pytest.raises(RuntimeError):
+        lower(aten.mm.default)(to_jax(r(2, 3)), to_jax(r(3, 2, dtype=torch.float64)))

@@ -1,0 +1,394 @@
+"""Issue 2 §6: lazy mode (recording, sync, step, implicit sync on reads, the executable cache,
+Python scalars as graph inputs, donation, counters) and eager mode."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardtensor as st
+from _training_helpers import (
+    MLP, MLP_SPECS, make_pair, mesh_4x2, mesh_8, mlp_batches, reset_state, shard_params,
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    reset_state()
+    st.clear_counters()
+    yield
+    reset_state()
+
+
+def n(name):
+    """Counter value, 0 when it never counted (counter_value gives None then)."""
+    return st.counter_value(name) or 0
+
+
+def _x(shape=(8, 6), seed=0):
+    a = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return a, st.shard(a, mesh_4x2(), ("data", None))
+
+
+# --- counters -------------------------------------------------------------------------------------
+def test_counter_api():
+    st.clear_counters()
+    assert st.counter_value("UncachedCompile") is None
+    assert st.counters() == {}
+    a, x = _x()
+    assert n("TransferToDevice") == 1  # st.shard uploads
+    (x + 1).cpu()
+    names = st.counter_names()
+    for name in ("TransferToDevice", "TransferFromDevice", "UncachedCompile", "ExecuteReplicated"):
+        assert name in names
+    assert st.counters()["ExecuteReplicated"] == 1
+    st.clear_counters()
+    assert st.counter_value("ExecuteReplicated") is None
+
+
+def test_transfer_counters():
+    a = torch.randn(4, 4)
+    t = a.to(st.device())
+    assert n("TransferToDevice") == 1
+    assert n("TransferFromDevice") == 0
+    torch.testing.assert_close(t.cpu(), a)
+    assert n("TransferFromDevice") == 1
+
+
+# --- lazy mode ------------------------------------------------------------------------------------
+def test_default_mode_is_lazy():
+    assert st.is_eager_mode() is False
+
+
+def test_ops_are_recorded_and_run_at_sync():
+    a, x = _x()
+    st.clear_counters()
+    y = (x * 2 + 1).sin().sum(0)
+    z = x.t() @ x
+    assert n("ExecuteReplicated") == 0
+    assert n("UncachedCompile") == 0
+    st.sync()
+    assert n("MarkStep") == 1
+    assert n("UncachedCompile") == 1
+    assert n("ExecuteReplicated") == 1  # y and z in one program
+    torch.testing.assert_close(y.cpu(), (a * 2 + 1).sin().sum(0))
+    torch.testing.assert_close(z.cpu(), a.t() @ a, rtol=1e-5, atol=1e-5)
+    assert n("ExecuteReplicated") == 1  # reading computed values runs nothing
+    assert n("TransferFromDevice") == 2
+
+
+def test_sync_with_nothing_pending_runs_nothing():
+    a, x = _x()
+    st.sync()
+    st.sync(wait=True)
+    assert n("ExecuteReplicated") == 0
+    assert n("UncachedCompile") == 0
+
+
+def test_sync_wait():
+    a, x = _x()
+    y = x.exp()
+    st.sync(wait=True)
+    assert n("ExecuteReplicated") == 1
+    torch.testing.assert_close(y.cpu(), a.exp())
+
+
+def test_same_graph_is_cached():
+    a, x = _x()
+    for i in range(3):
+        y = x * 2 - x.sum()
+        st.sync()
+    assert n("UncachedCompile") == 1
+    assert n("CachedCompile") == 2
+    assert n("ExecuteReplicated") == 3
+    torch.testing.assert_close(y.cpu(), a * 2 - a.sum())
+
+
+def test_step_syncs_at_normal_exit():
+    a, x = _x()
+    with st.step():
+        y = x + 1
+        assert n("ExecuteReplicated") == 0
+    assert n("MarkStep") == 1
+    assert n("ExecuteReplicated") == 1
+    torch.testing.assert_close(y.cpu(), a + 1)
+    assert n("ExecuteReplicated") == 1
+
+
+def test_step_does_not_sync_when_block_raises():
+    a, x = _x()
+    with pytest.raises(ValueError, match="boom"):
+        with st.step():
+            y = x + 1
+            raise ValueError("boom")
+    assert n("MarkStep") == 0
+    assert n("ExecuteReplicated") == 0
+    # the recorded work is still there and runs when needed
+    torch.testing.assert_close(y.cpu(), a + 1)
+    assert n("ExecuteReplicated") == 1
+
+
+@pytest.mark.parametrize("reader", ["cpu", "to_cpu", "item", "tolist", "numpy", "print", "repr", "bool",
+                                    "float", "format"])
+def test_reading_a_value_syncs(reader, capsys):
+    a, x = _x()
+    s = x.sum()
+    v = x * 3
+    other = x - 1  # pending too: an implicit sync runs everything pending
+    assert n("ExecuteReplicated") == 0
+    if reader == "cpu":
+        torch.testing.assert_close(v.cpu(), a * 3)
+    elif reader == "to_cpu":
+        torch.testing.assert_close(v.to("cpu"), a * 3)
+    elif reader == "item":
+        assert s.item() == pytest.approx(a.sum().item(), rel=1e-5)
+    elif reader == "tolist":
+        torch.testing.assert_close(torch.tensor(v.tolist()), a * 3)
+    elif reader == "numpy":
+        torch.testing.assert_close(torch.from_numpy(v.numpy()), a * 3)
+    elif reader == "print":
+        print(v)
+        out = capsys.readouterr().out
+        assert f"{(a * 3)[0, 0].item():.4f}" in out
+    elif reader == "repr":
+        r = repr(v)
+        assert f"{(a * 3)[0, 0].item():.4f}" in r
+    elif reader == "bool":
+        assert bool(s > -1e9) is True
+    elif reader == "float":
+        assert float(s) == pytest.approx(a.sum().item(), rel=1e-5)
+    elif reader == "format":
+        assert f"{s:.3f}" == f"{a.sum().item():.3f}"
+    assert n("ExecuteReplicated") == 1
+    torch.testing.assert_close(other.cpu(), a - 1)
+    assert n("ExecuteReplicated") == 1
+
+
+def test_print_replicated_and_sharded_results(capsys):
+    """Printing works for replicated tensors, user-sharded ones and results whose layout XLA chose."""
+    a, x = _x()
+    r = (torch.arange(4.0).to(st.device()) + 1)
+    y = x * 2  # sharded input, no user spec: XLA picks the layout
+    for t, expected in ((x, a), (r, torch.arange(4.0) + 1), (y, a * 2)):
+        text = repr(t)
+        assert "ShardedTensor" in text
+        assert f"{expected.reshape(-1)[1].item():.4f}" in text
+        print(t)
+    assert "ShardedTensor" in capsys.readouterr().out
+
+
+def test_value_read_inside_step_syncs_once_more():
+    a, x = _x()
+    with st.step():
+        s = (x * 2).sum()
+        assert s.item() == pytest.approx(2 * a.sum().item(), rel=1e-5)
+        y = x + s
+    assert n("ExecuteReplicated") == 2
+    torch.testing.assert_close(y.cpu(), a + 2 * a.sum(), rtol=1e-5, atol=1e-5)
+
+
+def _mlp_setup(opt_kwargs=None, mesh=None):
+    mesh = mesh or mesh_8()
+    ref, dev = make_pair(MLP)
+    shard_params(dev, mesh, MLP_SPECS)
+    kw = dict(lr=0.1, momentum=0.9) if opt_kwargs is None else opt_kwargs
+    ref_opt = torch.optim.SGD(ref.parameters(), **kw)
+    dev_opt = torch.optim.SGD(dev.parameters(), **kw)
+    batches = mlp_batches(7, torch.Generator().manual_seed(3))
+    dev_batches = [(st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d",))) for x, y in batches]
+    return ref, dev, ref_opt, dev_opt, batches, dev_batches
+
+
+def _step(model, opt, x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def test_training_loop_compiles_once():
+    """After a warm-up of 2 steps (the optimizer creates its state in step 1), 5 identical steps
+    reuse the cached executable: no compile, one execution each, no transfers."""
+    ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup()
+    for x, y in dev_batches[:2]:
+        with st.step():
+            _step(dev, dev_opt, x, y)
+    st.clear_counters()
+    losses = []
+    for x, y in dev_batches[2:]:
+        with st.step():
+            losses.append(_step(dev, dev_opt, x, y).detach())
+    assert n("UncachedCompile") == 0, st.counters()
+    assert n("CachedCompile") == 5
+    assert n("ExecuteReplicated") == 5
+    assert n("MarkStep") == 5
+    assert n("TransferToDevice") == 0
+    assert n("TransferFromDevice") == 0
+    ref_losses = [_step(ref, ref_opt, x, y).item() for x, y in batches]
+    torch.testing.assert_close(torch.stack([l.cpu() for l in losses]), torch.tensor(ref_losses[2:]),
+                               rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_learning_rate_change_does_not_recompile():
+    """Python scalars (lr, momentum...) are graph inputs: a new lr reuses the executable and is used."""
+    ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup()
+    lrs = [0.1, 0.1, 0.05, 0.02, 0.3, 0.07, 0.01]
+    for i, ((x, y), (xd, yd)) in enumerate(zip(batches, dev_batches)):
+        if i == 2:
+            st.clear_counters()
+        for g in ref_opt.param_groups + dev_opt.param_groups:
+            g["lr"] = lrs[i]
+        with st.step():
+            _step(dev, dev_opt, xd, yd)
+        _step(ref, ref_opt, x, y)
+    assert n("UncachedCompile") == 0, st.counters()
+    assert n("CachedCompile") == 5
+    for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("op", ["add_alpha", "mul_scalar", "div_scalar", "rsub", "pow", "addcdiv_value"])
+def test_python_scalars_are_graph_inputs(op):
+    """The minimal form of the lr test: the same op with another Python number compiles once."""
+    a, x = _x()
+    fns = {
+        "add_alpha": lambda t, s: t.add(t, alpha=s),
+        "mul_scalar": lambda t, s: t * s,
+        "div_scalar": lambda t, s: t / s,
+        "rsub": lambda t, s: s - t,
+        "pow": lambda t, s: t.abs() ** s,
+        "addcdiv_value": lambda t, s: torch.addcdiv(t, t, t.abs() + 1, value=s),
+    }
+    fn = fns[op]
+    for s in (0.5, 1.5, 2.5, 3.5):
+        y = fn(x, s)
+        st.sync()
+        torch.testing.assert_close(y.cpu(), fn(a, s), rtol=1e-5, atol=1e-5)
+    assert n("UncachedCompile") == 1, st.counters()
+    assert n("CachedCompile") == 3
+
+
+def test_overwritten_buffers_are_donated():
+    """Parameters overwritten by a step are donated: the previous step's arrays are freed."""
+    ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup(dict(lr=0.1))
+    for x, y in dev_batches[:2]:
+        with st.step():
+            _step(dev, dev_opt, x, y)
+    before = {name: p._cell.value for name, p in dev.named_parameters()}
+    x, y = dev_batches[2]
+    with st.step():
+        _step(dev, dev_opt, x, y)
+    for name, array in before.items():
+        assert array.is_deleted(), f"{name}: the old value of an overwritten parameter was not donated"
+    # and the values are right
+    for x, y in batches[:3]:
+        _step(ref, ref_opt, x, y)
+    for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+
+
+def test_inputs_still_read_are_not_donated():
+    """A tensor that a graph overwrites but that another live tensor still shares is not donated."""
+    a, x = _x()
+    keep = x.detach()  # shares the cell: sees the update
+    y = x.clone()
+    old_y = y * 1
+    st.sync()
+    y.mul_(2)
+    st.sync()
+    torch.testing.assert_close(old_y.cpu(), a)
+    torch.testing.assert_close(y.cpu(), a * 2)
+    x.add_(1)
+    st.sync()
+    torch.testing.assert_close(keep.cpu(), a + 1)
+
+
+# --- eager mode -----------------------------------------------------------------------------------
+def test_eager_mode_call_runs_each_op():
+    a, x = _x()
+    st.clear_counters()
+    st.eager_mode(True)
+    try:
+        assert st.is_eager_mode()
+        y = x * 2
+        assert n("ExecuteReplicated") == 1
+        z = y.sin()
+        assert n("ExecuteReplicated") == 2
+        w = z @ y.t()
+        assert n("ExecuteReplicated") == 3
+        y.add_(1)  # in place
+        assert n("ExecuteReplicated") == 4
+        st.sync()  # nothing is pending
+        assert n("ExecuteReplicated") == 4
+    finally:
+        st.eager_mode(False)
+    assert not st.is_eager_mode()
+    torch.testing.assert_close(w.cpu(), (a * 2).sin() @ (a * 2).t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y.cpu(), a * 2 + 1)
+    assert n("ExecuteReplicated") == 4
+
+
+def test_eager_mode_context_manager_restores_mode():
+    a, x = _x()
+    with st.eager_mode(True):
+        assert st.is_eager_mode()
+        y = x.exp()
+        assert n("ExecuteReplicated") == 1
+        with st.eager_mode(False):
+            assert not st.is_eager_mode()
+            z = y + 1
+            assert n("ExecuteReplicated") == 1
+        assert st.is_eager_mode()
+    assert not st.is_eager_mode()
+    torch.testing.assert_close(z.cpu(), a.exp() + 1)
+
+
+def test_eager_mode_as_decorator():
+    """eager_mode is a ContextDecorator: decorating must not switch the mode at definition time."""
+    @st.eager_mode(True)
+    def f(t):
+        assert st.is_eager_mode()
+        return t * 2
+
+    assert not st.is_eager_mode()
+    a, x = _x()
+    torch.testing.assert_close(f(x).cpu(), a * 2)
+    assert not st.is_eager_mode()
+
+
+def test_switching_to_eager_runs_pending_work():
+    a, x = _x()
+    y = x + 1
+    with st.eager_mode(True):
+        assert n("ExecuteReplicated") == 1
+    torch.testing.assert_close(y.cpu(), a + 1)
+
+
+def test_eager_views_and_inplace_equal_torch():
+    a = torch.randn(6, 4)
+    ref = a.clone()
+    with st.eager_mode(True):
+        x = st.shard(a, mesh_4x2(), (None, "model"))
+        x.t().mul_(2)
+        x[:, 0] = 1
+        x.view(-1).add_(1)
+        x[:4].diagonal().zero_()
+        s = x.sum(1)
+    ref.t().mul_(2)
+    ref[:, 0] = 1
+    ref.view(-1).add_(1)
+    ref[:4].diagonal().zero_()
+    torch.testing.assert_close(x.cpu(), ref)
+    torch.testing.assert_close(s.cpu(), ref.sum(1))
+
+
+def test_eager_results_equal_lazy_and_torch():
+    a, x = _x((8, 8), seed=4)
+    fns = [lambda t: F.gelu(t) @ t.t(), lambda t: F.softmax(t, -1).cumsum(0), lambda t: F.layer_norm(t, (8,))]
+    for fn in fns:
+        with st.eager_mode(True):
+            e = fn(x)
+        lz = fn(x)
+        torch.testing.assert_close(e.cpu(), fn(a), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lz.cpu(), fn(a), rtol=1e-5, atol=1e-5)
