@@ -138,7 +138,7 @@ class _Trace:
         program = execution.program if execution else None
         sources, targets = [], []
         if program is not None:
-            for leaf_i, cell in enumerate(program.leaf_cells):
+            for leaf_i, cell in enumerate(execution.leaf_cells):
                 sources.append(_source(cell, execution.arrays[leaf_i], arg_cells, first_serial))
             new_count = 0
             for cell in execution.cells:

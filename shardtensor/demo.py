@@ -24,10 +24,11 @@ def _simulate_cpu_devices() -> None:
     """Apply SHARDTENSOR_CPU_DEVICES even though ``python -m shardtensor.demo`` imported the package
     (and jax) before this module: the count still takes effect while no JAX backend has started."""
     import jax
-    from jax._src import xla_bridge
 
-    if not xla_bridge.backends_are_initialized():
+    try:
         jax.config.update("jax_num_cpu_devices", int(os.environ["SHARDTENSOR_CPU_DEVICES"]))
+    except RuntimeError:
+        pass  # a backend already started; shardtensor's runtime reports a device-count mismatch
 
 
 _simulate_cpu_devices()
@@ -104,7 +105,7 @@ def shard_model(model: nn.Module, mesh: st.Mesh) -> None:
 def markov_batches(seed: int = 0):
     """Endless (inputs, targets) CPU batches from a fixed sparse Markov chain over the vocabulary."""
     g = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, VOCAB, (VOCAB, 2), generator=g)  # each token has 2 likely successors
+    successors = torch.randint(0, VOCAB, (VOCAB, 2), generator=g)  # each token has 2 possible successors
     while True:
         tokens = torch.empty(BATCH, SEQ + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=g)
@@ -135,6 +136,7 @@ def train(steps: int, mode: str):
     mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
     model = GPT().to(st.device())
     shard_model(model, mesh)
+    st.sync()  # move the initial weights into their shards now, not inside the first step
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, capturable=True)
     train_step = make_train_step(model, opt)
     if mode == "compile":
@@ -180,6 +182,7 @@ def main(argv=None) -> int:
 
     model, losses, times = train(args.steps, args.mode)
     console = Console()
+    console.width = max(console.width, 120)  # room for the sharding strings when not on a terminal
     console.print(sharding_table(model))
     timed = times[2:] or times
     print(f"compiles (UncachedCompile): {st.counter_value('UncachedCompile') or 0}")

@@ -26,7 +26,7 @@ aten = torch.ops.aten
 # --- schema facts, memoised per overload ----------------------------------------------------------
 @dataclasses.dataclass
 class OpFacts:
-    scalar_slots: frozenset  # positions / names of Scalar or Scalar[] arguments
+    scalar_slots: frozenset  # positions / names of Scalar, Scalar[] or Tensor arguments
     mutated: tuple  # names of arguments the op writes (a!)
     out_names: tuple  # names of out= arguments
     arg_names: tuple
@@ -49,7 +49,9 @@ def _make_facts(func) -> OpFacts:
     slots, mutated, outs, names = set(), [], [], []
     for i, a in enumerate(schema.arguments):
         names.append(a.name)
-        if "Scalar" in str(a.type):
+        if "Scalar" in str(a.type) or "Tensor" in str(a.type):
+            # a Python number in a Scalar or Tensor slot (x / 0.93 reaches us as div.Tensor) is a
+            # runtime input, so a value that changes each step does not recompile
             slots.update((i, a.name))
         if a.alias_info is not None and a.alias_info.is_write:
             mutated.append(a.name)

@@ -103,26 +103,28 @@ def run_cells(cells, wait: bool = False):
 class Execution:
     """One graph run: its program (structure), executable and concrete inputs."""
 
-    def __init__(self, cells, program, executable, arrays, scalars):
+    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells):
         self.cells, self.program, self.executable = cells, program, executable
         self.arrays, self.scalars = arrays, scalars
+        self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
 
     @classmethod
     def prepare(cls, cells):
         program, arrays, scalars = _Program.build(cells)
+        leaf_cells, program.leaf_cells = program.leaf_cells, None  # the cache must not keep cells alive
         fn = _EXECUTABLES.get(program.key)
         if fn is None:
             counters.increment("UncachedCompile")
             fn = _EXECUTABLES[program.key] = program.make_executable()
         else:
             counters.increment("CachedCompile")
-        return cls(cells, fn.program, fn, arrays, scalars)
+        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
 
     def run(self, wait=False):
         outs = call_executable(self.executable, self.arrays, self.scalars, wait)
         assign_outputs(self.program, self.cells, outs)
         for i in self.program.forwarded_leaves:
-            leaf_cell = self.program.leaf_cells[i]
+            leaf_cell = self.leaf_cells[i]
             if leaf_cell is not None:
                 leaf_cell.owned = False
         return outs

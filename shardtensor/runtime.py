@@ -161,6 +161,8 @@ def is_spmd() -> bool:
 
 @functools.cache
 def _global_devices() -> tuple:
+    if not _backends_started():
+        _configure_jax()  # the variables may have been set after `import shardtensor` (python -m ...)
     devices = tuple(sorted(jax.devices(), key=lambda d: d.id))
     # The backend may have been started by someone else after our import: check once.
     _check_started_backend(_requested_cpu_device_count(), _requested_platform())

@@ -140,7 +140,7 @@ def elu_backward(grad_output, alpha, scale, input_scale, is_result, self_or_resu
         neg = g * negiptcoef * (x + negcoef)
     else:
         neg = g * negiptcoef * negcoef * jnp.exp(x * negiptcoef)
-    return cast(jnp.where(x <= 0, neg, g * poscoef), rt)
+    return cast(jnp.where(x > 0, g * poscoef, neg), rt)  # (torch: NaN takes the negative branch)
 
 
 @register(aten.celu.default)
@@ -177,8 +177,9 @@ def hardtanh(self, min_val=-1, max_val=1):
 @register(aten.hardtanh_backward.default)
 def hardtanh_backward(grad_output, self, min_val, max_val):
     rt, ct, g, x = promote(grad_output, self)
-    outside = (x <= cast(min_val, ct)) | (x >= cast(max_val, ct))
-    return cast(jnp.where(outside, _zero(g), g), rt)
+    # NaN inputs get 0, as torch's vectorised CPU loop (its scalar loop, for tiny tensors, passes grad)
+    inside = (x > cast(min_val, ct)) & (x < cast(max_val, ct))
+    return cast(jnp.where(inside, g, _zero(g)), rt)
 
 
 def _relu6(x):
@@ -206,7 +207,7 @@ def hardswish(self):
 @register(aten.hardswish_backward.default)
 def hardswish_backward(grad_output, self):
     rt, ct, g, x = promote(grad_output, self)
-    out = jnp.where(x < -3, _zero(g), jnp.where(x <= 3, g * (x / 3 + 0.5), g))
+    out = jnp.where(x <= -3, _zero(g), jnp.where(x >= 3, g, g * (x / 3 + 0.5)))
     return cast(out, rt)
 
 
@@ -263,7 +264,7 @@ def softshrink(self, lambd=0.5):
 def softshrink_backward(grad_output, self, lambd):
     rt, ct, g, x = promote(grad_output, self)
     lam = cast(lambd, ct)
-    return cast(jnp.where((x >= -lam) & (x <= lam), _zero(g), g), rt)
+    return cast(jnp.where((x < -lam) | (x > lam), g, _zero(g)), rt)  # NaN: 0 (torch's vectorised loop)
 
 
 @register(aten.hardshrink.default)
@@ -278,7 +279,7 @@ def hardshrink(self, lambd=0.5):
 def hardshrink_backward(grad_out, self, lambd):
     rt, ct, g, x = promote(grad_out, self)
     lam = cast(lambd, ct)
-    return cast(jnp.where((x >= -lam) & (x <= lam), _zero(g), g), rt)
+    return cast(jnp.where((x < -lam) | (x > lam), g, _zero(g)), rt)  # NaN: 0, as torch
 
 
 @register(aten._prelu_kernel.default)

@@ -399,8 +399,8 @@ def _softmax_compute(x, dim, log):
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     shifted = x - m
-    if log:
-        return shifted - jnp.log(jnp.sum(jnp.exp(shifted), axis=ax, keepdims=True))
+    if log:  # torch's CPU kernel: x - (max + log(sum(exp(x - max))))
+        return x - (m + jnp.log(jnp.sum(jnp.exp(shifted), axis=ax, keepdims=True)))
     e = jnp.exp(shifted)
     return e / jnp.sum(e, axis=ax, keepdims=True)
 

@@ -480,3 +480,21 @@ def rot90(x, k=1, dims=(0, 1)):
     if d0 == d1:
         raise RuntimeError("rot90: expected rotation dims to be different")
     return jnp.rot90(x, k, axes=(d0, d1))
+
+
+# tril/triu reach dispatch (explicit causal masks; SDPA's math path on a PrivateUse1 device) but
+# belong to no family. Registered here unless a module imported earlier already lowers them.
+def _tri(fn):
+    def lowering(x, diagonal=0):
+        if x.ndim < 2:
+            raise RuntimeError(f"{fn.__name__}: input tensor must have at least 2 dimensions")
+        return fn(x, diagonal)
+
+    return lowering
+
+
+for _op, _fn in ((aten.tril.default, jnp.tril), (aten.triu.default, jnp.triu)):
+    from shardtensor.ops.registry import lookup as _lookup
+
+    if _lookup(_op) is None:
+        register(_op)(_tri(_fn))

@@ -28,8 +28,7 @@ import torch  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EAGER = False  # Batch: True computes values op by op (slower here than one jit compile per batch)
 # test-only XLA options: these small programs compile ~2x faster without LLVM's expensive passes
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-                    "xla_allow_excess_precision": False}
+COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MODULES = ("elementwise", "activation", "reduction", "creation", "random", "foreach")
 
 
@@ -217,7 +216,7 @@ class Batch:
         """``check`` unless eager torch itself rejects the call (e.g. bool - bool)."""
         try:
             op(*args, **kwargs)
-        except (RuntimeError, ZeroDivisionError):
+        except (RuntimeError, ZeroDivisionError, NotImplementedError):
             return
         self.check(op, *args, **kwargs)
 

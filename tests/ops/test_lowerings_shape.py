@@ -208,3 +208,9 @@ def test_scatter_ops_write_through_views_like_torch():
     new_col = fn_sl(col, to_jax(v), 0, 1, None, 1)
     new_xt = fn_sel(xt, new_col, 1, 0)
     assert_same(fn_t(new_xt), ref)
+
+
+def test_tril_triu():
+    for d in (0, 1, -2, 5):
+        check(aten.tril.default, X, d)
+        check(aten.triu.default, r(4, 3, dtype=torch.bool), d)

@@ -1,0 +1,129 @@
+"""Issue 2 §6: an error raised inside ``backward()`` reaches the user as that error (a Python
+PrivateUse1 backend otherwise turns it into a bare SystemError), in lazy, eager and compile mode;
+an op with no lowering hit only in backward names the op."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardtensor as st
+from shardtensor.ops import registry
+from _training_helpers import mesh_4x2, mesh_8, reset_state
+
+aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    reset_state()
+    yield
+    reset_state()
+
+
+class FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ValueError("custom backward failed on purpose")
+
+
+def _run(mode, fn):
+    if mode == "eager":
+        with st.eager_mode(True):
+            return fn()
+    if mode == "compile":
+        return st.compile(fn)()
+    return fn()
+
+
+def _x(requires_grad=True):
+    x = st.shard(torch.randn(8, 4), mesh_4x2(), ("data", None))
+    return x.requires_grad_(requires_grad)
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager", "compile"])
+def test_custom_function_error_in_backward_reaches_user(mode):
+    x = _x()
+
+    def step():
+        y = FailingBackward.apply(x * 3).sum()
+        y.backward()
+
+    with pytest.raises(ValueError, match="custom backward failed on purpose"):
+        _run(mode, step)
+
+
+def test_custom_function_error_through_autograd_grad():
+    x = _x()
+    y = FailingBackward.apply(x).sum()
+    with pytest.raises(ValueError, match="custom backward failed on purpose"):
+        torch.autograd.grad(y, x)
+
+
+def test_error_in_tensor_hook_reaches_user():
+    x = _x()
+    h = x * 2
+
+    def hook(grad):
+        raise KeyError("hook failed on purpose")
+
+    h.register_hook(hook)
+    with pytest.raises(KeyError, match="hook failed on purpose"):
+        h.sum().backward()
+
+
+def test_error_in_backward_is_not_a_system_error():
+    x = _x()
+    y = FailingBackward.apply(x).sum()
+    with pytest.raises(Exception) as info:
+        y.backward()
+    assert not isinstance(info.value, SystemError), repr(info.value)
+    assert "returned NULL" not in str(info.value)
+
+
+def test_usable_after_an_error_in_backward():
+    """After a failed backward, a normal forward/backward works and gives torch's gradients."""
+    x = _x()
+    with pytest.raises(ValueError):
+        FailingBackward.apply(x).sum().backward()
+    a = torch.randn(8, 4)
+    ref = a.clone().requires_grad_()
+    x = st.shard(a, mesh_4x2(), ("data", None)).requires_grad_()
+    (x.sin() * 3).sum().backward()
+    (ref.sin() * 3).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), ref.grad)
+
+
+def test_backward_error_inside_a_custom_function_with_a_good_sibling():
+    """The failing node is one branch; the error (not a later crash) is what the user sees."""
+    x = _x()
+    y = (FailingBackward.apply(x) + x.exp()).sum()
+    with pytest.raises(ValueError, match="on purpose"):
+        y.backward()
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager", "compile"])
+def test_missing_lowering_hit_only_in_backward_names_the_op(mode, monkeypatch):
+    """avg_pool2d has a lowering; take its backward op's away: forward works, backward raises
+    NotImplementedError naming aten.avg_pool2d_backward."""
+    op = aten.avg_pool2d_backward.default
+    assert op in registry._TABLE, "this test needs a lowering to remove"
+    monkeypatch.delitem(registry._TABLE, op)
+    x = st.shard(torch.randn(2, 3, 8, 8), mesh_8(), (None, None, "d", None)).requires_grad_()
+
+    def step():
+        y = F.avg_pool2d(x, 2).sum()
+        y.backward()
+
+    with pytest.raises(NotImplementedError, match="avg_pool2d_backward"):
+        _run(mode, step)
+
+
+def test_missing_lowering_in_forward_names_the_op(monkeypatch):
+    op = aten.avg_pool2d.default
+    monkeypatch.delitem(registry._TABLE, op)
+    x = st.shard(torch.randn(2, 3, 8, 8), mesh_8(), (None, None, "d", None))
+    with pytest.raises(NotImplementedError, match="avg_pool2d"):
+        F.avg_pool2d(x, 2)
