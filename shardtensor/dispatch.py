@@ -552,6 +552,22 @@ def _placeholder(func, args, kwargs):
     return values if structure == "list" else tuple(values)
 
 
+def _native_batch_norm(func, args, kwargs):
+    """``native_batch_norm`` updates the running statistics in training although its schema does not
+    say so: run the functional form and write the new statistics back."""
+    bound = dict(zip(facts(func).arg_names, args))
+    bound.update(kwargs)
+    rm, rv = bound["running_mean"], bound["running_var"]
+    if not bound["training"] or rm is None or rv is None:
+        return _record_and_wrap(func, args, kwargs)
+    out, mean, rstd, new_rm, new_rv = _record_and_wrap(aten._native_batch_norm_legit_functional.default, args, kwargs)
+    for target, value in ((rm, new_rm), (rv, new_rv)):
+        views.write(target, views.read(value))
+    if lazy.STATE.eager:
+        lazy.run_cells([rm._cell, rv._cell])
+    return out, mean, rstd
+
+
 def _remember_for_backward(e):
     from shardtensor import torch_device as device
 
@@ -569,6 +585,7 @@ _SPECIAL = {
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.index.Tensor: _index,
+    aten.native_batch_norm.default: _native_batch_norm,
 }
 for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
             aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default):

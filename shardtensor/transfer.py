@@ -28,7 +28,9 @@ def upload(host: np.ndarray, mesh, spec):
         host = np.pad(host, [(0, p - n) for n, p in zip(shape, padded)])
     sharding = jax_sharding(mesh, spec, len(shape))
     counters.increment("TransferToDevice")
-    return jax.make_array_from_callback(padded, sharding, lambda index: host[index])
+    # np.array copies: on the CPU platform jax may otherwise alias the torch tensor's memory, and a
+    # later in-place change of the CPU tensor would show through
+    return jax.make_array_from_callback(padded, sharding, lambda index: np.array(host[index], copy=True))
 
 
 def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
