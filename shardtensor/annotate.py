@@ -27,9 +27,13 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
     """
     _check_mesh(mesh)
     if isinstance(t, ShardedTensor):
-        with torch.no_grad():
-            out = t.detach().clone()
-        return mark_sharding(out, mesh, partition_spec)
+        if _stored_on_other_mesh(t, mesh):
+            t = t.detach().cpu()  # one graph cannot span two meshes: go through the host
+        else:
+            with torch.no_grad():
+                out = t.detach().clone()
+            lazy_clear(out)
+            return mark_sharding(out, mesh, partition_spec)
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
             raise ValueError(f"st.shard takes CPU tensors; got a tensor on {t.device}")
@@ -106,6 +110,21 @@ def clear_sharding(t: ShardedTensor) -> ShardedTensor:
             lazy.set_concrete(cell, array[tuple(slice(0, n) for n in cell.shape)], owned=True)
     cell.mesh = cell.spec = None
     return t
+
+
+def lazy_clear(t):
+    t._cell.mesh = t._cell.spec = None
+
+
+def _stored_on_other_mesh(t, mesh) -> bool:
+    """True when ``t``'s data is sharded (not replicated) over a mesh other than ``mesh``."""
+    cell = t._cell
+    if cell.spec is not None and not t._chain:
+        return cell.mesh != mesh and sh.sharding_type(cell.mesh, cell.spec, t.dim()) != sh.ShardingType.REPLICATED
+    if cell.is_pending():
+        return False
+    s = getattr(cell.value, "sharding", None)
+    return isinstance(s, jax.sharding.NamedSharding) and not s.is_fully_replicated and s.mesh != mesh.get_jax_mesh()
 
 
 def _checked_spec(mesh, partition_spec, ndim):

@@ -8,6 +8,7 @@ Output shapes and dtypes come from torch's meta kernels, memoised per op signatu
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -17,7 +18,7 @@ from jax._src.lax.lax import _convert_element_type
 from shardtensor import counters, lazy, rng, views
 from shardtensor.dtypes import to_jax
 from shardtensor.ops import lookup
-from shardtensor.storage import Cell, Node, Pending, ScalarLeaf
+from shardtensor.storage import Cell, Failed, Node, Pending, ScalarLeaf
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -70,12 +71,12 @@ def _functional_twin(func, f: OpFacts):
     inplace = name.endswith("_") and not name.endswith("__")
     candidates = []
     if inplace:
-        candidates.append(name[:-1])
+        candidates += [name[:-1], name[:-1] + "_functional"]
     elif not f.out_names:
         candidates.append(name + "_functional")
     else:
         candidates.append(name)
-    wanted = [a for a in func._schema.arguments if not a.is_out]
+    wanted = sorted(_signature_of(a) for a in func._schema.arguments if not a.is_out)
     for cand in candidates:
         packet = getattr(aten, cand, None)
         if packet is None:
@@ -88,16 +89,20 @@ def _functional_twin(func, f: OpFacts):
             args = op._schema.arguments
             if any(a.alias_info is not None and a.alias_info.is_write for a in args):
                 continue
-            if [a.name for a in args] == [a.name for a in wanted]:
+            if sorted(_signature_of(a) for a in args) == wanted:  # same names and types, any order
                 return op
     return None
+
+
+def _signature_of(arg):
+    return arg.name, str(arg.type).replace("Optional[", "").replace("]", "")
 
 
 # --- turning arguments into a template (static, hashable) and dynamic references ------------------
 def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, ShardedTensor):
         refs.append(views.read(value))
-        return ("T", value.shape, value.dtype)
+        return ("T", value.shape, value.dtype, value.stride(), value.storage_offset())
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and value.device.type == "cpu":
             refs.append(ScalarLeaf(value.item()))
@@ -174,12 +179,20 @@ def plan_for(func, template, args, kwargs, lowering) -> Plan:
 
 def _meta(value):
     if isinstance(value, ShardedTensor):
-        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+        return meta_like(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_meta(v) for v in value)
     if isinstance(value, torch.device) and value.type != "cpu":
         return torch.device("meta")
     return value
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with the shape, dtype, strides and storage offset of ``t``."""
+    shape, stride, offset = tuple(t.shape), t.stride(), t.storage_offset()
+    size = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1 if all(shape) else offset
+    storage = torch.empty(max(size, 0), dtype=t.dtype, device="meta")
+    return storage.as_strided(shape, stride, offset)
 
 
 def meta_outputs(func, args, kwargs):
@@ -188,10 +201,17 @@ def meta_outputs(func, args, kwargs):
     mkw = {k: _meta(v) for k, v in kwargs.items()}
     with torch._C._DisableTorchDispatch():
         out = func(*margs, **mkw)
+    if out is None:
+        return (), "none"
     if isinstance(out, torch.Tensor):
-        return ((tuple(out.shape), out.dtype),), "one"
+        return (_describe(out),), "one"
     structure = "list" if isinstance(out, list) else "tuple"
-    return tuple(None if o is None else (tuple(o.shape), o.dtype) for o in out), structure
+    return tuple(None if o is None else _describe(o) for o in out), structure
+
+
+def _describe(t):
+    """(shape, dtype, strides, storage offset) of a meta result."""
+    return tuple(t.shape), t.dtype, t.stride(), t.storage_offset()
 
 
 def _make_plan(func, template, args, kwargs, lowering) -> Plan:
@@ -298,7 +318,7 @@ def _wrap(func, out_refs, plan=None):
         cell = Cell(ref, meta[0], meta[1])
         lazy.set_pending(cell, ref)
         cells.append(cell)
-        outs.append(ShardedTensor(cell))
+        outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
     if lazy.STATE.eager:
         lazy.run_cells(cells + rng.pending_cells())
     if plan.structure == "one":
@@ -325,7 +345,8 @@ def _view_op(func, args, kwargs):
     outs = []
     for i, meta in enumerate(plan.outs):
         step = views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
-        outs.append(ShardedTensor(base._cell, meta[0], meta[1], chain=base._chain + (step,)))
+        outs.append(ShardedTensor(base._cell, meta[0], meta[1], chain=base._chain + (step,),
+                                  strides=meta[2], storage_offset=meta[3]))
     if plan.structure == "one":
         return outs[0]
     return list(outs) if plan.structure == "list" else tuple(outs)
@@ -333,7 +354,8 @@ def _view_op(func, args, kwargs):
 
 def _alias(func, args, kwargs):
     t = args[0]
-    return ShardedTensor(t._cell, t.shape, t.dtype, chain=t._chain)
+    return ShardedTensor(t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(),
+                         storage_offset=t.storage_offset())
 
 
 def _mutating_op(func, f: OpFacts, args, kwargs):
@@ -342,9 +364,18 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
     bound = dict(zip(f.arg_names, args))
     bound.update(kwargs)
     targets = [bound[name] for name in f.mutated]
+    for t in targets:
+        for x in (t if isinstance(t, (list, tuple)) else [t]):
+            if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
+                raise _device_mismatch(x)
     meta_outputs(func, args, kwargs)  # torch's own checks (broadcast into self, dtype casts)
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
+    functional_names = [a.name for a in f.functional._schema.arguments]
+    if functional_names[:len(fargs)] != [n for n in f.arg_names if n not in f.out_names][:len(fargs)]:
+        # e.g. polygamma_(self, n) vs polygamma(n, self): pass everything by name
+        fkw.update({name: a for name, a in zip(f.arg_names, args) if name not in f.out_names})
+        fargs = []
     try:
         refs, plan = record(f.functional, fargs, fkw)
         metas = plan.outs
@@ -352,7 +383,7 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
         result = d.result
         flat = [result] if isinstance(result, torch.Tensor) else list(result)
         refs = [views.read(r) for r in flat]
-        metas = [(tuple(r.shape), r.dtype) for r in flat]
+        metas = [(tuple(r.shape), r.dtype, r.stride(), 0) for r in flat]
     flat_targets = []
     for t in targets:
         flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
@@ -391,7 +422,7 @@ def _wrap_refs(refs, metas):
         cell = Cell(ref, meta[0], meta[1])
         lazy.set_pending(cell, ref)
         cells.append(cell)
-        outs.append(ShardedTensor(cell))
+        outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
     if lazy.STATE.eager:
         lazy.run_cells(cells)
     return tuple(outs)
@@ -426,7 +457,16 @@ def materialize(t: ShardedTensor):
         cell = tmp
     if cell.is_pending():
         lazy.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was needed")
-        lazy.run_cells(lazy.pending_cells() + [cell])
+        try:
+            lazy.run_cells(lazy.pending_cells() + [cell])
+        except Exception as error:
+            if cell.is_pending() or isinstance(cell.value, Failed):
+                raise
+            # another pending tensor failed; it keeps its error for whoever reads it
+            warnings.warn(f"a pending computation failed ({error}); reading that tensor raises the error",
+                          RuntimeWarning, stacklevel=3)
+    if isinstance(cell.value, Failed):
+        cell.value.reraise()
     return cell.value
 
 
@@ -552,6 +592,45 @@ def _placeholder(func, args, kwargs):
     return values if structure == "list" else tuple(values)
 
 
+def _clone(func, args, kwargs):
+    """A clone keeps the sharding annotation of its source (as in PyTorch/XLA)."""
+    out = _record_and_wrap(func, args, kwargs)
+    src = args[0]
+    if src._cell.spec is not None and not src._chain:
+        out._cell.mesh, out._cell.spec = src._cell.mesh, src._cell.spec
+    return out
+
+
+def _index_put(func, args, kwargs):
+    """``x[mask] = v``: a scalar value becomes ``where`` (no data-dependent shape); otherwise the
+    masks become index tensors (which needs their values)."""
+    bound = dict(zip(facts(func).arg_names, args))
+    bound.update(kwargs)
+    x, indices, values = bound["self"], list(bound["indices"]), bound["values"]
+    accumulate = bound.get("accumulate", False)
+    masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return _record_and_wrap(func, args, kwargs) if not facts(func).mutated else _mutating_op(
+            func, facts(func), args, kwargs)
+    inplace = bool(facts(func).mutated)
+    if len(indices) == 1 and values.numel() == 1 and not accumulate and tuple(masks[0].shape) == tuple(
+            x.shape[:masks[0].dim()]):
+        mask = masks[0].bool().reshape(tuple(masks[0].shape) + (1,) * (x.dim() - masks[0].dim()))
+        result = aten.where.self(mask, values.reshape(()).to(x.dtype), x)
+    else:
+        lazy.check_execution_allowed("indexing with a boolean mask has a data-dependent shape")
+        expanded = []
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                expanded.extend(aten.nonzero.default(i).unbind(1))
+            else:
+                expanded.append(i)
+        result = aten.index_put.default(x, expanded, values, accumulate)
+    if inplace:
+        return x.copy_(result)
+    return result
+
+
 def _native_batch_norm(func, args, kwargs):
     """``native_batch_norm`` updates the running statistics in training although its schema does not
     say so: run the functional form and write the new statistics back."""
@@ -586,6 +665,9 @@ _SPECIAL = {
     aten.alias.default: _alias,
     aten.index.Tensor: _index,
     aten.native_batch_norm.default: _native_batch_norm,
+    aten.clone.default: _clone,
+    aten.index_put.default: _index_put,
+    aten.index_put_.default: _index_put,
 }
 for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
             aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default):

@@ -9,6 +9,7 @@ on exit. Arrays of cells that the graph overwrites are donated.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 
 import jax
@@ -19,7 +20,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import counters
-from shardtensor.storage import Cell, Leaf, Pending, ScalarLeaf
+from shardtensor.storage import Cell, Failed, Leaf, Pending, ScalarLeaf
+
+# Donation is best effort: a donated buffer XLA cannot reuse (another layout) is simply not reused.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
 _PENDING: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()  # serial -> cell
 _EXECUTABLES: dict = {}
@@ -95,9 +99,34 @@ def run_cells(cells, wait: bool = False):
         return None
     if STATE.tracing:
         STATE.trace_broken = "a value was computed in the middle of the function"
-    execution = Execution.prepare(cells)
-    execution.run(wait=wait)
+    try:
+        execution = Execution.prepare(cells)
+        execution.run(wait=wait)
+    except Exception as error:
+        _isolate_failure(cells, error)
+        raise
     return execution
+
+
+def _isolate_failure(cells, error):
+    """After a graph failed, compute what can be computed alone and mark only the rest as failed,
+    so one bad tensor neither loses other results nor poisons every later read."""
+    if len(cells) == 1:
+        _fail(cells[0], error)
+        return
+    for cell in cells:
+        if not cell.is_pending():
+            continue
+        try:
+            Execution.prepare([cell]).run()
+        except Exception as e:
+            _fail(cell, e)
+
+
+def _fail(cell, error):
+    cell.value = Failed(error)
+    cell._leaf = None
+    _PENDING.pop(cell.serial, None)
 
 
 class Execution:
@@ -235,6 +264,8 @@ class _Program:
         for cell in cells:
             code = code_of(cell.value)
             pad, sharding = _output_layout(cell)
+            if sharding is None and not arrays:  # no inputs: jit would use one device, not the mesh
+                sharding = NamedSharding(mesh, JaxSpec())
             prog.outputs.append((code, pad, sharding))
             out_keys.append((code, pad, sharding))
 

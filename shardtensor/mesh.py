@@ -108,6 +108,7 @@ class Mesh:
                 jax_axis_names(self),
                 axis_types=(AxisType.Auto,) * len(self.mesh_shape),
             )
+            _BY_JAX_MESH.setdefault(self._jax_mesh, self)
         return self._jax_mesh
 
     def __getstate__(self):
@@ -152,6 +153,25 @@ class Mesh:
         except (ValueError, SyntaxError, KeyError, TypeError):
             return None
         return cls(*args)
+
+
+_BY_JAX_MESH: dict = {}
+
+
+def mesh_for_jax_mesh(jax_mesh) -> Mesh:
+    """The Mesh behind a ``jax.sharding.Mesh`` (one made by ``get_jax_mesh``, or an equivalent new one).
+
+    Example::
+
+        mesh_for_jax_mesh(m.get_jax_mesh()) is m   # True
+    """
+    found = _BY_JAX_MESH.get(jax_mesh)
+    if found is None:
+        ids = np.vectorize(lambda d: d.id)(jax_mesh.devices).reshape(-1)
+        names = tuple(jax_mesh.axis_names)
+        found = Mesh(ids, tuple(jax_mesh.devices.shape), names)
+        _BY_JAX_MESH[jax_mesh] = found
+    return found
 
 
 def jax_axis_names(mesh: Mesh) -> tuple[str, ...]:

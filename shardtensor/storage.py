@@ -54,6 +54,18 @@ class ScalarLeaf:
         self.value = value
 
 
+class Failed:
+    """The value of a cell whose graph failed: reading it raises that error again."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+    def reraise(self):
+        raise RuntimeError(f"this tensor's value could not be computed: {self.error}") from self.error
+
+
 class Cell:
     """Storage of one logical tensor value shared by a base tensor and its views.
 

@@ -40,13 +40,16 @@ class ShardedTensor(torch.Tensor):
     _chain: tuple  # view ops from the cell's value to this tensor's value
 
     @staticmethod
-    def __new__(cls, cell: Cell, shape=None, dtype=None, chain=(), requires_grad=False):
+    def __new__(cls, cell: Cell, shape=None, dtype=None, chain=(), requires_grad=False, strides=None,
+                storage_offset=0):
         from shardtensor import torch_device as device
 
         shape = tuple(cell.shape if shape is None else shape)
+        # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
+        # the values themselves are always logical jax arrays
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=contiguous_strides(shape), dtype=dtype or cell.dtype,
-            device=device.device(), requires_grad=requires_grad,
+            cls, shape, strides=strides or contiguous_strides(shape), storage_offset=storage_offset,
+            dtype=dtype or cell.dtype, device=device.device(), requires_grad=requires_grad,
         )
         r._cell = cell
         r._chain = chain
@@ -115,7 +118,7 @@ class ShardedTensor(torch.Tensor):
         array = self._concrete_array()
         s = array.sharding
         if isinstance(s, jax.sharding.NamedSharding):
-            from shardtensor import mesh as mesh_mod
+            from shardtensor import mesh as mesh_mod  # noqa: F811
 
             m = mesh_mod.mesh_for_jax_mesh(s.mesh)
             return m, sh.normalize_spec(m, _spec_from_jax(s.spec, array.ndim), array.ndim)
@@ -134,9 +137,20 @@ class ShardedTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
+    @property
+    def data(self):
+        return torch._C.TensorBase.data.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        # torch's set_data swaps the C++ impl but not our Python attributes: move those too
+        torch._C.TensorBase.data.__set__(self, value)
+        if isinstance(value, ShardedTensor):
+            self._cell, self._chain, self._vcache = value._cell, value._chain, None
+
     def __repr__(self, *, tensor_contents=None):
-        value = self.cpu()
-        grad = f", grad_fn={self.grad_fn.name()}" if self.grad_fn is not None else ""
+        value = self.detach().cpu()
+        grad = f", grad_fn=<{self.grad_fn.name()}>" if self.grad_fn is not None else ""
         req = ", requires_grad=True" if self.requires_grad and self.grad_fn is None else ""
         return f"ShardedTensor({value!r}, sharding={self.sharding_spec!r}{grad}{req})"
 
@@ -213,7 +227,7 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 def _jax_to_torch(a: np.ndarray) -> torch.Tensor:
     dtype = to_torch(a.dtype)
     if dtype in _BITCAST:
-        return torch.from_numpy(np.ascontiguousarray(a).view(to_jax(_BITCAST[dtype]))).view(dtype)
+        return torch.from_numpy(np.array(a, copy=True).view(to_jax(_BITCAST[dtype]))).view(dtype)
     return torch.from_numpy(np.array(a, copy=True))
 
 

@@ -123,7 +123,8 @@ def _install_backward_error_fix():
 _LIB = None
 _FACTORIES = ("empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
               "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
-              "randint.low", "randperm", "zeros", "ones")
+              "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
+              "normal.float_float")
 
 
 def _register_factories():

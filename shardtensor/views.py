@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from shardtensor import lazy
-from shardtensor.dtypes import to_jax
-from shardtensor.storage import Node, Pending, Leaf
+from shardtensor.storage import Failed, Leaf, Node, Pending
 
 aten = torch.ops.aten
 
@@ -63,15 +63,29 @@ def _make_scatter(step: ViewStep):
         inverse = tuple(int(i) for i in np.argsort(perm))
         return lambda base, src: (jnp.transpose(src, inverse).astype(base.dtype),)
     if func is aten.slice.Tensor:
-        dim, start, end, stepsize = (list(args) + [0, None, None, 1])[:4]
+        dim, start, end, stepsize = (list(args) + [0, None, None, 1][len(args):])[:4]
         dim = dim % len(step.in_shape)
+        start, _, stepsize = slice(start, end, stepsize).indices(step.in_shape[dim])
+        if stepsize == 1:
+            return _update_slice(dim, start, squeeze=False)
         index = (slice(None),) * dim + (slice(start, end, stepsize),)
         return lambda base, src: (base.at[index].set(src.astype(base.dtype)),)
     if func is aten.select.int:
-        dim, i = args
-        index = (slice(None),) * (dim % len(step.in_shape)) + (i,)
-        return lambda base, src: (base.at[index].set(src.astype(base.dtype)),)
+        dim = args[0] % len(step.in_shape)
+        return _update_slice(dim, args[1] % step.in_shape[dim], squeeze=True)
     return _generic_scatter(step)
+
+
+def _update_slice(dim, start, squeeze):
+    # dynamic_update_slice rather than .at[].set: XLA (jax 0.10.2) miscompiles a sharded
+    # dynamic_update_slice followed by a scatter, so every contiguous write uses the same primitive.
+    def scatter_fn(base, src):
+        src = src.astype(base.dtype)
+        if squeeze:
+            src = jnp.expand_dims(src, dim)
+        return (jax.lax.dynamic_update_slice_in_dim(base, src, start, axis=dim),)
+
+    return scatter_fn
 
 
 def _permutation(func, args, ndim):
@@ -103,11 +117,10 @@ def _generic_scatter(step: ViewStep):
 
 
 def read(t):
-    """The value reference of ShardedTensor ``t`` (Pending, Leaf or tracer)."""
+    """The value reference of ShardedTensor ``t`` (Pending or Leaf)."""
     cell = t._cell
     if not t._chain:
-        v = cell.value
-        return v if isinstance(v, Pending) or not hasattr(v, "addressable_shards") else cell.leaf()
+        return _base_ref(cell)
     cached = t._vcache
     if cached is not None and cached[0] == lazy.STATE.epoch and cached[1] == cell.version and cached[2] is cell.value:
         return cached[3]
@@ -120,12 +133,22 @@ def read(t):
 
 def _base_ref(cell):
     v = cell.value
-    return v if isinstance(v, Pending) or not hasattr(v, "addressable_shards") else cell.leaf()
+    if isinstance(v, Pending):
+        return v
+    if isinstance(v, Failed):
+        v.reraise()
+    return cell.leaf()
+
+
+def _identity(x):
+    return (x,)
 
 
 def write(t, ref) -> None:
     """Make ``ref`` the new value of ``t``, writing through its view chain into the Cell."""
     cell = t._cell
+    if isinstance(ref, Leaf):  # a concrete value: copy it through a node so cells never share arrays
+        ref = Pending(Node(_identity, ("identity",), (ref,)), 0)
     if t._chain:
         parts = [_base_ref(cell)]
         for step in t._chain[:-1]:

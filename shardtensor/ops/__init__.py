@@ -4,6 +4,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     elementwise,
     activation,
     reduction,
+    sorting,
     creation,
     random,
     foreach,

@@ -204,6 +204,13 @@ def promote(*xs, dtype=None, exact_last=False):
     return (rt, ct, *(to_compute(x, rt, ct, exact=exact_last and i == last) for i, x in enumerate(xs)))
 
 
+def fresh(x):
+    """A copy of ``x``, for lowerings that would otherwise return an input unchanged (clone,
+    ``floor`` of an integer tensor...): the output of an op must be a buffer of its own, since an
+    input's buffer may later be donated. Free under tracing (XLA drops the copy)."""
+    return jnp.copy(x)
+
+
 def is_python_number(x) -> bool:
     """A concrete Python number (not a jax value): lets a lowering specialise, e.g. ``x ** 2``."""
     return isinstance(x, numbers.Number) and not isinstance(x, bool)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from shardtensor.ops._promote import BOOL, cast, dtype_of, opmath, promote
+from shardtensor.ops._promote import BOOL, cast, dtype_of, fresh, opmath, promote
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -28,7 +28,7 @@ def _zero(x):
 @register(aten.relu.default)
 def relu(self):
     dt = dtype_of(self)
-    return lax.max(self, jnp.zeros_like(self)) if dt != BOOL else self
+    return lax.max(self, jnp.zeros_like(self)) if dt != BOOL else fresh(self)
 
 
 @register(aten.gelu.default)

@@ -130,6 +130,9 @@ def scalar_tensor(s, *, dtype=None, **_factory):
 # ----------------------------------------------------------------------------------------------
 # ranges (arange's length depends on its scalars: they are static)
 # ----------------------------------------------------------------------------------------------
+_HOST_ARANGE_MAX = 1 << 16  # float aranges up to this length are built on the host
+
+
 def _trunc_div(a: int, b: int) -> int:
     q = abs(a) // abs(b)
     return q if (a >= 0) == (b > 0) else -q
@@ -150,6 +153,10 @@ def arange(*args, dtype=None, **_factory):
         n = math.ceil((float(end) - float(start)) / float(step))
         # torch's CPU accumulate type: double for float/double, float for bfloat16/half
         acc = np.dtype(np.complex128) if is_complex(dt) else FLOAT64 if opmath(dt) == dt else opmath(dt)
+        if n <= _HOST_ARANGE_MAX or acc != FLOAT64:
+            # computed on the host (a constant): no float64 arithmetic on the device (TPUs lack it)
+            idx = np.arange(max(n, 0), dtype=acc)
+            return jnp.asarray((acc.type(start) + acc.type(step) * idx).astype(jnp.dtype(dt)))
         idx = jnp.arange(max(n, 0), dtype=acc)
         return cast(jnp.asarray(start, acc) + jnp.asarray(step, acc) * idx, dt)
     xs, xe, xst = int(start), int(end), int(step)  # Scalar.to<int64_t>() truncates

@@ -20,10 +20,10 @@ from jax import lax
 from shardtensor.ops._promote import (
     BOOL,
     cast,
-    default_float,
     dtype_arg,
     dtype_of,
     float_type,
+    fresh,
     is_bool,
     is_complex,
     is_float,
@@ -60,8 +60,10 @@ def unary_same(fn, *, int_fn=None):
     def lowering(self):
         dt = dtype_of(self)
         if not (is_float(dt) or is_complex(dt)):
-            return (int_fn or fn)(self)
-        return cast(fn(cast(self, opmath(dt))), dt)
+            out = (int_fn or fn)(self)
+        else:
+            out = cast(fn(cast(self, opmath(dt))), dt)
+        return fresh(out) if out is self else out
 
     lowering.__name__ = getattr(fn, "__name__", "unary")
     return lowering
@@ -134,13 +136,20 @@ _UNARY_FLOAT = {
     aten.rad2deg.default: jnp.rad2deg,
     aten.sinc.default: _sinc,
     aten.angle.default: _angle,
+    aten.special_i0e.default: jsp.i0e,
+    aten.special_i1.default: jsp.i1,
+    aten.special_i1e.default: jsp.i1e,
+    aten.special_ndtri.default: jsp.ndtri,
+    aten.special_log_ndtr.default: jsp.log_ndtr,
+    aten.special_erfcx.default: jsp.erfcx,
+    aten.special_entr.default: jsp.entr,
 }
 for _op, _fn in _UNARY_FLOAT.items():
     register(_op)(unary_float(_fn))
 
 
 def _identity(x):
-    return x
+    return fresh(x)
 
 
 def _int_sign(x):
@@ -167,7 +176,7 @@ for _op, (_fn, _int_fn) in _UNARY_SAME.items():
 def round_decimals(self, *, decimals=0):
     dt = dtype_of(self)
     if not is_float(dt):
-        return self
+        return fresh(self)
     x = cast(self, opmath(dt))
     if decimals < 0:
         p = jnp.asarray(10.0 ** (-decimals), x.dtype)
@@ -208,7 +217,7 @@ def mvlgamma(self, p):
 def nan_to_num(self, nan=None, posinf=None, neginf=None):
     dt = dtype_of(self)
     if not is_float(dt):
-        return self
+        return fresh(self)
     info = jnp.finfo(dt)
     nan = 0.0 if nan is None else nan
     posinf = float(info.max) if posinf is None else posinf
@@ -288,6 +297,8 @@ def _shift_right(a, b):
 for _name, _fn in (("bitwise_left_shift", _shift_left), ("bitwise_right_shift", _shift_right)):
     _packet = getattr(aten, _name)
     register(_packet.Tensor, _packet.Tensor_Scalar, _packet.Scalar_Tensor)(_bitwise(_fn))
+register(aten.__lshift__.Tensor, aten.__lshift__.Scalar)(_bitwise(_shift_left))  # ``x << 2``
+register(aten.__rshift__.Tensor, aten.__rshift__.Scalar)(_bitwise(_shift_right))
 
 
 def _as_bool(x):
@@ -525,6 +536,38 @@ register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign)
 register(aten.xlogy.Tensor, aten.xlogy.Scalar_Other, aten.xlogy.Scalar_Self)(_binary_float(_xlogy))
 register(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar,
          aten.special_xlog1py.self_scalar)(_binary_float(_xlog1py))
+register(aten.igamma.default)(_binary_float(jsp.gammainc))
+register(aten.igammac.default)(_binary_float(jsp.gammaincc))
+register(aten.special_zeta.default, aten.special_zeta.other_scalar,
+         aten.special_zeta.self_scalar)(_binary_float(jsp.zeta))
+
+
+@register(aten.gcd.default)
+def gcd(self, other):
+    rt, _, a, b = promote(self, other)
+    return jnp.gcd(*jnp.broadcast_arrays(a, b)).astype(rt)
+
+
+@register(aten.lcm.default)
+def lcm(self, other):
+    rt, _, a, b = promote(self, other)
+    a, b = jnp.broadcast_arrays(a, b)
+    g = jnp.gcd(a, b)
+    safe = jnp.where(g == 0, jnp.ones_like(g), g)
+    return jnp.where(g == 0, jnp.zeros_like(a), jnp.abs(lax.div(a, safe) * b)).astype(rt)
+
+
+@register(aten.frexp.Tensor)
+def frexp(self):
+    dt = dtype_of(self)
+    m, e = jnp.frexp(cast(self, opmath(dt)))
+    return cast(m, dt), e.astype(np.int32)
+
+
+@register(aten.ldexp.Tensor)
+def ldexp(self, other):
+    # torch: self * 2.0 ** other, with the promotions of those two ops
+    return mul(self, pow_scalar(2.0, other))
 
 
 def _binary_same(fn):
@@ -583,7 +626,7 @@ def clamp(self, min=None, max=None):
         x = lax.max(*jnp.broadcast_arrays(x, cast(min, rt)))
     if max is not None:
         x = lax.min(*jnp.broadcast_arrays(x, cast(max, rt)))
-    return x
+    return fresh(x) if x is self else x
 
 
 @register(aten.clamp_min.default, aten.clamp_min.Tensor)
@@ -636,21 +679,22 @@ def masked_fill(self, mask, value):
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
              memory_format=None):
     if dtype is None:
-        return self
+        return fresh(self)
     dt = dtype_arg(dtype)
     if is_complex(dtype_of(self)) and not is_complex(dt):
         return cast(jnp.real(self), dt)
-    return cast(self, dt)
+    out = cast(self, dt)
+    return fresh(out) if out is self else out
 
 
 @register(aten.clone.default)
 def clone(self, *, memory_format=None):
-    return self
+    return fresh(self)
 
 
 @register(aten.copy.default)
 def copy(self, src, non_blocking=False):
-    return jnp.broadcast_to(_to_copy(src, dtype=dtype_of(self)), jnp.shape(self))
+    return fresh(jnp.broadcast_to(_to_copy(src, dtype=dtype_of(self)), jnp.shape(self)))
 
 
 @register(aten.fill.Scalar, aten.fill.Tensor)

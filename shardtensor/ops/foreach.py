@@ -41,7 +41,7 @@ for _name in _UNARY:
     register(getattr(aten, f"_foreach_{_name}").default)(_unary(_fn(getattr(aten, _name).default)))
 
 register(aten._foreach_zero.default)(_unary(ew.zero))
-register(aten._foreach_clone.default)(lambda self, *, memory_format=None: list(self))
+register(aten._foreach_clone.default)(lambda self, *, memory_format=None: [ew.clone(x) for x in self])
 register(aten._foreach_max.default)(_unary(red.max_))
 
 

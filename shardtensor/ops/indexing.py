@@ -294,3 +294,22 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
     if padding_idx >= 0:
         g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), acc), g)
     return jnp.zeros((num_weights, dim), acc).at[idx].add(g).astype(grad.dtype)
+
+
+@register(aten.embedding_renorm.default)
+def embedding_renorm(weight, indices, max_norm, norm_type):
+    """Rows named by ``indices`` whose ``norm_type``-norm exceeds max_norm are scaled to max_norm
+    (torch: scale = max_norm / (norm + 1e-7)); the functional form of ``embedding_renorm_``."""
+    acc = jnp.float32 if weight.dtype in (jnp.bfloat16, jnp.float16) else weight.dtype
+    w = weight.astype(acc)
+    if norm_type == 2:
+        norm = jnp.sqrt(jnp.sum(w * w, axis=1))
+    elif norm_type == float("inf"):
+        norm = jnp.max(jnp.abs(w), axis=1)
+    elif norm_type == 1:
+        norm = jnp.sum(jnp.abs(w), axis=1)
+    else:
+        norm = jnp.sum(jnp.abs(w) ** norm_type, axis=1) ** (1.0 / norm_type)
+    used = jnp.zeros((weight.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
+    scale = jnp.where(used & (norm > max_norm), max_norm / (norm + 1e-7), jnp.ones((), acc))
+    return (w * scale[:, None]).astype(weight.dtype)

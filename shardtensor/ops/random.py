@@ -19,6 +19,7 @@ from shardtensor.ops._promote import (
     default_float,
     dtype_arg,
     dtype_of,
+    fresh,
     is_bool,
     is_complex,
     is_float,
@@ -41,8 +42,14 @@ def _float_draw_dtype(dt) -> np.dtype:
 
 
 def _uniform(key, shape, dt, low=0.0, high=1.0):
+    """Uniform in [low, high), drawn in float32 (or float64) and rounded to ``dt``; a value that the
+    rounding takes up to ``high`` is moved to the float just below it, keeping the interval open."""
     ct = _float_draw_dtype(dt)
-    return jax.random.uniform(key, shape, ct, cast(low, ct), cast(high, ct))
+    u = jax.random.uniform(key, shape, ct, cast(low, ct), cast(high, ct))
+    if not is_float(dt) or dt == ct:
+        return u
+    u, lo, hi = cast(u, dt), cast(low, dt), cast(high, dt)
+    return jnp.where(u >= hi, jnp.nextafter(hi, lo), u)
 
 
 def _normal(key, shape, dt):
@@ -196,7 +203,7 @@ def bernoulli_tensor(key, self, p, *, generator=None):
 @register(aten.native_dropout.default, random=True)
 def native_dropout(key, input, p, train):
     if train is not None and not train:
-        return input, jnp.ones(jnp.shape(input), BOOL)
+        return fresh(input), jnp.ones(jnp.shape(input), BOOL)
     dt = dtype_of(input)
     p1m = 1.0 - float(p)
     scale = 0.0 if p1m == 0 else 1.0 / p1m
@@ -247,7 +254,7 @@ def geometric(key, self, p, *, generator=None):
 @register(aten.poisson.default, random=True)
 def poisson(key, self, generator=None):
     dt = dtype_of(self)
-    return cast(jax.random.poisson(key, cast(self, np.float64), jnp.shape(self), dtype=INT64), dt)
+    return cast(jax.random.poisson(key, cast(self, _float_draw_dtype(dt)), jnp.shape(self), dtype=INT64), dt)
 
 
 @register(aten._standard_gamma.default, random=True)

@@ -17,6 +17,7 @@ from shardtensor.ops._promote import (
     dtype_arg,
     dtype_of,
     float_type,
+    fresh,
     is_bool,
     is_complex,
     is_float,
@@ -154,7 +155,7 @@ def argmin(self, dim=None, keepdim=False):
 @register(aten.max.dim)
 def max_dim(self, dim, keepdim=False):
     if self.ndim == 0:
-        return self, jnp.zeros((), INT64)
+        return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     return jnp.max(self, axis=ax, keepdims=keepdim), argmax(self, ax, keepdim)
 
@@ -162,7 +163,7 @@ def max_dim(self, dim, keepdim=False):
 @register(aten.min.dim)
 def min_dim(self, dim, keepdim=False):
     if self.ndim == 0:
-        return self, jnp.zeros((), INT64)
+        return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     return jnp.min(self, axis=ax, keepdims=keepdim), argmin(self, ax, keepdim)
 
@@ -336,7 +337,7 @@ def _scan(fn, self, dim, rt):
     ct = opmath(rt)
     x = cast(self, ct)
     if x.ndim == 0:
-        return cast(x, rt)
+        return fresh(cast(x, rt))
     return cast(fn(x, axis=_axis(dim, x.ndim)), rt)
 
 
@@ -359,7 +360,7 @@ def _cum_extreme(self, dim, better):
     """cummax/cummin: a later element replaces the running one if ``better(new, old)`` (ties: the
     later index wins, as torch), or if it is NaN; after a NaN nothing non-NaN replaces it."""
     if self.ndim == 0:
-        return self, jnp.zeros((), INT64)
+        return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     idx = lax.broadcasted_iota(INT64, self.shape, ax)
     isnan = (lambda v: jnp.isnan(v)) if (is_float(self.dtype) or is_complex(self.dtype)) else (

@@ -362,9 +362,22 @@ def view_as_complex(x):
 
 @register(aten.slice_scatter.default)
 def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    """x with x[dim-slice] = src: a dynamic_update_slice for step 1, else a pad + select (no scatter)."""
     dim = wrap_dim(dim, x.ndim)
-    start, end = slice_bounds(x.shape[dim], start, end, step)
-    return x.at[_index_at(x.ndim, dim, slice(start, end, step))].set(src.astype(x.dtype))
+    n = x.shape[dim]
+    start, end = slice_bounds(n, start, end, step)
+    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + (len(range(start, end, step)),) + x.shape[dim + 1:])
+    count = src.shape[dim]
+    if count == 0:
+        return x
+    if step == 1:
+        return lax.dynamic_update_slice_in_dim(x, src, start, axis=dim)
+    config = [(0, 0, 0)] * x.ndim
+    config[dim] = (start, n - start - (count - 1) * step - 1, step - 1)
+    spread = lax.pad(src, jnp.zeros((), x.dtype), config)
+    hit = np.zeros(n, bool)
+    hit[start:end:step] = True
+    return jnp.where(hit.reshape((n,) + (1,) * (x.ndim - dim - 1)), spread, x)
 
 
 @register(aten.select_scatter.default)
@@ -373,7 +386,8 @@ def select_scatter(x, src, dim, index):
     n = x.shape[dim]
     if not -n <= index < n:
         raise IndexError(f"select_scatter(): index {index} out of range for size {n} at dimension {dim}")
-    return x.at[_index_at(x.ndim, dim, index % n)].set(src.astype(x.dtype))
+    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + x.shape[dim + 1:])
+    return lax.dynamic_update_index_in_dim(x, src, index % n, axis=dim)
 
 
 @register(aten.slice_backward.default)
