@@ -270,8 +270,11 @@ class _Program:
             out_keys.append((code, pad, sharding))
 
         overwritten = {id(c) for c in cells}
+        layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
         for i, c in enumerate(prog.leaf_cells):
-            donate = c is not None and id(c) in overwritten and c.owned
+            # donate only a buffer the output can reuse: same cell, sole owner, same layout
+            donate = (c is not None and id(c) in overwritten and c.owned
+                      and layouts[id(c)] in (None, arrays[i].sharding))
             (prog.donated if donate else prog.kept).append(i)
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
         scalars = {k: np.asarray(v, dtype=_SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}

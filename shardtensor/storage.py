@@ -55,7 +55,7 @@ class ScalarLeaf:
 
 
 class Failed:
-    """The value of a cell whose graph failed: reading it raises that error again."""
+    """The value of a cell whose graph failed: reading it raises that error again."""  # noqa: D401
 
     __slots__ = ("error",)
 
@@ -63,7 +63,7 @@ class Failed:
         self.error = error
 
     def reraise(self):
-        raise RuntimeError(f"this tensor's value could not be computed: {self.error}") from self.error
+        raise self.error  # the same error the failed graph raised
 
 
 class Cell:

@@ -40,67 +40,50 @@ class MLP(nn.Module):
         return self.head(h)
 
 
-class SDPABlock(nn.Module):
-    """Pre-norm transformer block with RMSNorm, F.scaled_dot_product_attention(is_causal=True), SiLU MLP."""
-
-    def __init__(self, d=16, heads=2, p=0.0):
-        super().__init__()
-        self.heads, self.p = heads, p
-        self.norm1 = nn.RMSNorm(d)
-        self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has zero gradient: Adam would amplify noise
-        self.proj = nn.Linear(d, d)
-        self.norm2 = nn.RMSNorm(d)
-        self.fc = nn.Linear(d, 2 * d)
-        self.fc2 = nn.Linear(2 * d, d)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.p if self.training else 0.0)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        x = x + self.drop(self.proj(y))
-        return x + self.fc2(F.silu(self.fc(self.norm2(x))))
-
-
-class ExplicitBlock(nn.Module):
-    """Transformer block with explicit softmax attention (masked_fill causal mask), LayerNorm, GELU."""
+class Block(nn.Module):
+    """Pre-norm transformer block. Attention is computed twice and averaged — once with
+    F.scaled_dot_product_attention(is_causal=True), once as explicit softmax attention with a
+    masked_fill causal mask (and attention dropout) — so one small block exercises both. Norms:
+    RMSNorm before attention, LayerNorm before the MLP; the MLP gates SiLU with GELU."""
 
     def __init__(self, d=16, heads=2, T=8, p=0.0):
         super().__init__()
         self.heads = heads
-        self.ln1 = nn.LayerNorm(d)
+        self.norm1 = nn.RMSNorm(d)
         self.qkv = nn.Linear(d, 3 * d, bias=False)  # a key bias has zero gradient: Adam would amplify noise
         self.proj = nn.Linear(d, d)
-        self.ln2 = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, 2 * d)
+        self.norm2 = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
         self.fc2 = nn.Linear(2 * d, d)
         self.attn_drop = nn.Dropout(p)
+        self.drop = nn.Dropout(p)
         self.register_buffer("mask", torch.tril(torch.ones(T, T, dtype=torch.bool)))
 
     def forward(self, x):
         B, T, C = x.shape
         hd = C // self.heads
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = self.qkv(self.norm1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+        y1 = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
         att = att.masked_fill(~self.mask[:T, :T], float("-inf"))
         att = self.attn_drop(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).reshape(B, T, C)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+        y2 = att @ v
+        y = ((y1 + y2) * 0.5).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.drop(self.proj(y))
+        a, b = self.fc(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.fc2(F.silu(a) * F.gelu(b))
 
 
 class TinyLM(nn.Module):
-    """Embedding + position embedding, one block, final norm, LM head; loss = cross-entropy."""
+    """Embedding + position embedding, one Block, final LayerNorm, LM head; loss = cross-entropy
+    over the vocabulary (lm_loss)."""
 
-    def __init__(self, block="sdpa", vocab=30, d=16, T=8, p=0.0):
+    def __init__(self, vocab=30, d=16, T=8, p=0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(T, d)
-        self.block = SDPABlock(d, p=p) if block == "sdpa" else ExplicitBlock(d, T=T, p=p)
+        self.block = Block(d, T=T, p=p)
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 
@@ -165,7 +148,7 @@ MLP_SPECS = {  # mesh (8,)
     "fc2.weight": (None, "d"),  # 20 cols over 8
     "head.weight": ("d", None),  # 5 rows over 8: three shards are all padding
 }
-SDPA_LM_SPECS = {  # mesh (4, 2)
+LM_SPECS_4x2 = {  # mesh (4, 2)
     "wte.weight": ("data", "model"),  # 30 rows over 4
     "wpe.weight": (None, "model"),
     "block.qkv.weight": ("model", None),
@@ -173,15 +156,16 @@ SDPA_LM_SPECS = {  # mesh (4, 2)
     "block.fc.weight": ("model", "data"),
     "block.fc2.weight": ("data", "model"),
     "block.norm1.weight": ("data",),
+    "block.norm2.weight": ("model",),
     "head.weight": ("data", None),  # 30 over 4
 }
-EXPLICIT_LM_SPECS = {  # mesh (2, 2, 2)
+LM_SPECS_2x2x2 = {  # mesh (2, 2, 2)
     "wte.weight": (("a", "b", "c"), None),  # 30 over 8
     "block.qkv.weight": (("a", "b"), "c"),
     "block.proj.weight": ("c", ("a", "b")),
     "block.fc.weight": (("b", "a"), None),
     "block.fc2.weight": (None, ("a", "c")),
-    "block.ln1.weight": ("b",),
+    "block.norm2.weight": ("b",),
     "head.weight": (("a", "c"), "b"),  # 30 over 4
 }
 CNN_SPECS = {  # mesh (1, 8)

@@ -29,7 +29,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EAGER = False  # Batch: True computes values op by op (slower here than one jit compile per batch)
 # test-only XLA options: these small programs compile ~2x faster without LLVM's expensive passes
 COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-MODULES = ("elementwise", "activation", "reduction", "creation", "random", "foreach")
+MODULES = ("elementwise", "activation", "reduction", "sorting", "creation", "random", "foreach")
 
 
 def _load():

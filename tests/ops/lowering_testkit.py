@@ -55,10 +55,10 @@ def lower(op):
 def to_jax(x):
     """torch tensor -> jax array with the exact dtype; other values unchanged (lists recursively)."""
     if isinstance(x, torch.Tensor):
-        x = x.detach()
-        if x.dtype == torch.bfloat16:
-            return jnp.asarray(x.float().numpy()).astype(jnp.bfloat16)
-        return jnp.asarray(x.numpy())
+        x = x.detach().resolve_conj().resolve_neg()
+        if x.dtype == torch.bfloat16:  # numpy-side conversion: no jax op to compile
+            return jnp.asarray(x.float().numpy().astype(jnp.bfloat16))
+        return jnp.asarray(x.numpy().copy())  # jax on CPU may alias the numpy buffer: snapshot it
     if isinstance(x, (list, tuple)):
         return type(x)(to_jax(v) for v in x)
     return x
@@ -69,11 +69,11 @@ def to_torch(x):
         return None
     if isinstance(x, (list, tuple)):
         return [to_torch(v) for v in x]
-    x = jnp.asarray(x)
+    x = np.array(x)
     dt = dtypes.to_torch(x.dtype)
     if dt == torch.bfloat16:
-        return torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16)
-    return torch.from_numpy(np.array(x))
+        return torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(x)
 
 
 def _scalar_args(op, args, kwargs):

@@ -71,6 +71,8 @@ def test_arange():
             b.check(aten.arange.start_step, 0, 20, 3, dtype=dtype, **CPU)
             b.check(aten.arange.start_step, 0.5, 20.7, 2.5, dtype=dtype)
             b.check(aten.arange.default, 9, dtype=dtype)
+        b.check(aten.arange.start_step, -5, 7000, 0.1)  # long enough to be computed on the device
+        b.check(aten.arange.start_step, -5, 7000, 0.1, dtype=F64)
 
 
 def test_linspace_logspace():

@@ -215,11 +215,11 @@ TENSOR_WITH_SCALAR = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.di
                       aten.maximum.default, aten.bitwise_or.Tensor]
 
 
-@pytest.mark.parametrize("kind", ["f32", "i64", "bf16", "bool", "u8", "f64"])
+@pytest.mark.parametrize("kind", ["f32", "i64", "bf16", "bool", "u8"])
 def test_scalar_overloads(kind):
     x = _operand(kind, 3)
     with Batch() as b:
-        for scalar in (2.5, -2, 3, True, 0.7123):
+        for scalar in (2.5, -2, True, 0.7123):
             for op in SCALAR_OVERLOADS:
                 b.check_or_skip(op, x, scalar)
             for op in TENSOR_WITH_SCALAR:
@@ -499,3 +499,57 @@ def test_special_binary_values():
 
 def test_single_check_helper():
     check(aten.neg.default, make((3,), F32))
+
+
+def test_special_functions_and_integer_extras():
+    with Batch() as b:
+        for dtype in (F32,):
+            x = make((12,), dtype, low=-4, high=4)
+            for name in ("special_i0e", "special_i1", "special_i1e", "special_log_ndtr", "special_erfcx",
+                         "special_entr"):
+                b.check(getattr(aten, name).default, x)
+            b.check(aten.special_ndtri.default, make((12,), dtype, low=0.01, high=0.99))
+            a, y = make((12,), dtype, low=0.5, high=4, seed=1), make((12,), dtype, low=0.1, high=5, seed=2)
+            b.check(aten.igamma.default, a, y)
+            b.check(aten.igammac.default, a, y)
+            b.check(aten.special_zeta.default, a + 1.5, y)
+            b.check(aten.special_zeta.other_scalar, a + 1.5, 2.0)
+            b.check(aten.frexp.Tensor, torch.tensor([0.0, -3.5, 1e-30, 1024.0, 0.75], dtype=dtype))
+            b.check(aten.ldexp.Tensor, x, torch.tensor([3] * 12))
+        b.check(aten.ldexp.Tensor, torch.tensor([1, 2, 3]), torch.tensor([1, -1, 2]))
+        b.check(aten.special_i1.default, torch.tensor([1, 2]))
+        for dtype in (I64, I32, I8):
+            p, q = torch.tensor([12, -18, 0, 7, 0, -4], dtype=dtype), torch.tensor([8, 12, 5, -3, 0, -6], dtype=dtype)
+            b.check(aten.gcd.default, p, q)
+            b.check(aten.lcm.default, p, q)
+            b.check(aten.__lshift__.Scalar, p, 2)
+            b.check(aten.__rshift__.Scalar, p, 1)
+            b.check(aten.__lshift__.Tensor, p, torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype))
+            b.check(aten.__rshift__.Tensor, p, torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype))
+
+
+def test_outputs_are_fresh_buffers():
+    """A lowering that computes nothing still returns a buffer of its own (an input's buffer may be
+    donated later)."""
+    import jax
+    import jax.numpy as jnp
+
+    from _lowering_harness import lookup
+
+    f, i = jnp.arange(6.0).reshape(2, 3), jnp.arange(6).reshape(2, 3)
+    cases = [
+        (aten.clone.default, (f,), {}), (aten._to_copy.default, (f,), {}),
+        (aten._to_copy.default, (f,), {"dtype": F32}), (aten.copy.default, (f, f), {}),
+        (aten.floor.default, (i,), {}), (aten.round.decimals, (i,), {"decimals": 1}),
+        (aten.conj_physical.default, (f,), {}), (aten.clamp.default, (f,), {}),
+        (aten.nan_to_num.default, (i,), {}), (aten.relu.default, (jnp.array([True]),), {}),
+        (aten.sign.default, (jnp.array([True]),), {}), (aten.cumsum.default, (jnp.float32(1.0), 0), {}),
+        (aten.max.dim, (jnp.float32(1.0), 0), {}), (aten.sort.default, (jnp.float32(1.0),), {}),
+        (aten._foreach_clone.default, ([f, i],), {}),
+    ]
+    for op, args, kw in cases:
+        out = lookup(op).fn(*args, **kw)
+        for o in jax.tree_util.tree_leaves(out):
+            for a in jax.tree_util.tree_leaves(args):
+                if isinstance(a, jax.Array) and o.shape == a.shape and o.dtype == a.dtype:
+                    assert o is not a and o.unsafe_buffer_pointer() != a.unsafe_buffer_pointer(), op

@@ -165,6 +165,13 @@ def test_embedding_backward_matches_autograd():
     out = torch.nn.functional.embedding(i, w, padding_idx=3)
     g = torch.randn_like(out)
     out.backward(g)
-    from lowering_testkit import assert_same, lower, to_jax
+    from lowering_testkit import assert_same, call, lower, to_jax
 
-    assert_same(lower(aten.embedding_dense_backward.default)(to_jax(g), to_jax(i), 10, 3, False), w.grad)
+    assert_same(call(lower(aten.embedding_dense_backward.default), [to_jax(g), to_jax(i), 10, 3, False], {}), w.grad)
+
+
+def test_embedding_renorm():
+    w = torch.randn(10, 4) * 2
+    i = torch.tensor([[1, 2], [2, 7]])
+    for norm_type in (2.0, 1.0, 3.0, float("inf")):
+        check(aten.embedding_renorm.default, w, i, 1.5, norm_type, rtol=1e-5, atol=1e-6)

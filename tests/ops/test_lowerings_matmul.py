@@ -75,3 +75,21 @@ def test_dtype_mismatch_raises():
 
     with pytest.raises(RuntimeError):
         lower(aten.mm.default)(to_jax(r(2, 3)), to_jax(r(3, 2, dtype=torch.float64)))
+
+
+def test_out_dtype_overloads():
+    """mm/bmm/addmm/baddbmm.dtype (CUDA-only in torch): bf16 operands, float32 accumulation and result."""
+    from lowering_testkit import assert_same, call, lower, to_jax
+
+    a, b = r(3, 4, dtype=torch.bfloat16), r(4, 5, dtype=torch.bfloat16)
+    bias = r(5)
+    f32 = torch.float32
+    want = [a.float() @ b.float(), (a.float() @ b.float())[None], bias + 2 * (a.float() @ b.float()),
+            0.5 * bias + a.float() @ b.float()]
+
+    def run(a, b, bias):
+        return [lower(aten.mm.dtype)(a, b, f32), lower(aten.bmm.dtype)(a[None], b[None], f32),
+                lower(aten.addmm.dtype)(bias, a, b, f32, alpha=2),
+                lower(aten.baddbmm.dtype)(bias, a[None], b[None], f32, beta=0.5)[0]]
+
+    assert_same(call(run, to_jax([a, b, bias]), {}), want, rtol=1e-6, atol=1e-6)

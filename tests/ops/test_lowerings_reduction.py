@@ -11,7 +11,7 @@ from _lowering_harness import Batch, make  # noqa: E402
 aten = torch.ops.aten
 F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
                                       torch.bool, torch.uint8)
-DIMS = [None, [], [0], [1], [-1], [0, 2], [2, 0, 1]]
+DIMS = [None, [], [1], [-1], [2, 0]]
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, BF16, I64, I32, BOOL])
@@ -93,8 +93,8 @@ def test_max_min_argmax(dtype):
 def test_var_std(dtype):
     x = make((3, 4, 5), dtype)
     with Batch() as b:
-        for dim in (None, [1], [0, 2], []):
-            for correction in (None, 0, 1, 2.5):
+        for dim in (None, [1], [0, 2]):
+            for correction in (None, 0, 2.5):
                 for keepdim in (False, True):
                     kw = dict(correction=correction, keepdim=keepdim)
                     b.check(aten.var.correction, x, dim, **kw)

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lowering_testkit import aten, check, lower, to_jax, assert_same, batch_checks  # noqa: F401  (autouse fixture)
+from lowering_testkit import aten, assert_same, call, check, lower, to_jax, batch_checks  # noqa: F401  (autouse fixture)
 
 torch.manual_seed(0)
 
@@ -203,11 +203,13 @@ def test_scatter_ops_write_through_views_like_torch():
     ref = x.clone()
     ref.t()[1:, 0] = v
     fn_sel, fn_sl, fn_t = lower(aten.select_scatter.default), lower(aten.slice_scatter.default), lower(aten.t.default)
-    xt = fn_t(to_jax(x))
-    col = lower(aten.select.int)(xt, 1, 0)
-    new_col = fn_sl(col, to_jax(v), 0, 1, None, 1)
-    new_xt = fn_sel(xt, new_col, 1, 0)
-    assert_same(fn_t(new_xt), ref)
+
+    def write(x, v):
+        xt = fn_t(x)
+        col = lower(aten.select.int)(xt, 1, 0)
+        return fn_t(fn_sel(xt, fn_sl(col, v, 0, 1, None, 1), 1, 0))
+
+    assert_same(call(write, to_jax([x, v]), {}), ref)
 
 
 def test_tril_triu():
