@@ -50,7 +50,8 @@ def _make_facts(func) -> OpFacts:
     slots, mutated, outs, names = set(), [], [], []
     for i, a in enumerate(schema.arguments):
         names.append(a.name)
-        if "Scalar" in str(a.type) or "Tensor" in str(a.type):
+        kind = str(a.type)  # a Scalar prints as "number"
+        if "number" in kind or "Scalar" in kind or "Tensor" in kind:
             # a Python number in a Scalar or Tensor slot (x / 0.93 reaches us as div.Tensor) is a
             # runtime input, so a value that changes each step does not recompile
             slots.update((i, a.name))

@@ -9,6 +9,7 @@ on exit. Arrays of cells that the graph overwrites are donated.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 import weakref
 
@@ -400,7 +401,7 @@ def _to_mesh(array, mesh):
     return jax.device_put(array, NamedSharding(mesh, JaxSpec()))
 
 
-class eager_mode(contextlib.ContextDecorator):
+class eager_mode:
     """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default).
 
     Works as a call and as a context manager that restores the previous mode::
@@ -412,7 +413,20 @@ class eager_mode(contextlib.ContextDecorator):
 
     def __init__(self, enable: bool = True):
         self.previous = STATE.eager
-        _set_eager(bool(enable))
+        self.enable = bool(enable)
+        _set_eager(self.enable)
+
+    def __call__(self, func):
+        """As a decorator: the mode applies while ``func`` runs, not from the moment it is decorated."""
+        _set_eager(self.previous)
+        enable = self.enable
+
+        @functools.wraps(func)
+        def run_in_mode(*args, **kwargs):
+            with eager_mode(enable):
+                return func(*args, **kwargs)
+
+        return run_in_mode
 
     def __enter__(self):
         return self

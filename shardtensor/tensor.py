@@ -148,6 +148,17 @@ class ShardedTensor(torch.Tensor):
         if isinstance(value, ShardedTensor):
             self._cell, self._chain, self._vcache = value._cell, value._chain, None
 
+    def register_hook(self, hook):
+        return super().register_hook(_guarded_hook(hook))
+
+    def register_post_accumulate_grad_hook(self, hook):
+        return super().register_post_accumulate_grad_hook(_guarded_hook(hook))
+
+    def __format__(self, format_spec):
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __repr__(self, *, tensor_contents=None):
         value = self.detach().cpu()
         grad = f", grad_fn=<{self.grad_fn.name()}>" if self.grad_fn is not None else ""
@@ -175,6 +186,26 @@ class ShardedTensor(torch.Tensor):
             new.grad = copy.deepcopy(self.grad, memo)
         memo[id(self)] = new
         return new
+
+
+def _guarded_hook(hook):
+    """A backward hook whose exception is kept and re-raised after backward (on our device, an
+    exception escaping a hook on autograd's device thread would abort the process)."""
+    import functools
+
+    @functools.wraps(hook)
+    def guarded(*args, **kwargs):
+        try:
+            return hook(*args, **kwargs)
+        except Exception as e:
+            if torch._C._current_autograd_node() is None:
+                raise
+            from shardtensor import torch_device
+
+            torch_device.remember_backward_error(e)
+            return None
+
+    return guarded
 
 
 @dataclasses.dataclass

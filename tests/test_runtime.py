@@ -162,7 +162,21 @@ def test_device_count_asked_after_import_is_an_error():
         XLA_FLAGS="--xla_force_host_platform_device_count=2",
     )
     assert result.returncode != 0
-    assert "RuntimeError" in result.stderr and "already started with 2 device(s)" in result.stderr
+    assert "conflicts with XLA_FLAGS" in result.stderr
+
+
+def test_device_count_set_after_import_applies_before_jax_starts():
+    # `python -m shardtensor.demo` imports the package before the demo sets the variable
+    result = run_python(
+        """
+        import os
+        import shardtensor.runtime as rt
+        os.environ['SHARDTENSOR_CPU_DEVICES'] = '4'
+        print(rt.global_runtime_device_count())
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["4"]
 
 
 def test_matching_count_after_jax_started_is_fine():
