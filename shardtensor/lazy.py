@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import counters
-from shardtensor.storage import Cell, Failed, Leaf, Pending, ScalarLeaf
+from shardtensor.storage import Cell, Failed, Leaf, Pending
 
 # Donation is best effort: a donated buffer XLA cannot reuse (another layout) is simply not reused.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
