@@ -593,11 +593,12 @@ def _placeholder(func, args, kwargs):
     return values if structure == "list" else tuple(values)
 
 
-def _clone(func, args, kwargs):
-    """A clone keeps the sharding annotation of its source (as in PyTorch/XLA)."""
+def _same_sharding(func, args, kwargs):
+    """``clone`` and ``*_like`` keep the sharding annotation of their source (as in PyTorch/XLA and
+    DTensor), so e.g. optimizer state is laid out like its parameter."""
     out = _record_and_wrap(func, args, kwargs)
     src = args[0]
-    if src._cell.spec is not None and not src._chain:
+    if src._cell.spec is not None and not src._chain and isinstance(out, ShardedTensor):
         out._cell.mesh, out._cell.spec = src._cell.mesh, src._cell.spec
     return out
 
@@ -666,7 +667,13 @@ _SPECIAL = {
     aten.alias.default: _alias,
     aten.index.Tensor: _index,
     aten.native_batch_norm.default: _native_batch_norm,
-    aten.clone.default: _clone,
+    aten.clone.default: _same_sharding,
+    aten.zeros_like.default: _same_sharding,
+    aten.ones_like.default: _same_sharding,
+    aten.empty_like.default: _same_sharding,
+    aten.full_like.default: _same_sharding,
+    aten.rand_like.default: _same_sharding,
+    aten.randn_like.default: _same_sharding,
     aten.index_put.default: _index_put,
     aten.index_put_.default: _index_put,
 }

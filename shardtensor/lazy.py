@@ -47,6 +47,11 @@ class UnexpectedExecutionError(RuntimeError):
 
 def set_pending(cell: Cell, ref: Pending) -> None:
     """Give ``cell`` a new (lazy) value."""
+    old = cell.value
+    if cell.spec is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
+        # an in-place update keeps the layout the data had (so optimizer state does not drift
+        # between layouts and recompile the next step)
+        cell.layout = old.sharding
     cell.value = ref
     cell.version += 1
     cell._leaf = None
@@ -264,7 +269,7 @@ class _Program:
         out_keys = []
         for cell in cells:
             code = code_of(cell.value)
-            pad, sharding = _output_layout(cell)
+            pad, sharding = _output_layout(cell, mesh)
             if sharding is None and not arrays:  # no inputs: jit would use one device, not the mesh
                 sharding = NamedSharding(mesh, JaxSpec())
             prog.outputs.append((code, pad, sharding))
@@ -343,9 +348,13 @@ def _topological_order(roots):
     return order
 
 
-def _output_layout(cell: Cell):
-    """(pad widths or None, sharding or None) for a cell the user gave a sharding."""
+def _output_layout(cell: Cell, mesh):
+    """(pad widths or None, sharding or None) for an output cell: the user's sharding, else the
+    layout its data had before this graph overwrote it, else XLA's choice."""
     if cell.spec is None:
+        layout = cell.layout
+        if isinstance(layout, NamedSharding) and layout.mesh == mesh:
+            return None, layout
         return None, None
     from shardtensor import sharding as sh
 

@@ -74,7 +74,7 @@ class Cell:
     """
 
     __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "serial",
-                 "__weakref__")
+                 "layout", "__weakref__")
     _next_serial = 0
 
     def __init__(self, value, shape, dtype, mesh=None, spec=None, owned=False):
@@ -86,6 +86,7 @@ class Cell:
         self.version = 0
         self.owned = owned
         self._leaf = None
+        self.layout = None  # the jax sharding an in-place update must keep (cells without a spec)
         self.serial = Cell._next_serial  # creation order: compile() tells old cells from new ones
         Cell._next_serial += 1
 

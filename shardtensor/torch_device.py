@@ -2,15 +2,18 @@
 ``torch.zeros(..., device=st.device())`` give ShardedTensors (replicated over the mesh).
 
 Also: ``torch.manual_seed`` reaches shardtensor's key through the backend module, and errors raised
-inside ``backward()`` reach the user as themselves (a Python backend otherwise turns them into a bare
-``SystemError``).
+inside ``backward()`` reach the user as themselves: a C++ device guard (``device_guard.cpp``) keeps
+autograd from calling Python while it unwinds, and the engine wrapper below re-raises what an op
+kept (a Python backend otherwise turns such errors into a bare ``SystemError`` or an abort).
 """
 from __future__ import annotations
 
 import functools
+import pathlib
+import warnings
 
 import torch
-from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+from torch.utils.backend_registration import _DummyPrivateUse1Hook, _setup_privateuseone_for_python_backend
 
 BACKEND = "shardtensor"
 _DEVICE = None
@@ -157,9 +160,32 @@ def _factory_kernel(op, dispatch):
     return kernel
 
 
+def _load_cpp_device_guard() -> bool:
+    """Build (once per machine, ~15 s, cached by torch) and load the C++ device guard."""
+    from torch.utils.cpp_extension import load_inline
+
+    source = (pathlib.Path(__file__).parent / "device_guard.cpp").read_text()
+    try:
+        load_inline("shardtensor_device_guard", cpp_sources=[source], is_python_module=False)
+        return True
+    except Exception as e:  # no compiler or ninja: fall back to torch's Python guard
+        warnings.warn(
+            f"shardtensor could not build its C++ device guard ({e}); using torch's Python guard. "
+            "Errors raised inside backward() still reach you from ops and tensor hooks, but one "
+            "raised by a grad_fn or module backward hook aborts the process. Install a C++ compiler "
+            "and `pip install ninja` to fix this.", RuntimeWarning, stacklevel=2)
+        return False
+
+
 def _install():
     global _DEVICE
-    _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_BackendModule())
+    if _load_cpp_device_guard():
+        torch.utils.rename_privateuse1_backend(BACKEND)
+        torch.utils.generate_methods_for_privateuse1_backend()
+        torch._register_device_module(BACKEND, _BackendModule())
+        torch._C._acc.register_python_privateuseone_hook(_DummyPrivateUse1Hook())
+    else:
+        _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_BackendModule())
     _DEVICE = torch.device(BACKEND, 0)
     _install_backward_error_fix()
     _register_factories()

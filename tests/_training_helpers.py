@@ -214,14 +214,20 @@ def _step_fn(model, opt, loss_fn):
     return train_step
 
 
-def train(model, opt, batches, loss_fn, mode="cpu"):
+def train(model, opt, batches, loss_fn, mode="cpu", compiles=None):
     """Train ``model`` one step per batch; returns the losses as CPU floats.
 
     ``mode``: ``cpu`` (plain torch), ``lazy`` (``with st.step()``), ``eager`` (``st.eager_mode``) or
-    ``compile`` (``st.compile`` of the step).
+    ``compile`` (``st.compile`` of the step). ``compiles``, if a list, receives the UncachedCompile
+    counter after each step.
     """
     step = _step_fn(model, opt, loss_fn)
     losses = []
+
+    def record():
+        if compiles is not None:
+            compiles.append(st.counter_value("UncachedCompile") or 0)
+
     if mode == "cpu":
         for x, y in batches:
             losses.append(step(x, y).item())
@@ -230,14 +236,17 @@ def train(model, opt, batches, loss_fn, mode="cpu"):
             with st.step():
                 loss = step(x, y)
             losses.append(loss.item())
+            record()
     elif mode == "eager":
         with st.eager_mode(True):
             for x, y in batches:
                 losses.append(step(x, y).item())
+                record()
     elif mode == "compile":
         compiled = st.compile(step)
         for x, y in batches:
             losses.append(compiled(x, y).item())
+            record()
     else:
         raise ValueError(mode)
     return losses
@@ -248,7 +257,7 @@ def shard_batches(batches, mesh, x_spec, y_spec):
 
 
 def run_both(make_model, specs, mesh, batches, make_opt, mode, loss_fn=F.cross_entropy,
-             x_spec=None, y_spec=None, seed=0):
+             x_spec=None, y_spec=None, seed=0, compiles=None):
     """Train the model on CPU and on st.device() (parameters sharded by ``specs``) the same way."""
     ref, dev = make_pair(make_model, seed)
     shard_params(dev, mesh, specs)
@@ -257,7 +266,7 @@ def run_both(make_model, specs, mesh, batches, make_opt, mode, loss_fn=F.cross_e
     x_spec = x_spec or (mesh.axis_names[0],) + (None,) * (batches[0][0].dim() - 1)
     y_spec = y_spec or (mesh.axis_names[0],) + (None,) * (batches[0][1].dim() - 1)
     dev_batches = shard_batches(batches, mesh, x_spec, y_spec)
-    dev_losses = train(dev, dev_opt, dev_batches, loss_fn, mode)
+    dev_losses = train(dev, dev_opt, dev_batches, loss_fn, mode, compiles)
     return ref, dev, ref_losses, dev_losses, ref_opt, dev_opt
 
 
@@ -295,3 +304,13 @@ def reset_state():
         st.sync()
     except Exception:
         lazy._PENDING.clear()
+
+
+def fresh_executable_cache():
+    """Forget compiled programs, so that the UncachedCompile counter counts this test's programs only
+    (programs are cached process-wide: an earlier test may already have compiled the same one)."""
+    from shardtensor import lazy
+
+    cache = getattr(lazy, "_EXECUTABLES", None)
+    if cache is not None:
+        cache.clear()

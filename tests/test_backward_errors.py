@@ -62,14 +62,23 @@ def test_custom_function_error_through_autograd_grad():
         torch.autograd.grad(y, x)
 
 
-def test_error_in_tensor_hook_reaches_user():
+@pytest.mark.parametrize("where", ["leaf_tensor_hook", "tensor_hook", "node_post_hook", "node_pre_hook"])
+def test_error_in_a_backward_hook_reaches_user(where):
+    """A Python hook that raises while autograd runs (a tensor hook, or a hook on a grad_fn node)."""
     x = _x()
     h = x * 2
 
-    def hook(grad):
+    def fail(*args):
         raise KeyError("hook failed on purpose")
 
-    h.register_hook(hook)
+    if where == "leaf_tensor_hook":
+        x.register_hook(fail)
+    elif where == "tensor_hook":
+        h.register_hook(fail)
+    elif where == "node_post_hook":
+        h.grad_fn.register_hook(fail)
+    else:
+        h.grad_fn.register_prehook(fail)
     with pytest.raises(KeyError, match="hook failed on purpose"):
         h.sum().backward()
 
@@ -127,3 +136,15 @@ def test_missing_lowering_in_forward_names_the_op(monkeypatch):
     x = st.shard(torch.randn(2, 3, 8, 8), mesh_8(), (None, None, "d", None))
     with pytest.raises(NotImplementedError, match="avg_pool2d"):
         F.avg_pool2d(x, 2)
+
+
+@pytest.mark.parametrize("kind", ["full_backward_hook", "full_backward_pre_hook"])
+def test_error_in_module_backward_hook_reaches_user(kind):
+    model = torch.nn.Linear(4, 3).to(st.device())
+
+    def hook(*args):
+        raise ValueError(f"module {kind} failed on purpose")
+
+    getattr(model, f"register_{kind}")(hook)
+    with pytest.raises(ValueError, match="failed on purpose"):
+        model(torch.randn(2, 4).to(st.device())).sum().backward()

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    CNN, CNN_SPECS, MLP, MLP_SPECS, cnn_batches, make_pair, mesh_1x8, mesh_4x2, mesh_8, mlp_batches,
-    reset_state, shard_params,
+    CNN, CNN_SPECS, MLP, MLP_SPECS, cnn_batches, fresh_executable_cache, make_pair, mesh_1x8, mesh_4x2,
+    mesh_8, mlp_batches, reset_state, shard_params,
 )
 
 
@@ -230,6 +230,7 @@ def test_compile_batchnorm_buffers_updated():
 # --- training: freezing, optimizer state -----------------------------------------------------------
 def _compiled_training(make_opt, steps, mesh=None, model=MLP, specs=MLP_SPECS, make_ref_opt=None):
     mesh = mesh or mesh_8()
+    fresh_executable_cache()  # so that UncachedCompile counts this run's programs only
     ref, dev = make_pair(model)
     shard_params(dev, mesh, specs)
     ref_opt, dev_opt = (make_ref_opt or make_opt)(ref.parameters()), make_opt(dev.parameters())

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    MLP, MLP_SPECS, make_pair, mesh_4x2, mesh_8, mlp_batches, reset_state, shard_params,
+    MLP, MLP_SPECS, fresh_executable_cache, make_pair, mesh_4x2, mesh_8, mlp_batches, reset_state, shard_params,
 )
 
 
@@ -30,6 +30,7 @@ def _x(shape=(8, 6), seed=0):
 
 # --- counters -------------------------------------------------------------------------------------
 def test_counter_api():
+    fresh_executable_cache()
     st.clear_counters()
     assert st.counter_value("UncachedCompile") is None
     assert st.counters() == {}
@@ -59,6 +60,7 @@ def test_default_mode_is_lazy():
 
 
 def test_ops_are_recorded_and_run_at_sync():
+    fresh_executable_cache()
     a, x = _x()
     st.clear_counters()
     y = (x * 2 + 1).sin().sum(0)
@@ -92,6 +94,7 @@ def test_sync_wait():
 
 
 def test_same_graph_is_cached():
+    fresh_executable_cache()
     a, x = _x()
     for i in range(3):
         y = x * 2 - x.sum()
@@ -208,6 +211,7 @@ def _step(model, opt, x, y):
 def test_training_loop_compiles_once():
     """After a warm-up of 2 steps (the optimizer creates its state in step 1), 5 identical steps
     reuse the cached executable: no compile, one execution each, no transfers."""
+    fresh_executable_cache()
     ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup()
     losses = []
     for i, (x, y) in enumerate(dev_batches):
@@ -231,6 +235,7 @@ def test_training_loop_compiles_once():
 
 def test_learning_rate_change_does_not_recompile():
     """Python scalars (lr, momentum...) are graph inputs: a new lr reuses the executable and is used."""
+    fresh_executable_cache()
     ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup()
     lrs = [0.1, 0.1, 0.05, 0.02, 0.3, 0.07, 0.01]
     for i, ((x, y), (xd, yd)) in enumerate(zip(batches, dev_batches)):
@@ -250,6 +255,7 @@ def test_learning_rate_change_does_not_recompile():
 @pytest.mark.parametrize("op", ["add_alpha", "mul_scalar", "div_scalar", "rsub", "pow", "addcdiv_value"])
 def test_python_scalars_are_graph_inputs(op):
     """The minimal form of the lr test: the same op with another Python number compiles once."""
+    fresh_executable_cache()
     a, x = _x()
     fns = {
         "add_alpha": lambda t, s: t.add(t, alpha=s),

@@ -645,6 +645,19 @@ def test_clone_keeps_sharding(shape):
     assert_close(c.cpu(), t + 1)
 
 
+@pytest.mark.parametrize("like", ["zeros_like", "ones_like", "empty_like", "randn_like"])
+def test_like_factories_keep_sharding(like):
+    # optimizer state made with torch.zeros_like(param) is laid out like the parameter
+    t = torch.randn(10, 4)
+    x = st.shard(t, MESH_42, ("x", "y"))
+    y = getattr(torch, like)(x)
+    assert y.partition_spec == x.partition_spec
+    assert y.sharding_spec == x.sharding_spec
+    if like != "randn_like":
+        assert_close(y.cpu(), getattr(torch, like)(t) if like != "empty_like" else torch.zeros_like(t))
+
+
+
 @pytest.mark.parametrize("shape", [(8, 4), (7, 5)], ids=["even", "uneven"])
 def test_deepcopy_keeps_sharding(shape):
     t = torch.randn(*shape)

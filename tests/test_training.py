@@ -16,7 +16,7 @@ import shardtensor as st
 from _training_helpers import (
     CNN, CNN_SPECS, LM_SPECS_2x2x2, LM_SPECS_4x2, MLP, MLP_SPECS, TinyLM, assert_sharding_kept,
     assert_trained_alike, cnn_batches, lm_batches, lm_loss, make_pair, mesh_1x8, mesh_2x2x2, mesh_4x2,
-    mesh_8, mlp_batches, reset_state, run_both, shard_batches, shard_params, train,
+    fresh_executable_cache, mesh_8, mlp_batches, reset_state, run_both, shard_batches, shard_params, train,
 )
 
 MODES = ["lazy", "eager", "compile"]
@@ -58,6 +58,14 @@ def _assert_optimizer_state_alike(ref_opt, dev_opt, ref_params, dev_params):
             got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
             torch.testing.assert_close(got, torch.as_tensor(s_ref[k]), rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"{name} {k}: {m}")
+
+
+def _assert_no_compile_after_warmup(mode, compiles):
+    """Lazy and compile mode: step 1 (optimizer state created) and step 2 may compile; step 3 is the
+    same program again and must reuse it (eager compiles per op and is not checked). The tests that
+    use this start from fresh_executable_cache()."""
+    if mode in ("lazy", "compile"):
+        assert compiles[-1] == compiles[1], f"UncachedCompile after each step: {compiles}"
 
 
 # --- the optimizers' code paths: SGD(momentum) on fc1/ln, Adam on fc2, AdamW on head ---------------
@@ -108,9 +116,12 @@ def test_optimizers_sgd_adam_adamw(foreach):
 def test_mlp_sgd_momentum_mesh_8(mode):
     mesh = mesh_8()
     batches = mlp_batches(STEPS, _gen(2))
+    compiles = []
+    fresh_executable_cache()
     ref, dev, rl, dl, ref_opt, dev_opt = run_both(MLP, MLP_SPECS, mesh, batches, sgd, mode,
-                                                  x_spec=("d", None), y_spec=("d",))
+                                                  x_spec=("d", None), y_spec=("d",), compiles=compiles)
     assert_trained_alike(ref, dev, rl, dl)
+    _assert_no_compile_after_warmup(mode, compiles)
     assert_sharding_kept(dev, mesh, MLP_SPECS)
     _assert_optimizer_state_alike(ref_opt, dev_opt, list(ref.named_parameters()), list(dev.parameters()))
 
@@ -119,9 +130,13 @@ def test_mlp_sgd_momentum_mesh_8(mode):
 def test_lm_adamw_mesh_4x2(mode):
     mesh = mesh_4x2()
     batches = lm_batches(STEPS, _gen(3))
+    compiles = []
+    fresh_executable_cache()
     ref, dev, rl, dl, ref_opt, dev_opt = run_both(TinyLM, LM_SPECS_4x2, mesh, batches, adamw, mode,
-                                                  loss_fn=lm_loss, x_spec=("data", None), y_spec=("data", None))
+                                                  loss_fn=lm_loss, x_spec=("data", None), y_spec=("data", None),
+                                                  compiles=compiles)
     assert_trained_alike(ref, dev, rl, dl)
+    _assert_no_compile_after_warmup(mode, compiles)
     assert_sharding_kept(dev, mesh, LM_SPECS_4x2)
     _assert_optimizer_state_alike(ref_opt, dev_opt, list(ref.named_parameters()), list(dev.parameters()))
     # a no_grad eval forward, with the batch sharded another way, matches torch too
@@ -149,10 +164,14 @@ def test_lm_sgd_mesh_4x2_eager():
 def test_lm_adam_foreach_false_mesh_2x2x2():
     mesh = mesh_2x2x2()
     batches = lm_batches(STEPS, _gen(4))
+    compiles = []
+    fresh_executable_cache()
     ref, dev, rl, dl, ref_opt, dev_opt = run_both(TinyLM, LM_SPECS_2x2x2, mesh, batches,
                                                   lambda ps: adam(ps, foreach=False), "lazy", loss_fn=lm_loss,
-                                                  x_spec=(("a", "b"), None), y_spec=(("a", "b"), None))
+                                                  x_spec=(("a", "b"), None), y_spec=(("a", "b"), None),
+                                                  compiles=compiles)
     assert_trained_alike(ref, dev, rl, dl)
+    _assert_no_compile_after_warmup("lazy", compiles)
     assert_sharding_kept(dev, mesh, LM_SPECS_2x2x2)
     _assert_optimizer_state_alike(ref_opt, dev_opt, list(ref.named_parameters()), list(dev.parameters()))
 
@@ -161,10 +180,13 @@ def test_lm_adam_foreach_false_mesh_2x2x2():
 def test_cnn_batchnorm_sgd_mesh_1x8(mode):
     mesh = mesh_1x8()
     batches = cnn_batches(STEPS, _gen(5))
+    compiles = []
+    fresh_executable_cache()
     ref, dev, rl, dl, *_ = run_both(CNN, CNN_SPECS, mesh, batches, lambda ps: sgd(ps, foreach=False),
-                                    mode, x_spec=("m", None, None, None), y_spec=("m",))
+                                    mode, x_spec=("m", None, None, None), y_spec=("m",), compiles=compiles)
     # state_dict includes BatchNorm's running_mean / running_var / num_batches_tracked
     assert_trained_alike(ref, dev, rl, dl)
+    _assert_no_compile_after_warmup(mode, compiles)
     assert_sharding_kept(dev, mesh, CNN_SPECS)
     # eval mode normalises with the running statistics
     ref.eval()
