@@ -249,11 +249,13 @@ def handle(func, args, kwargs):
             return _mutating_op(func, f, args, kwargs)
         return _record_and_wrap(func, args, kwargs)
     except BaseException as e:
-        if torch._C._current_autograd_node() is None:
+        from shardtensor import torch_device
+
+        if torch_device.CPP_GUARD or torch._C._current_autograd_node() is None:
             raise
-        # Inside backward, an exception leaving __torch_dispatch__ aborts the process (torch's
-        # Python device guard runs with the error still set). Keep it, finish backward with
-        # zeros, and let the wrapper around the autograd engine raise it on the user's thread.
+        # Only without the C++ device guard: an exception leaving __torch_dispatch__ inside
+        # backward would abort the process (torch's Python guard runs with the error still set).
+        # Keep it, finish backward with zeros, and let the engine wrapper raise it afterwards.
         _remember_for_backward(e)
         return _placeholder(func, args, kwargs)
 

@@ -153,6 +153,7 @@ class ShardedTensor(torch.Tensor):
 
     def register_post_accumulate_grad_hook(self, hook):
         return super().register_post_accumulate_grad_hook(_guarded_hook(hook))
+    # (_guarded_hook only matters when the C++ device guard could not be built)
 
     def __format__(self, format_spec):
         if self.dim() == 0:
@@ -193,6 +194,11 @@ def _guarded_hook(hook):
     exception escaping a hook on autograd's device thread would abort the process)."""
     import functools
 
+    from shardtensor import torch_device
+
+    if torch_device.CPP_GUARD:
+        return hook
+
     @functools.wraps(hook)
     def guarded(*args, **kwargs):
         try:
@@ -200,8 +206,6 @@ def _guarded_hook(hook):
         except Exception as e:
             if torch._C._current_autograd_node() is None:
                 raise
-            from shardtensor import torch_device
-
             torch_device.remember_backward_error(e)
             return None
 

@@ -9,6 +9,7 @@ kept (a Python backend otherwise turns such errors into a bare ``SystemError`` o
 from __future__ import annotations
 
 import functools
+import os
 import pathlib
 import warnings
 
@@ -17,6 +18,7 @@ from torch.utils.backend_registration import _DummyPrivateUse1Hook, _setup_priva
 
 BACKEND = "shardtensor"
 _DEVICE = None
+CPP_GUARD = False  # True once the C++ device guard is loaded (the normal case)
 
 
 def device(index=None) -> torch.device:
@@ -164,6 +166,8 @@ def _load_cpp_device_guard() -> bool:
     """Build (once per machine, ~15 s, cached by torch) and load the C++ device guard."""
     from torch.utils.cpp_extension import load_inline
 
+    if os.environ.get("SHARDTENSOR_PYTHON_DEVICE_GUARD"):  # for testing the fallback
+        return False
     source = (pathlib.Path(__file__).parent / "device_guard.cpp").read_text()
     try:
         load_inline("shardtensor_device_guard", cpp_sources=[source], is_python_module=False)
@@ -178,8 +182,9 @@ def _load_cpp_device_guard() -> bool:
 
 
 def _install():
-    global _DEVICE
-    if _load_cpp_device_guard():
+    global _DEVICE, CPP_GUARD
+    CPP_GUARD = _load_cpp_device_guard()
+    if CPP_GUARD:
         torch.utils.rename_privateuse1_backend(BACKEND)
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module(BACKEND, _BackendModule())

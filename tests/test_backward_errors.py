@@ -148,3 +148,34 @@ def test_error_in_module_backward_hook_reaches_user(kind):
     getattr(model, f"register_{kind}")(hook)
     with pytest.raises(ValueError, match="failed on purpose"):
         model(torch.randn(2, 4).to(st.device())).sum().backward()
+
+
+def test_without_the_cpp_guard_op_and_tensor_hook_errors_still_reach_user():
+    """The fallback when the C++ device guard cannot be built (no compiler): torch's Python guard."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import torch, shardtensor as st
+        from shardtensor import torch_device, dispatch
+        assert not torch_device.CPP_GUARD
+        x = torch.randn(8, 4).to(st.device()).requires_grad_()
+        h = x * 2
+        h.register_hook(lambda g: (_ for _ in ()).throw(KeyError("hook failed")))
+        try:
+            h.sum().backward()
+        except KeyError as e:
+            print("hook:", e)
+        y = x.exp().sum()
+        dispatch._SPECIAL[torch.ops.aten.mul.Tensor] = lambda f, a, k: (_ for _ in ()).throw(ValueError("op failed"))
+        try:
+            y.backward()
+        except ValueError as e:
+            print("op:", e)
+    """)
+    env = dict(os.environ, SHARDTENSOR_PYTHON_DEVICE_GUARD="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "hook: 'hook failed'" in result.stdout and "op: op failed" in result.stdout
