@@ -5,7 +5,8 @@ import jax
 import numpy as np
 import torch
 
-from shardtensor import counters, lazy, views
+from shardtensor import lazy, views
+from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.dtypes import to_torch
 from shardtensor.mesh import Mesh

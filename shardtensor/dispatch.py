@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from jax._src.lax.lax import _convert_element_type
 
-from shardtensor import counters, lazy, rng, views
+from shardtensor import lazy, rng, views
+from shardtensor import metrics as counters
 from shardtensor.dtypes import to_jax
 from shardtensor.ops import lookup
 from shardtensor.storage import Cell, Failed, Node, Pending, ScalarLeaf

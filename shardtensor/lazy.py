@@ -20,7 +20,7 @@ from jax._src.lax.lax import _convert_element_type
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
-from shardtensor import counters
+from shardtensor import metrics as counters
 from shardtensor.storage import Cell, Failed, Leaf, Pending
 
 # Donation is best effort: a donated buffer XLA cannot reuse (another layout) is simply not reused.

@@ -38,8 +38,10 @@ def manual_seed(seed: int) -> None:
     global _CELL
     from shardtensor import torch_device as device
 
-    mesh = device.default_mesh().get_jax_mesh()
-    key = jax.device_put(jax.random.PRNGKey(int(seed) % (2**63)), NamedSharding(mesh, JaxSpec()))
+    sharding = NamedSharding(device.default_mesh().get_jax_mesh(), JaxSpec())
+    if _CELL is not None and hasattr(_CELL.value, "sharding"):
+        sharding = _CELL.value.sharding  # keep the layout, so compiled programs stay valid
+    key = jax.device_put(jax.random.PRNGKey(int(seed) % (2**63)), sharding)
     if _CELL is None:
         _CELL = Cell(key, (2,), None, owned=True)
     else:

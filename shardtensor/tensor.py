@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import torch
 
-from shardtensor import counters
+from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.dtypes import to_jax, to_torch
 from shardtensor.storage import Cell

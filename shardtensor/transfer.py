@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from jax.sharding import NamedSharding
 
-from shardtensor import counters
+from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.storage import Cell
 from shardtensor.tensor import ShardedTensor, torch_to_numpy, numpy_to_torch  # noqa: F401

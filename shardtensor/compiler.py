@@ -18,7 +18,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtensor import counters, lazy
+from shardtensor import lazy
+from shardtensor import metrics as counters
 from shardtensor.storage import Cell
 from shardtensor.tensor import ShardedTensor
 
