@@ -219,7 +219,7 @@ class _Frozen:
                 continue
             if cell.is_pending() or (i in self.donated and not cell.owned):
                 return _STALE
-            arrays.append(cell.value)
+            arrays.append(lazy.to_mesh(cell.value, self.executable.program.mesh))
         program = self.executable.program
         for a, sig in zip(arrays, self.leaf_sigs):
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:

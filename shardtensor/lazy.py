@@ -265,7 +265,7 @@ class _Program:
             key_parts.append((node.key, codes))
 
         mesh = _graph_mesh(cells, arrays)
-        arrays = [_to_mesh(a, mesh) for a in arrays]
+        arrays = [to_mesh(a, mesh) for a in arrays]
         out_keys = []
         for cell in cells:
             code = code_of(cell.value)
@@ -394,12 +394,16 @@ def _graph_mesh(cells, arrays):
         )
     if meshes:
         return next(iter(meshes))
+    for a in arrays:  # all replicated: stay on the inputs' mesh rather than moving them
+        m = _mesh_of(a)
+        if m is not None:
+            return m
     from shardtensor import torch_device as device
 
     return device.default_mesh().get_jax_mesh()
 
 
-def _to_mesh(array, mesh):
+def to_mesh(array, mesh):
     """Put a replicated array (or one on a single device) onto ``mesh`` so jit sees one mesh."""
     m = _mesh_of(array)
     if m is mesh or m == mesh:
