@@ -356,14 +356,17 @@ def _output_layout(cell: Cell, mesh):
         if isinstance(layout, NamedSharding) and layout.mesh == mesh:
             return None, layout
         return None, None
+    return _spec_layout(cell.shape, cell.mesh, cell.spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_layout(shape, mesh, spec):
+    """(pad widths or None, NamedSharding) of a tensor of ``shape`` stored as (mesh, spec)."""
     from shardtensor import sharding as sh
 
-    padded = sh.padded_shape(cell.shape, cell.mesh, cell.spec)
-    pad = None
-    if tuple(padded) != tuple(cell.shape):
-        pad = tuple((0, p - n) for n, p in zip(cell.shape, padded))
-    spec = sh.to_jax_spec(cell.mesh, cell.spec, len(cell.shape))
-    return pad, NamedSharding(cell.mesh.get_jax_mesh(), spec)
+    padded = tuple(sh.padded_shape(shape, mesh, spec))
+    pad = tuple((0, p - n) for n, p in zip(shape, padded)) if padded != tuple(shape) else None
+    return pad, NamedSharding(mesh.get_jax_mesh(), sh.to_jax_spec(mesh, spec, len(shape)))
 
 
 def _mesh_of(array):

@@ -176,7 +176,7 @@ def _load_cpp_device_guard() -> bool:
         warnings.warn(
             f"shardtensor could not build its C++ device guard ({e}); using torch's Python guard. "
             "Errors raised inside backward() still reach you from ops and tensor hooks, but one "
-            "raised by a grad_fn or module backward hook aborts the process. Install a C++ compiler "
+            "raised by a grad_fn or module backward hook aborts the process (as may exit after an error). Install a C++ compiler "
             "and `pip install ninja` to fix this.", RuntimeWarning, stacklevel=2)
         return False
 

@@ -177,5 +177,6 @@ def test_without_the_cpp_guard_op_and_tensor_hook_errors_still_reach_user():
     """)
     env = dict(os.environ, SHARDTENSOR_PYTHON_DEVICE_GUARD="1")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "hook: 'hook failed'" in result.stdout and "op: op failed" in result.stdout
+    # Both errors reach the user. The exit status is not checked: with torch's Python guard the
+    # autograd device thread may still abort at interpreter shutdown (why the C++ guard exists).
+    assert "hook: 'hook failed'" in result.stdout and "op: op failed" in result.stdout, result.stderr
