@@ -176,8 +176,9 @@ def _load_cpp_device_guard() -> bool:
         warnings.warn(
             f"shardtensor could not build its C++ device guard ({e}); using torch's Python guard. "
             "Errors raised inside backward() still reach you from ops and tensor hooks, but one "
-            "raised by a grad_fn or module backward hook aborts the process (as may exit after an error). Install a C++ compiler "
-            "and `pip install ninja` to fix this.", RuntimeWarning, stacklevel=2)
+            "raised by a grad_fn or module backward hook aborts the process (and exit after such an "
+            "error may too). Install a C++ compiler and `pip install ninja` to fix this.",
+            RuntimeWarning, stacklevel=2)
         return False
 
 
