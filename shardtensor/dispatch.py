@@ -571,8 +571,17 @@ def _fallback_eager(func, args, kwargs):
         raise
 
 
+def _on_device(i):
+    """CPU index tensors are allowed with device tensors (as with CUDA): upload them."""
+    if isinstance(i, torch.Tensor) and not isinstance(i, ShardedTensor):
+        from shardtensor import torch_device
+
+        return i.to(torch_device.device())
+    return i
+
+
 def _index(func, args, kwargs):
-    x, indices = args[0], list(args[1])
+    x, indices = args[0], [_on_device(i) for i in args[1]]
     if any(isinstance(i, ShardedTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
         lazy.check_execution_allowed("boolean-mask indexing has a data-dependent shape")
         expanded = []
@@ -611,10 +620,12 @@ def _index_put(func, args, kwargs):
     masks become index tensors (which needs their values)."""
     bound = dict(zip(facts(func).arg_names, args))
     bound.update(kwargs)
-    x, indices, values = bound["self"], list(bound["indices"]), bound["values"]
+    x, indices, values = bound["self"], [_on_device(i) for i in bound["indices"]], bound["values"]
+    bound["indices"] = indices
     accumulate = bound.get("accumulate", False)
     masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
     if not masks:
+        args, kwargs = tuple(bound[n] for n in facts(func).arg_names if n in bound), {}
         return _record_and_wrap(func, args, kwargs) if not facts(func).mutated else _mutating_op(
             func, facts(func), args, kwargs)
     inplace = bool(facts(func).mutated)

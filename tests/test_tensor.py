@@ -1064,3 +1064,16 @@ def test_failing_graph_error_is_raised_again_for_that_tensor(boom):
     with pytest.raises(ValueError, match="boom"):
         bad.cpu()  # the failing value stays failing: no wrong value appears
     del bad
+
+
+def test_cpu_index_tensors_work_with_device_tensors():
+    # as with CUDA tensors, a CPU index tensor may index a device tensor (read and write)
+    t = torch.arange(24.0).reshape(8, 3)
+    x = st.shard(t.clone(), MESH_42, ("x", None))
+    i = torch.tensor([0, 5, 7])
+    assert_close(x[i].cpu(), t[i])
+    x[i] = 5.0
+    t[i] = 5.0
+    x[torch.tensor([1, 3]), torch.tensor([0, 2])] += 1
+    t[torch.tensor([1, 3]), torch.tensor([0, 2])] += 1
+    assert_close(x.cpu(), t)
