@@ -549,26 +549,29 @@ def _resize_(func, args, kwargs):
 
 
 def _data_dependent(func, args, kwargs):
-    """Ops whose output shape depends on values: compute them now on concrete arrays."""
+    """Ops whose output shape depends on values (nonzero, masked_select, unique...): they need the
+    values anyway, so run torch's own kernel on the host and upload the (replicated) result."""
     lazy.check_execution_allowed(f"{func} has a data-dependent output shape")
-    lowering = lookup(func)
-    if lowering is None:
-        return _fallback_eager(func, args, kwargs)
-    conv = lambda v: logical_array(v) if isinstance(v, ShardedTensor) else (
-        [conv(x) for x in v] if isinstance(v, (list, tuple)) else v)
-    out = lowering.fn(*[conv(a) for a in args], **{k: conv(v) for k, v in kwargs.items()})
-    from shardtensor import transfer
+    from shardtensor import transfer, torch_device
 
-    if isinstance(out, (tuple, list)):
-        return type(out)(transfer.wrap_array(o) for o in out)
-    return transfer.wrap_array(out)
+    def host(v):
+        if isinstance(v, ShardedTensor):
+            return to_cpu(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(host(x) for x in v)
+        if isinstance(v, torch.device) and v.type != "cpu":
+            return torch.device("cpu")
+        return v
 
+    out = func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
+    mesh = torch_device.default_mesh()
 
-def _fallback_eager(func, args, kwargs):
-    try:
-        return _record_and_wrap(func, args, kwargs)
-    except NotImplementedError:
-        raise
+    def upload(t):
+        return ShardedTensor(transfer.cell_from_host(transfer.torch_to_numpy(t), mesh, None, t.dtype))
+
+    if isinstance(out, torch.Tensor):
+        return upload(out)
+    return type(out)(upload(o) if isinstance(o, torch.Tensor) else o for o in out)
 
 
 def _on_device(i):

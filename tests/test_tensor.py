@@ -1077,3 +1077,22 @@ def test_cpu_index_tensors_work_with_device_tensors():
     x[torch.tensor([1, 3]), torch.tensor([0, 2])] += 1
     t[torch.tensor([1, 3]), torch.tensor([0, 2])] += 1
     assert_close(x.cpu(), t)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_data_dependent_shapes_sync_for_the_shape(eager):
+    t = torch.randn(10, 3)
+    with st.eager_mode(eager):
+        x = st.shard(t, MESH_42, ("x", None))
+        assert_close(x[x > 0].cpu(), t[t > 0])
+        assert_close(torch.nonzero(x > 0).cpu(), torch.nonzero(t > 0))
+        assert_close(torch.masked_select(x, x > 0).cpu(), torch.masked_select(t, t > 0))
+        u = torch.tensor([3, 1, 3, 2])
+        assert_close(torch.unique(u.to(st.device())).cpu(), torch.unique(u))
+
+
+def test_data_dependent_shape_inside_full_graph_compile_is_a_clear_error():
+    x = st.shard(torch.randn(8, 3), MESH_42, ("x", None))
+    f = st.compile(lambda v: v[v > 0].sum(), full_graph=True)
+    with pytest.raises(st.UnexpectedExecutionError, match="data-dependent"):
+        f(x)
