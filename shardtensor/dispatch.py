@@ -324,7 +324,10 @@ def _wrap(func, out_refs, plan=None):
         cells.append(cell)
         outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
     if lazy.STATE.eager:
-        lazy.run_cells(cells + rng.pending_cells())
+        if plan.random or len(cells) != len(out_refs):
+            lazy.run_cells(cells + rng.pending_cells())
+        else:
+            lazy.run_single_node(out_refs[0].node, cells)
     if plan.structure == "one":
         return outs[0]
     return list(outs) if plan.structure == "list" else tuple(outs)

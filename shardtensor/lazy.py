@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.storage import Cell, Failed, Leaf, Pending
+from shardtensor.storage import Cell, Failed, Leaf, Pending, ScalarLeaf
 
 # Donation is best effort: a donated buffer XLA cannot reuse (another layout) is simply not reused.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
@@ -112,6 +112,55 @@ def run_cells(cells, wait: bool = False):
         _isolate_failure(cells, error)
         raise
     return execution
+
+
+_SINGLE_NODE: dict = {}
+
+
+def run_single_node(node, cells) -> None:
+    """Eager mode's fast path: run one node whose inputs are all concrete.
+
+    The executable is looked up under (op signature, input layouts) without building the general
+    program again; anything unusual (pending or padded inputs, inputs on another mesh) takes
+    ``run_cells``.
+    """
+    arrays, seen, sig = [], {}, []
+    scalars = {}
+    for ref in node.inputs:
+        kind = type(ref)
+        if kind is Leaf:
+            a = ref.array
+            if id(a) not in seen:
+                if tuple(a.shape) != tuple(ref.shape):
+                    return run_cells(cells)
+                seen[id(a)] = len(arrays)
+                arrays.append(a)
+            sig.append((a.shape, a.dtype, a.sharding))
+        elif kind is ScalarLeaf:
+            k = _scalar_kind(ref.value)
+            scalars.setdefault(k, []).append(ref.value)
+            sig.append(k)
+        else:
+            return run_cells(cells)
+    if not arrays or STATE.tracing:
+        return run_cells(cells)
+    key = (node.key, tuple(sig))
+    fn = _SINGLE_NODE.get(key)
+    if fn is None:
+        execution = run_cells(cells)
+        program = execution.program
+        if not program.donated and not program.forwarded_leaves and all(
+                _mesh_of(a) == program.mesh for a in arrays):
+            _SINGLE_NODE[key] = execution.executable
+        return execution
+    counters.increment("CachedCompile")
+    vectors = {k: np.asarray(v, dtype=_SCALAR_DTYPES[k]) for k, v in scalars.items()}
+    try:
+        outs = call_executable(fn, arrays, vectors)
+    except Exception as error:
+        _isolate_failure(cells, error)
+        raise
+    assign_outputs(fn.program, cells, outs)
 
 
 def _isolate_failure(cells, error):
