@@ -685,6 +685,7 @@ _SPECIAL = {
     aten.resize_.default: _resize_,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
+    aten.lift_fresh.default: _alias,
     aten.index.Tensor: _index,
     aten.native_batch_norm.default: _native_batch_norm,
     aten.clone.default: _same_sharding,

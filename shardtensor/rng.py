@@ -64,6 +64,15 @@ def pending_cells() -> list:
     return [cell] if cell.is_pending() else []
 
 
+def set_state(state: np.ndarray) -> None:
+    """Restore a key saved by ``get_state`` (keeping the current layout)."""
+    cell = _cell()
+    if cell.is_pending():
+        lazy.run_cells([cell])
+    key = jax.device_put(np.asarray(state, dtype=np.uint32).reshape(2), cell.value.sharding)
+    lazy.set_concrete(cell, key, owned=True)
+
+
 def get_state() -> np.ndarray:
     """The current key as numpy (for checkpoints)."""
     cell = _cell()

@@ -82,6 +82,22 @@ class _BackendModule:
     manual_seed = manual_seed_all
 
     @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        """The random key as a CPU uint8 tensor (for ``torch.random.fork_rng`` and friends)."""
+        from shardtensor import rng
+
+        return torch.from_numpy(rng.get_state().view("uint8").copy())
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device=None) -> None:
+        from shardtensor import rng
+
+        rng.set_state(state.numpy().view("uint32"))
+
+    get_rng_state_all = staticmethod(lambda: [_BackendModule.get_rng_state()])
+    set_rng_state_all = staticmethod(lambda states: _BackendModule.set_rng_state(states[0]))
+
+    @staticmethod
     def get_amp_supported_dtype():
         return [torch.float16, torch.bfloat16]
 
@@ -126,7 +142,7 @@ def _install_backward_error_fix():
 
 # --- factories with device=st.device() ------------------------------------------------------------
 _LIB = None
-_FACTORIES = ("empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
+_FACTORIES = ("_copy_from", "empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
               "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
               "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
               "normal.float_float")
@@ -142,10 +158,20 @@ def _register_factories():
     for name in _FACTORIES:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(aten, packet), overload or "default")
-        if name in ("empty.memory_format", "empty_strided"):
+        if name == "_copy_from":
+            _LIB.impl(name, _copy_from_kernel, "PrivateUse1")
+        elif name in ("empty.memory_format", "empty_strided"):
             _LIB.impl(name, _empty_kernel, "PrivateUse1")
         elif lookup(op) is not None:
             _LIB.impl(name, _factory_kernel(op, dispatch), "PrivateUse1")
+
+
+def _copy_from_kernel(src, dst, non_blocking=False):
+    """``torch.tensor(data, device=st.device())`` copies a CPU tensor into a new device tensor."""
+    from shardtensor import dispatch
+
+    # called with Python dispatch excluded (inside torch.tensor()), so go to our handler directly
+    return dispatch.handle(torch.ops.aten.copy_.default, (dst, src), {})
 
 
 def _empty_kernel(size, *args, dtype=None, **kwargs):

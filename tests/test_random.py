@@ -191,3 +191,15 @@ def test_compiled_dropout_draws_new_masks_each_call():
     # the compiled masks are the masks lazy mode draws after the same seed
     torch.manual_seed(0)
     torch.testing.assert_close(F.dropout(x, 0.5).cpu(), masks[0], rtol=0, atol=0)
+
+
+def test_rng_state_save_restore_and_fork_rng():
+    torch.manual_seed(3)
+    state = torch.shardtensor.get_rng_state()
+    a = torch.randn(5, device=st.device()).cpu()
+    torch.shardtensor.set_rng_state(state)
+    torch.testing.assert_close(torch.randn(5, device=st.device()).cpu(), a, rtol=0, atol=0)
+    with torch.random.fork_rng(device_type="shardtensor"):
+        inside = torch.randn(5, device=st.device()).cpu()
+    after = torch.randn(5, device=st.device()).cpu()
+    torch.testing.assert_close(inside, after, rtol=0, atol=0)  # the fork did not advance the key

@@ -1096,3 +1096,12 @@ def test_data_dependent_shape_inside_full_graph_compile_is_a_clear_error():
     f = st.compile(lambda v: v[v > 0].sum(), full_graph=True)
     with pytest.raises(st.UnexpectedExecutionError, match="data-dependent"):
         f(x)
+
+
+def test_torch_tensor_with_device_argument():
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=st.device())
+    assert isinstance(x, st.ShardedTensor)
+    assert_close(x.cpu(), torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    i = torch.tensor([1, 0], device=st.device())
+    assert i.dtype == torch.int64
+    assert_close(x[i].cpu(), torch.tensor([[3.0, 4.0], [1.0, 2.0]]))

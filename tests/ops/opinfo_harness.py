@@ -1,0 +1,296 @@
+"""The OpInfo sweep, shared by ``tests/ops/test_opinfo.py`` and ``bench/op_coverage.py``.
+
+For every entry of torch's OpInfo database that has float32 CPU samples, run a few samples with every
+tensor input sharded over a (4, 2) mesh (first dimension divisible by 4, else replicated) in lazy
+mode, and compare with eager torch: values with OpInfo's float32 tolerances, dtypes exactly.
+``check_backward`` does the same for the input gradients of ``sum of float outputs``.backward().
+
+Example::
+
+    from opinfo_harness import OPS, check_forward
+    check_forward(OPS["abs"])   # raises AssertionError / the op's exception on a mismatch
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.utils._pytree import tree_flatten, tree_map
+
+import shardtensor as st
+
+SAMPLES = int(os.environ.get("SHARDTENSOR_OPINFO_SAMPLES", "2"))
+EXPECTED_FILE = pathlib.Path(__file__).with_name("opinfo_expected_failures.txt")
+# Floor under OpInfo's float32 tolerances: XLA's CPU kernels (exp, log, tanh, dot reductions)
+# differ from ATen's in the last bits, more than torch's default float32 rtol of 1.3e-6.
+BASE_RTOL, BASE_ATOL = 1e-5, 1e-5
+
+_MESH = None
+
+
+def mesh():
+    global _MESH
+    if _MESH is None:
+        _MESH = st.Mesh(range(8), (4, 2), ("x", "y"))
+    return _MESH
+
+
+def op_id(op) -> str:
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def _has_f32(op) -> bool:
+    try:
+        return torch.float32 in op.supported_dtypes("cpu")
+    except Exception:
+        return False
+
+
+# jiterator_* entries claim CPU dtypes but are CUDA-only (eager torch raises on CPU).
+OPS = {op_id(op): op for op in op_db if _has_f32(op) and not op.name.startswith("jiterator_")}
+DIFF_OPS = {k: op for k, op in OPS.items() if op.supports_autograd}
+
+
+# ---- expected failures --------------------------------------------------------------------------
+
+def load_expected(path=EXPECTED_FILE) -> dict[str, tuple[str, str]]:
+    """test id -> (kind, reason); kind is 'xfail' (run, must fail) or 'skip' (not run: slow/hangs).
+
+    File format, one entry a line: ``<test id> | xfail | <reason>``; '#' starts a comment.
+    """
+    out = {}
+    if not pathlib.Path(path).exists():
+        return out
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        tid, kind, reason = (p.strip() for p in line.split("|", 2))
+        assert kind in ("xfail", "skip"), line
+        out[tid] = (kind, reason)
+    return out
+
+
+def write_expected(entries: dict[str, tuple[str, str]], path=EXPECTED_FILE):
+    lines = [
+        "# Expected failures of tests/ops/test_opinfo.py, one a line: <test id> | xfail|skip | <reason>.",
+        "# xfail: the test runs and must fail (if it passes, the run fails until the line is removed).",
+        "# skip: not run at all (slow or hangs). This file only shrinks.",
+        "# Regenerate with: .venv/bin/python bench/op_coverage.py --write-expected",
+    ]
+    for tid in sorted(entries):
+        kind, reason = entries[tid]
+        reason = " ".join(reason.split())[:200].replace("|", "/")
+        lines.append(f"{tid} | {kind} | {reason}")
+    pathlib.Path(path).write_text("\n".join(lines) + "\n")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Exception type and the first line of its message, without the boilerplate tails."""
+    msg = str(exc).strip().splitlines()
+    first = next((m.strip() for m in msg if m.strip()), "")
+    for tail in (" (and torch has no decomposition", " This could be because the operator"):
+        first = first.split(tail)[0]
+    first = first.replace("shardtensor has no lowering for the aten op ", "no lowering for ")
+    return f"{type(exc).__name__}: {first}"
+
+
+# ---- running one op -----------------------------------------------------------------------------
+
+def _samples(op, requires_grad=False):
+    out = []
+    for s in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
+        out.append(s)
+        if len(out) >= SAMPLES:
+            break
+    return out
+
+
+def _spec(t: torch.Tensor):
+    for d, n in enumerate(t.shape):
+        if n > 0 and n % 4 == 0:
+            return tuple("x" if i == d else None for i in range(t.dim()))
+    return (None,) * t.dim()
+
+
+def _to_sharded(x, grad=False):
+    if isinstance(x, torch.Tensor):
+        leaf = x.requires_grad
+        s = st.shard(x.detach().clone(), mesh(), _spec(x))
+        if grad and leaf:
+            s.requires_grad_()
+        return s
+    return x
+
+
+def _clone_leaf(x):
+    if isinstance(x, torch.Tensor):
+        c = x.detach().clone()
+        if x.requires_grad:
+            c.requires_grad_()
+        return c
+    return x
+
+
+def _args(sample, fn):
+    return tree_map(fn, (sample.input, sample.args, sample.kwargs))
+
+
+def _to_cpu(x):
+    if isinstance(x, st.ShardedTensor):
+        return x.cpu()
+    return x
+
+
+def _tolerances(op):
+    rtol, atol = BASE_RTOL, BASE_ATOL
+    for dec in getattr(op, "decorators", ()) or ():
+        decs = getattr(dec, "decorators", (dec,))
+        if not isinstance(decs, (list, tuple)):
+            decs = (decs,)
+        for d in decs:
+            table = getattr(d, "d", None)
+            if isinstance(table, dict) and torch.float32 in table:
+                tol = table[torch.float32]
+                if hasattr(tol, "atol") and hasattr(tol, "rtol"):
+                    atol, rtol = max(atol, tol.atol), max(rtol, tol.rtol)
+    return rtol, atol
+
+
+def _compare(got, want, op, what, values=True):
+    got_l, _ = tree_flatten(tree_map(_to_cpu, got))
+    want_l, _ = tree_flatten(want)
+    assert len(got_l) == len(want_l), f"{what}: {len(got_l)} outputs, torch gives {len(want_l)}"
+    rtol, atol = _tolerances(op)
+    for i, (g, w) in enumerate(zip(got_l, want_l)):
+        if isinstance(w, torch.Tensor):
+            assert isinstance(g, torch.Tensor), f"{what}[{i}]: got {type(g).__name__}, torch gives a tensor"
+            assert g.dtype == w.dtype, f"{what}[{i}]: dtype {g.dtype}, torch gives {w.dtype}"
+            if w.layout != torch.strided:
+                assert g.layout == w.layout, f"{what}[{i}]: layout {g.layout}, torch gives {w.layout}"
+                g, w = g.to_dense(), w.to_dense()
+            if not values:  # random or uninitialised results: shape and dtype only
+                assert g.shape == w.shape, f"{what}[{i}]: shape {tuple(g.shape)}, torch gives {tuple(w.shape)}"
+                continue
+            torch.testing.assert_close(g.detach(), w.detach(), rtol=rtol, atol=atol, equal_nan=True,
+                                       msg=lambda m: f"{what}[{i}]: {m}")
+        elif isinstance(w, float) and isinstance(g, float):
+            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+        elif w is not None and values:
+            assert g == w, f"{what}[{i}]: {g!r} != {w!r}"
+
+
+# Results not determined by the inputs: only shapes and dtypes are compared.
+UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
+
+
+def _deterministic(op, sample, want) -> bool:
+    """False for ops whose result is random (a second eager run with another seed differs) or garbage."""
+    if op.name in UNINITIALISED:
+        return False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(12345)
+        inp, args, kwargs = _args(sample, _clone_leaf)
+        again = op(inp, *args, **kwargs)
+    a, _ = tree_flatten(again)
+    b, _ = tree_flatten(want)
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.layout == torch.strided:
+            try:
+                torch.testing.assert_close(x.detach(), y.detach(), rtol=0, atol=0, equal_nan=True)
+            except AssertionError:
+                return False
+            except Exception:  # noqa: BLE001  (dtype without comparison kernels: assume deterministic)
+                pass
+    return True
+
+
+def check_forward(op):
+    samples = _samples(op)
+    if not samples:
+        return
+    for k, sample in enumerate(samples):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            inp, args, kwargs = _args(sample, _clone_leaf)
+            want = op(inp, *args, **kwargs)
+        values = _deterministic(op, sample, want)
+        inp, args, kwargs = _args(sample, _to_sharded)
+        got = op(inp, *args, **kwargs)
+        _compare(got, want, op, f"sample {k} output", values=values)
+
+
+def _float_leaves(tree):
+    leaves, _ = tree_flatten(tree)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _loss(out):
+    outs = [o for o in tree_flatten(out)[0]
+            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+    if not outs:
+        return None
+    total = outs[0].sum()
+    for o in outs[1:]:
+        total = total + o.sum()
+    return total
+
+
+def check_backward(op):
+    samples = _samples(op, requires_grad=True)
+    ran = False
+    for k, sample in enumerate(samples):
+        ref = _args(sample, _clone_leaf)
+        loss = _loss(op(ref[0], *ref[1], **ref[2]))
+        if loss is None:
+            continue
+        leaves_ref = _float_leaves(ref)
+        loss.backward()
+        sh = _args(sample, lambda x: _to_sharded(x, grad=True))
+        leaves_sh = _float_leaves(sh)
+        loss_sh = _loss(op(sh[0], *sh[1], **sh[2]))
+        assert loss_sh is not None, f"sample {k}: no differentiable output"
+        loss_sh.backward()
+        want = [t.grad for t in leaves_ref]
+        got = [t.grad for t in leaves_sh]
+        _compare(got, want, op, f"sample {k} grad")
+        ran = True
+    return ran
+
+
+# ---- families -----------------------------------------------------------------------------------
+
+def family(op) -> str:
+    """Which shardtensor/ops/<family>.py lowers the first aten op the OpInfo entry hits in eager torch;
+    'decomposed' if that op has no lowering but a torch decomposition, 'other' otherwise."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from shardtensor.ops.registry import lookup
+    import torch._decomp
+
+    hits = []
+
+    class Rec(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            hits.append(func)
+            return func(*args, **(kwargs or {}))
+
+    try:
+        s = next(iter(op.sample_inputs("cpu", torch.float32)))
+        with Rec():
+            op(s.input, *s.args, **s.kwargs)
+    except Exception:
+        pass
+    skip = {"detach", "clone", "_to_copy", "copy_", "empty", "lift_fresh", "alias", "view", "t", "expand",
+            "empty_like", "zeros", "full", "scalar_tensor", "_local_scalar_dense", "new_empty", "fill_",
+            "zero_"}
+    primary = next((f for f in hits if f.__name__.split(".")[0] not in skip), hits[0] if hits else None)
+    if primary is None:
+        return "other"
+    entry = lookup(primary)
+    if entry is not None:
+        return entry.fn.__module__.rsplit(".", 1)[-1]
+    if primary in torch._decomp.core_aten_decompositions():
+        return "decomposed"
+    return "other"
