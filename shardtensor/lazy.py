@@ -106,7 +106,10 @@ def run_cells(cells, wait: bool = False):
     if STATE.tracing:
         STATE.trace_broken = "a value was computed in the middle of the function"
     try:
-        execution = Execution.prepare(cells)
+        # Donating is safe only when no other pending value still needs an input of this graph.
+        chosen = {id(c) for c in cells}
+        complete = all(id(c) in chosen for c in _PENDING.values())
+        execution = Execution.prepare(cells, donate=complete)
         execution.run(wait=wait)
     except Exception as error:
         _isolate_failure(cells, error)
@@ -173,7 +176,7 @@ def _isolate_failure(cells, error):
         if not cell.is_pending():
             continue
         try:
-            Execution.prepare([cell]).run()
+            Execution.prepare([cell], donate=False).run()
         except Exception as e:
             _fail(cell, e)
 
@@ -193,8 +196,8 @@ class Execution:
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
 
     @classmethod
-    def prepare(cls, cells):
-        program, arrays, scalars = _Program.build(cells)
+    def prepare(cls, cells, donate=True):
+        program, arrays, scalars = _Program.build(cells, donate)
         leaf_cells, program.leaf_cells = program.leaf_cells, None  # the cache must not keep cells alive
         fn = _EXECUTABLES.get(program.key)
         if fn is None:
@@ -281,7 +284,7 @@ class _Program:
         self.mesh = None
 
     @classmethod
-    def build(cls, cells):
+    def build(cls, cells, donate=True):
         prog = cls()
         node_pos: dict[int, int] = {}
         leaf_pos: dict[int, int] = {}
@@ -328,9 +331,9 @@ class _Program:
         layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
         for i, c in enumerate(prog.leaf_cells):
             # donate only a buffer the output can reuse: same cell, sole owner, same layout
-            donate = (c is not None and id(c) in overwritten and c.owned
-                      and layouts[id(c)] in (None, arrays[i].sharding))
-            (prog.donated if donate else prog.kept).append(i)
+            reusable = (donate and c is not None and id(c) in overwritten and c.owned
+                        and layouts[id(c)] in (None, arrays[i].sharding))
+            (prog.donated if reusable else prog.kept).append(i)
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
         scalars = {k: np.asarray(v, dtype=_SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
         prog.mesh = mesh
