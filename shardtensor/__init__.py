@@ -16,7 +16,7 @@ from shardtensor import ops  # noqa: F401  (fills the lowering table)
 from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
 from shardtensor.torch_device import device, devices  # noqa: F401
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
-from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError  # noqa: F401
+from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.rng import manual_seed  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401

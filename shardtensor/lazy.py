@@ -120,6 +120,19 @@ def run_cells(cells, wait: bool = False):
 _SINGLE_NODE: dict = {}
 
 
+def clear_executables() -> None:
+    """Forget every compiled program (shardtensor's caches and jax's); later graphs compile again.
+
+    Example::
+
+        st.clear_executables()   # e.g. between unrelated workloads in one long-lived process
+    """
+    _EXECUTABLES.clear()
+    _SINGLE_NODE.clear()
+    _SCALAR_CACHE.clear()
+    jax.clear_caches()
+
+
 def run_single_node(node, cells) -> None:
     """Eager mode's fast path: run one node whose inputs are all concrete.
 

@@ -16,6 +16,20 @@ import pytest
 
 import opinfo_harness as h
 
+import shardtensor as st
+
+_RUN = {"count": 0}
+
+
+@pytest.fixture(autouse=True)
+def _bounded_executable_caches():
+    # The sweep compiles thousands of small programs in one worker; dropping them now and then
+    # keeps the worker's memory (and XLA's) bounded for the tests that run after it.
+    yield
+    _RUN["count"] += 1
+    if _RUN["count"] % 100 == 0:
+        st.clear_executables()
+
 EXPECTED = h.load_expected()
 
 
