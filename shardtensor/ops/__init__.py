@@ -18,4 +18,6 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     loss,
     attention,
     resize,
+    linalg,
+    fft,
 )
