@@ -33,7 +33,7 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
         else:
             with torch.no_grad():
                 out = t.detach().clone()
-            lazy_clear(out)
+            out._cell.mesh = out._cell.spec = None  # the clone's annotation is replaced below
             return mark_sharding(out, mesh, partition_spec)
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
@@ -111,10 +111,6 @@ def clear_sharding(t: ShardedTensor) -> ShardedTensor:
             lazy.set_concrete(cell, array[tuple(slice(0, n) for n in cell.shape)], owned=True)
     cell.mesh = cell.spec = None
     return t
-
-
-def lazy_clear(t):
-    t._cell.mesh = t._cell.spec = None
 
 
 def _stored_on_other_mesh(t, mesh) -> bool:

@@ -196,9 +196,6 @@ class _Frozen:
         for target, cell in zip(trace.targets, ex.cells if ex else ()):
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
-        for kind, _, ref in self.sources:
-            if kind == "const" and hasattr(ref, "shape"):
-                pass
         self.leaf_sigs = ex.program.key[2] if ex else ()
         self.donated = set(ex.program.donated) if ex else set()
 

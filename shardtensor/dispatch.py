@@ -34,6 +34,7 @@ class OpFacts:
     arg_names: tuple
     is_view: bool
     functional: object = None  # the overload to run for a mutating op
+    functional_by_name: bool = False  # its arguments come in another order: pass them by name
 
 
 _FACTS: dict = {}
@@ -63,6 +64,10 @@ def _make_facts(func) -> OpFacts:
     f = OpFacts(frozenset(slots), tuple(mutated), tuple(outs), tuple(names), bool(func.is_view) and not mutated)
     if mutated:
         f.functional = _functional_twin(func, f)
+        if f.functional is not None:
+            mine = [n for n in f.arg_names if n not in f.out_names]
+            theirs = [a.name for a in f.functional._schema.arguments]
+            f.functional_by_name = theirs[:len(mine)] != mine[:len(theirs)]
     return f
 
 
@@ -313,16 +318,7 @@ def _fallback(func, args, kwargs):
 def _wrap(func, out_refs, plan=None):
     if plan is None:
         return out_refs  # a decomposition already produced the result
-    cells = []
-    outs = []
-    for ref, meta in zip(out_refs, plan.outs):
-        if ref is None:
-            outs.append(None)
-            continue
-        cell = Cell(ref, meta[0], meta[1])
-        lazy.set_pending(cell, ref)
-        cells.append(cell)
-        outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
+    cells, outs = _new_tensors(out_refs, plan.outs)
     if lazy.STATE.eager:
         if plan.random or len(cells) != len(out_refs):
             lazy.run_cells(cells + rng.pending_cells())
@@ -341,10 +337,9 @@ def _record_and_wrap(func, args, kwargs):
 
 
 def _view_op(func, args, kwargs):
-    base = args[0]
-    if not isinstance(base, ShardedTensor) or lookup(func) is None:
+    base, lowering = args[0], lookup(func)
+    if not isinstance(base, ShardedTensor) or lowering is None:
         return _record_and_wrap(func, args, kwargs)
-    lowering = lookup(func)
     template, refs = _flatten(func, args, kwargs, lowering.static_scalars)
     if len(refs) != 1:  # a view with other dynamic inputs: compute it as a copy
         return _record_and_wrap(func, args, kwargs)
@@ -365,35 +360,39 @@ def _alias(func, args, kwargs):
                          storage_offset=t.storage_offset())
 
 
+_CHECKED: set = set()  # (mutating op, functional signature) pairs torch's meta kernel accepted
+
+
 def _mutating_op(func, f: OpFacts, args, kwargs):
     if f.functional is None:
         return _record_and_wrap(func, args, kwargs)
     bound = dict(zip(f.arg_names, args))
     bound.update(kwargs)
     targets = [bound[name] for name in f.mutated]
+    flat_targets = []
     for t in targets:
-        for x in (t if isinstance(t, (list, tuple)) else [t]):
-            if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
-                raise _device_mismatch(x)
-    meta_outputs(func, args, kwargs)  # torch's own checks (broadcast into self, dtype casts)
+        flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
+    for x in flat_targets:
+        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
+            raise _device_mismatch(x)
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
-    functional_names = [a.name for a in f.functional._schema.arguments]
-    if functional_names[:len(fargs)] != [n for n in f.arg_names if n not in f.out_names][:len(fargs)]:
-        # e.g. polygamma_(self, n) vs polygamma(n, self): pass everything by name
+    if f.functional_by_name:  # e.g. polygamma_(self, n) vs polygamma(n, self)
         fkw.update({name: a for name, a in zip(f.arg_names, args) if name not in f.out_names})
         fargs = []
     try:
         refs, plan = record(f.functional, fargs, fkw)
         metas = plan.outs
+        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets))
+        if checked not in _CHECKED:  # torch's own checks (broadcast into self, casts), once
+            meta_outputs(func, args, kwargs)
+            _CHECKED.add(checked)
     except _Decomposed as d:
+        meta_outputs(func, args, kwargs)
         result = d.result
         flat = [result] if isinstance(result, torch.Tensor) else list(result)
         refs = [views.read(r) for r in flat]
         metas = [(tuple(r.shape), r.dtype, r.stride(), 0) for r in flat]
-    flat_targets = []
-    for t in targets:
-        flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
     functional_variant = not (_is_inplace(func) or f.out_names)  # e.g. _native_batch_norm_legit
     n_returned = len(refs) - len(flat_targets) if functional_variant else 0
     written, written_metas = refs[n_returned:], metas[n_returned:]
@@ -424,15 +423,24 @@ def _is_inplace(func):
 
 
 def _wrap_refs(refs, metas):
-    outs, cells = [], []
+    cells, outs = _new_tensors(refs, metas)
+    if lazy.STATE.eager:
+        lazy.run_cells(cells)
+    return tuple(outs)
+
+
+def _new_tensors(refs, metas):
+    """A fresh pending Cell and ShardedTensor per output reference (None stays None)."""
+    cells, outs = [], []
     for ref, meta in zip(refs, metas):
+        if ref is None:
+            outs.append(None)
+            continue
         cell = Cell(ref, meta[0], meta[1])
         lazy.set_pending(cell, ref)
         cells.append(cell)
         outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
-    if lazy.STATE.eager:
-        lazy.run_cells(cells)
-    return tuple(outs)
+    return cells, outs
 
 
 def zeros(shape, dtype) -> ShardedTensor:

@@ -152,20 +152,22 @@ def argmin(self, dim=None, keepdim=False):
     return _arg(jnp.argmin, self, dim, keepdim)
 
 
-@register(aten.max.dim)
-def max_dim(self, dim, keepdim=False):
+def _extreme_along(reduce, arg, self, dim, keepdim):
+    """(values, int64 indices) of max.dim / min.dim."""
     if self.ndim == 0:
         return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
-    return jnp.max(self, axis=ax, keepdims=keepdim), argmax(self, ax, keepdim)
+    return reduce(self, axis=ax, keepdims=keepdim), arg(self, ax, keepdim)
+
+
+@register(aten.max.dim)
+def max_dim(self, dim, keepdim=False):
+    return _extreme_along(jnp.max, argmax, self, dim, keepdim)
 
 
 @register(aten.min.dim)
 def min_dim(self, dim, keepdim=False):
-    if self.ndim == 0:
-        return fresh(self), jnp.zeros((), INT64)
-    ax = _axis(dim, self.ndim)
-    return jnp.min(self, axis=ax, keepdims=keepdim), argmin(self, ax, keepdim)
+    return _extreme_along(jnp.min, argmin, self, dim, keepdim)
 
 
 @register(aten.aminmax.default)
