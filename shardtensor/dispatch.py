@@ -288,16 +288,20 @@ class _Decomposed(Exception):
         self.result = result
 
 
-_CORE_DECOMPOSITIONS = None
+_DECOMPOSITIONS = None
 
 
 def _decomposition(func):
-    global _CORE_DECOMPOSITIONS
-    if _CORE_DECOMPOSITIONS is None:
+    global _DECOMPOSITIONS
+    if _DECOMPOSITIONS is None:
         import torch._decomp
 
-        _CORE_DECOMPOSITIONS = torch._decomp.core_aten_decompositions()
-    return _CORE_DECOMPOSITIONS.get(func)
+        # torch's whole table, with the core-aten choices winning. core_aten_decompositions() is a
+        # lazily filled CustomDecompTable whose .get() misses entries that [] finds: copy it out.
+        table = dict(torch._decomp.decomposition_table)
+        table.update(torch._decomp.core_aten_decompositions().items())
+        _DECOMPOSITIONS = table
+    return _DECOMPOSITIONS.get(func)
 
 
 def _fallback(func, args, kwargs):
