@@ -18,6 +18,7 @@ from shardtensor.torch_device import device, devices  # noqa: F401
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
 from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
+from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.rng import manual_seed  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401
