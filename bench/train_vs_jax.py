@@ -1,0 +1,362 @@
+"""Training steps three ways, interleaved in one process: shardtensor lazy mode, ``st.compile(step)``,
+and the same model written directly in JAX (``jax.jit``, donated state). Same initial weights, same
+batches, same shardings: FSDP-style on 8 simulated devices (every parameter sharded over 'fsdp' on its
+largest dimension, the batch over 'fsdp' too), AdamW.
+
+Prints, per model: median step time and its ratio to JAX, the first step (trace + compile + run),
+Python tracing seconds per step, the losses of the first steps (they must agree), and the collectives
+in each compiled program (count and bytes of each kind).
+
+Example::
+
+    .venv/bin/python bench/train_vs_jax.py                 # both models, 20 steps each
+    .venv/bin/python bench/train_vs_jax.py --model mlp --steps 10
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import statistics
+import time
+
+os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as JP  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+from shardtensor import lazy  # noqa: E402
+
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
+
+
+# ---- the models, in torch ----------------------------------------------------------------------
+
+class MLP(nn.Module):
+    def __init__(self, d=1024, layers=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(layers))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = F.relu(x)
+        return x
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=1024, seq=128, d=256, heads=4, layers=4):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        nn.init.normal_(self.tok.weight, std=0.02)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.tok.weight.t()
+
+
+# ---- the same models, in JAX (parameters keyed by the torch names) -----------------------------
+
+def _linear(p, name, x):
+    return x @ p[name + ".weight"].T + p[name + ".bias"]
+
+
+def _layer_norm(p, name, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + 1e-5) * p[name + ".weight"] + p[name + ".bias"]
+
+
+def jax_mlp(p, x, layers=4):
+    for i in range(layers):
+        x = _linear(p, f"layers.{i}", x)
+        if i < layers - 1:
+            x = jax.nn.relu(x)
+    return x
+
+
+def jax_gpt(p, idx, heads=4, layers=4):
+    x = p["tok.weight"][idx] + p["pos"][: idx.shape[1]]
+    b, t, d = x.shape
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(layers):
+        pre = f"blocks.{i}."
+        q, k, v = jnp.split(_linear(p, pre + "qkv", _layer_norm(p, pre + "ln1", x)), 3, axis=-1)
+        q, k, v = (z.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3) for z in (q, k, v))
+        s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads), -jnp.inf)
+        y = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+        x = x + _linear(p, pre + "proj", y)
+        h = jax.nn.gelu(_linear(p, pre + "up", _layer_norm(p, pre + "ln2", x)), approximate=False)
+        x = x + _linear(p, pre + "down", h)
+    return _layer_norm(p, "ln_f", x) @ p["tok.weight"].T
+
+
+def jax_cross_entropy(logits, targets):
+    logp = jax.nn.log_softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)
+    return -jnp.take_along_axis(logp, targets.reshape(-1, 1), axis=-1).mean()
+
+
+def jax_adamw(params, grads, m, v, step):
+    step = step + 1
+    bc1, bc2 = 1 - BETAS[0] ** step, 1 - BETAS[1] ** step
+    new_p, new_m, new_v = {}, {}, {}
+    for k in params:
+        g = grads[k]
+        new_m[k] = BETAS[0] * m[k] + (1 - BETAS[0]) * g
+        new_v[k] = BETAS[1] * v[k] + (1 - BETAS[1]) * g * g
+        p = params[k] * (1 - LR * WD)
+        new_p[k] = p - (LR / bc1) * new_m[k] / (jnp.sqrt(new_v[k]) / jnp.sqrt(bc2) + EPS)
+    return new_p, new_m, new_v, step
+
+
+# ---- shardings ---------------------------------------------------------------------------------
+
+def fsdp_spec(shape):
+    """'fsdp' on the largest dimension (ties: the lowest index); scalars replicated."""
+    if not shape:
+        return ()
+    d = max(range(len(shape)), key=lambda i: (shape[i], -i))
+    return tuple("fsdp" if i == d else None for i in range(len(shape)))
+
+
+# ---- collectives in a compiled program ---------------------------------------------------------
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "s64": 8, "u32": 4, "u64": 8, "s8": 1, "u8": 1,
+          "pred": 1}
+
+
+def collectives(hlo_text: str) -> dict:
+    """kind -> [count, bytes of the per-device result buffers] of every collective instruction."""
+    out = {k: [0, 0] for k in _COLLECTIVES}
+    for line in hlo_text.splitlines():
+        m = re.search(r"=\s*(.+?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                      r"(-start)?\(", line)
+        if not m:
+            continue
+        size = 0
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
+            size += _BYTES.get(dtype, 4) * int(np.prod([int(n) for n in dims.split(",") if n] or [1]))
+        out[m.group(2)][0] += 1
+        out[m.group(2)][1] += size
+    return out
+
+
+def describe(c: dict) -> str:
+    parts = [f"{k} {n} ({b / 1e6:.2f} MB)" for k, (n, b) in c.items() if n]
+    return ", ".join(parts) or "none"
+
+
+class ProgramSpy:
+    """Remembers the largest program shardtensor ran (to read its compiled HLO)."""
+
+    def __init__(self):
+        self.largest = None
+        self._orig = lazy.call_executable
+
+    def __enter__(self):
+        def spy(fn, arrays, scalars, wait=False):
+            size = len(fn.program.steps)
+            if self.largest is None or size > self.largest[0]:
+                avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
+                vecs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in scalars.items()}
+                self.largest = (size, fn, avals, vecs)
+            return self._orig(fn, arrays, scalars, wait)
+
+        lazy.call_executable = spy
+        return self
+
+    def __exit__(self, *exc):
+        lazy.call_executable = self._orig
+
+    def hlo(self) -> str:
+        _, fn, avals, vecs = self.largest
+        program = fn.program
+        donated = [avals[i] for i in program.donated]
+        kept = [avals[i] for i in program.kept]
+        return fn.lower(donated, kept, vecs).compile().as_text()
+
+
+# ---- the three ways ----------------------------------------------------------------------------
+
+def make_batches(kind, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        if kind == "mlp":
+            out.append((torch.randn(256, 1024, generator=g), torch.randint(0, 1024, (256,), generator=g)))
+        else:
+            tokens = torch.randint(0, 1024, (16, 129), generator=g)
+            out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+class ShardtensorRun:
+    def __init__(self, kind, state_dict, mesh, compiled):
+        self.model = (MLP() if kind == "mlp" else GPT()).to(st.device())
+        self.model.load_state_dict(state_dict)
+        for p in self.model.parameters():
+            st.mark_sharding(p, mesh, fsdp_spec(tuple(p.shape)))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                     capturable=True)
+        self.mesh, self.kind, self.compiled = mesh, kind, compiled
+        self.trace_seconds = []
+        self.step_fn = st.compile(self._step) if compiled else self._step
+        st.sync()
+
+    def _step(self, x, y):
+        out = self.model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def __call__(self, x, y):
+        batch_spec = ("fsdp",) + (None,) * (x.dim() - 1)
+        xs, ys = st.shard(x, self.mesh, batch_spec), st.shard(y, self.mesh, ("fsdp",) + (None,) * (y.dim() - 1))
+        t0 = time.perf_counter()
+        loss = self.step_fn(xs, ys)
+        if not self.compiled:
+            self.trace_seconds.append(time.perf_counter() - t0)
+            st.step()
+        return float(loss.cpu())
+
+
+class JaxRun:
+    def __init__(self, kind, state_dict, jmesh):
+        shard = lambda a: jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))  # noqa: E731
+        self.params = {k: shard(jnp.asarray(v.numpy())) for k, v in state_dict.items()}
+        self.m = {k: jnp.zeros_like(v) for k, v in self.params.items()}
+        self.v = {k: jnp.zeros_like(v) for k, v in self.params.items()}
+        self.count = jnp.zeros((), jnp.float32)
+        self.jmesh = jmesh
+        forward = jax_mlp if kind == "mlp" else jax_gpt
+
+        def step(params, m, v, count, x, y):
+            loss, grads = jax.value_and_grad(lambda p: jax_cross_entropy(forward(p, x), y))(params)
+            params, m, v, count = jax_adamw(params, grads, m, v, count)
+            return params, m, v, count, loss
+
+        self.step = step
+        self.jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3))
+        self.trace_seconds = None
+
+    def _time_trace(self, xb, yb):
+        fresh = jax.jit(lambda *args: self.step(*args), donate_argnums=(0, 1, 2, 3))
+        t0 = time.perf_counter()
+        fresh.trace(self.params, self.m, self.v, self.count, xb, yb)
+        return time.perf_counter() - t0
+
+    def _batch(self, x, y):
+        put = lambda a: jax.device_put(a.numpy(), NamedSharding(  # noqa: E731
+            self.jmesh, JP("fsdp", *([None] * (a.dim() - 1)))))
+        return put(x), put(y)
+
+    def __call__(self, x, y):
+        xb, yb = self._batch(x, y)
+        if self.trace_seconds is None:  # a warm trace: the best of three fresh jits (none hits a cache)
+            self.trace_seconds = min(self._time_trace(xb, yb) for _ in range(4))
+        self.params, self.m, self.v, self.count, loss = self.jitted(self.params, self.m, self.v, self.count, xb, yb)
+        return float(loss)
+
+    def hlo(self, x, y):
+        xb, yb = self._batch(x, y)
+        return self.jitted.lower(self.params, self.m, self.v, self.count, xb, yb).compile().as_text()
+
+
+def bench(kind, steps):
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in (MLP() if kind == "mlp" else GPT()).state_dict().items()}
+    mesh = st.Mesh(range(8), (8,), ("fsdp",))
+    jmesh = mesh.get_jax_mesh()
+    batches = make_batches(kind, steps)
+    runs = {"lazy": ShardtensorRun(kind, state, mesh, compiled=False),
+            "compile": ShardtensorRun(kind, state, mesh, compiled=True),
+            "jax": JaxRun(kind, state, jmesh)}
+    times = {k: [] for k in runs}
+    losses = {k: [] for k in runs}
+    spies = {}
+    for i, (x, y) in enumerate(batches):
+        for name, run in runs.items():  # interleaved: the machine's state affects all three alike
+            spy = ProgramSpy() if name != "jax" and i == 1 else None
+            t0 = time.perf_counter()
+            if spy:
+                with spy:
+                    loss = run(x, y)
+                spies[name] = spy
+            else:
+                loss = run(x, y)
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(loss)
+    med = {k: statistics.median(v[2:]) for k, v in times.items()}
+    print(f"\n== {kind}: {steps} steps, 8 devices, FSDP-style ('fsdp' axis of 8), AdamW")
+    print(f"{'':10s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s} {'tracing/step':>13s}")
+    for name in runs:
+        if name == "jax":
+            tracing = runs["jax"].trace_seconds
+        elif name == "lazy":
+            tracing = statistics.median(runs["lazy"].trace_seconds[2:])
+        else:
+            tracing = float("nan")
+        print(f"{name:10s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s "
+              f"{tracing * 1e3:11.1f}ms")
+    print(f"tracing: lazy records {statistics.median(runs['lazy'].trace_seconds[2:]) / runs['jax'].trace_seconds:.2f}x"
+          " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
+          f"traces (CompileReplay={st.counter_value('CompileReplay')})")
+    print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
+    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
+                                     for k, l in losses.items() if k != "jax"})
+    x, y = batches[-1]
+    print("collectives (count, per-device result bytes):")
+    print(f"  jax      {describe(collectives(runs['jax'].hlo(x, y)))}")
+    for name, spy in spies.items():
+        print(f"  {name:8s} {describe(collectives(spy.hlo()))}")
+    return med
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=["mlp", "gpt", "both"], default="both")
+    ap.add_argument("--steps", type=int, default=20)
+    a = ap.parse_args()
+    print(f"jax {jax.__version__}, torch {torch.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices")
+    for kind in (["mlp", "gpt"] if a.model == "both" else [a.model]):
+        bench(kind, a.steps)
+
+
+if __name__ == "__main__":
+    main()
