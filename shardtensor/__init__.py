@@ -20,6 +20,7 @@ from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedEx
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.rng import manual_seed  # noqa: F401
+from shardtensor.data import MpDeviceLoader  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401
 

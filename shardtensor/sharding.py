@@ -90,11 +90,17 @@ class Placement:
 class ShardingSpec:
     """A mesh and a partition spec, to apply to any tensor of matching rank.
 
+    ``minibatch=True`` says that each process holds only its own slice of the batch (dimension 0,
+    which the spec must split): the global batch is the processes' slices together, and each
+    process's slice must divide evenly over the shards of dimension 0 its devices hold (see
+    ``global_shape``). On one process the local batch is the global batch.
+
     Example::
 
         spec = ShardingSpec(mesh, ('x', None))
         spec.can_apply(torch.zeros(8, 4))   # True
         spec.xla_spec(torch.zeros(8))       # None: wrong rank (such a tensor stays replicated)
+        ShardingSpec(mesh, ('x', None), minibatch=True).global_shape((8, 4))   # (8, 4) on one process
     """
 
     mesh: Mesh
@@ -105,7 +111,51 @@ class ShardingSpec:
         spec = PartitionSpec(*_canonical_spec(self.partition_spec))
         object.__setattr__(self, "partition_spec", spec)
         _check_entry_types(spec)
-        _mesh_axes_per_dim(self.mesh, spec)  # validate names and indices now
+        per_dim = _mesh_axes_per_dim(self.mesh, spec)  # validate names and indices now
+        if self.minibatch and (not per_dim or not per_dim[0]):
+            raise ShardingSpecError(
+                f"minibatch=True needs a partition spec that splits the batch dimension (dim 0) over "
+                f"mesh axes, got {tuple(spec)}: each process's batch is its slice of dim 0. Name a mesh "
+                "axis first, e.g. ('data', None), or drop minibatch=True."
+            )
+
+    def global_shape(self, local_shape, local_device_ids=None) -> tuple[int, ...]:
+        """The shape of the global tensor of which this process holds ``local_shape``.
+
+        Without ``minibatch`` that is ``local_shape`` itself (every process holds the whole tensor).
+        With it, dimension 0 is this process's slice: the global size is the local size times the
+        number of dimension-0 shards over the number of them held by ``local_device_ids`` (this
+        process's device ids; default: all the mesh's devices, i.e. one process) — the process count
+        when the batch is split over every device. The local size must divide by the number of
+        shards held locally, else a RuntimeError (as in PyTorch/XLA).
+
+        Example::
+
+            spec = ShardingSpec(Mesh(range(8), (8,), ('data',)), ('data', None), minibatch=True)
+            spec.global_shape((16, 3))                               # (16, 3)
+            spec.global_shape((16, 3), local_device_ids=range(4))    # (32, 3): half of the devices
+        """
+        shape = _as_shape(local_shape)
+        if not self.minibatch:
+            return shape
+        _check_rank(self.partition_spec, len(shape))
+        tiling = _tiling(self.mesh, self.partition_spec)
+        ids = self.mesh.device_ids if local_device_ids is None else local_device_ids
+        local_tiles = minibatch_local_tiles(self.mesh, self.partition_spec, ids)
+        if not local_tiles:
+            raise ValueError(
+                f"minibatch: none of this process's devices ({sorted(int(i) for i in ids)}) is in the "
+                f"mesh {self.mesh}; build the mesh over every process's devices."
+            )
+        if shape[0] % len(local_tiles):
+            raise RuntimeError(
+                "When minibatch is configured, the per-host batch size must be divisible by local "
+                f"runtime device count. Per host input data shape = {list(shape)}; dimension 0 is "
+                f"split into {len(local_tiles)} shards over this host's devices (spec "
+                f"{tuple(self.partition_spec)}). Use a per-host batch size that is a multiple of "
+                f"{len(local_tiles)} (e.g. drop_last=True in the DataLoader), or drop minibatch=True."
+            )
+        return (shape[0] // len(local_tiles) * tiling.shard_counts[0],) + shape[1:]
 
     def can_apply(self, t) -> bool:
         """Whether the spec fits `t` (anything with a ``.shape``): one entry per dimension."""
@@ -298,6 +348,26 @@ def shard_counts(mesh: Mesh, spec, ndim: int) -> tuple[int, ...]:
     Example: ``shard_counts(Mesh(range(8), (4, 2), ('x', 'y')), (None, ('x', 'y')), 2) == (1, 8)``.
     """
     return _checked_tiling(mesh, spec, ndim)[1].shard_counts
+
+
+def minibatch_local_tiles(mesh: Mesh, spec, local_device_ids) -> tuple[int, ...]:
+    """The dimension-0 shard indices held by ``local_device_ids``, ascending.
+
+    With ``minibatch``, a process's batch is cut into that many equal blocks, given in this order
+    to those shards (on one process: every shard, in order).
+
+    Example::
+
+        minibatch_local_tiles(Mesh(range(8), (4, 2), ('x', 'y')), ('x', None), [4, 5, 6, 7])   # (2, 3)
+    """
+    spec = _canonical_spec(spec)
+    tiling = _tiling(mesh, spec)
+    grid = tiling.shard_counts + (tiling.replicas,)
+    local = {int(i) for i in local_device_ids}
+    return tuple(sorted({
+        int(np.unravel_index(position, grid)[0])
+        for position, device in enumerate(tiling.device_order) if device in local
+    }))
 
 
 # --------------------------------------------------------------------------- shapes and placement

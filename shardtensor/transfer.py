@@ -57,3 +57,16 @@ def upload_like(t: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
 def wrap_array(array) -> ShardedTensor:
     """A ShardedTensor over a concrete jax array (its layout is the one the array has)."""
     return ShardedTensor(Cell(array, tuple(array.shape), to_torch(array.dtype), owned=False))
+
+
+def wrap_upload(array, shape, dtype, mesh=None, spec=None) -> ShardedTensor:
+    """A ShardedTensor that owns ``array``, a fresh upload of a tensor of logical ``shape`` stored as
+    (mesh, spec) (padded where uneven; ``spec=None``: no annotation, XLA's layout).
+
+    Call it on the thread that records ops: it creates a Cell. The upload itself (jax) may run on
+    any thread; this is how ``MpDeviceLoader`` hands over batches its threads uploaded.
+    """
+    counters.increment("TransferToDevice")
+    spec = None if spec is None else tuple(spec)
+    return ShardedTensor(Cell(array, tuple(shape), dtype, mesh=mesh if spec is not None else None, spec=spec,
+                              owned=True))
