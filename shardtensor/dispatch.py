@@ -17,10 +17,10 @@ from jax._src.lax.lax import _convert_element_type
 
 from shardtensor import lazy, rng, views
 from shardtensor import metrics as counters
-from shardtensor.dtypes import to_jax
+from shardtensor.dtypes import to_jax, to_torch
 from shardtensor.ops import lookup
 from shardtensor.storage import Cell, Failed, Node, Pending, ScalarLeaf
-from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor import ShardedTensor, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -221,8 +221,32 @@ def _describe(t):
     return tuple(t.shape), t.dtype, t.stride(), t.storage_offset()
 
 
+def _outputs_from_lowering(func, lowering, args, kwargs):
+    """Output metadata from the lowering itself (``jax.eval_shape``), for the few ops torch has no
+    meta kernel for (geqrf, linalg_lstsq): contiguous results of the shapes and dtypes it returns."""
+
+    def abstract(v):
+        if isinstance(v, ShardedTensor):
+            return jax.ShapeDtypeStruct(tuple(v.shape), to_jax(v.dtype))
+        if isinstance(v, (list, tuple)):
+            return type(v)(abstract(x) for x in v)
+        return v
+
+    a, k = [abstract(x) for x in args], {n: abstract(v) for n, v in kwargs.items()}
+    if lowering.random:
+        out = jax.eval_shape(lambda key, *xs: lowering.fn(key, *xs, **k), jax.random.key(0), *a)
+    else:
+        out = jax.eval_shape(lambda *xs: lowering.fn(*xs, **k), *a)
+    structure = "tuple" if isinstance(out, (tuple, list)) else "one"
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple((tuple(o.shape), to_torch(o.dtype), contiguous_strides(tuple(o.shape)), 0) for o in outs), structure
+
+
 def _make_plan(func, template, args, kwargs, lowering) -> Plan:
-    outs, structure = meta_outputs(func, args, kwargs)
+    try:
+        outs, structure = meta_outputs(func, args, kwargs)
+    except NotImplementedError:  # no meta kernel in torch
+        outs, structure = _outputs_from_lowering(func, lowering, args, kwargs)
     expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
     fn, random = lowering.fn, lowering.random
     pos_t, kw_t = template
@@ -552,6 +576,16 @@ def _is_nonzero(func, args, kwargs):
     return bool(to_cpu(args[0]).item())
 
 
+def _linalg_check_errors(func, args, kwargs):
+    """``_linalg_check_errors(info, api_name, is_matrix)`` raises torch's error when a factorization
+    failed (a singular matrix for inv/solve, not positive-definite for cholesky). It needs the values
+    of ``info``: like torch on CUDA, read them (a sync) and run torch's own check on the host, so the
+    messages are torch's. The ``*_ex`` variants skip the check and do not sync."""
+    lazy.check_execution_allowed(f"{args[1]} checks its result for errors; use the *_ex variant "
+                                 "(e.g. torch.linalg.inv_ex) to keep the program whole")
+    return func(to_cpu(args[0]), *args[1:], **kwargs)
+
+
 def _sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.math: attention decomposes into ops we lower
 
@@ -694,6 +728,7 @@ _SPECIAL = {
     aten.equal.default: _equal,
     aten.is_nonzero.default: _is_nonzero,
     aten._fused_sdp_choice.default: _sdp_choice,
+    aten._linalg_check_errors.default: _linalg_check_errors,
     aten.resize_.default: _resize_,
     aten.detach.default: _alias,
     aten.alias.default: _alias,

@@ -19,5 +19,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     attention,
     resize,
     linalg,
+    linalg_solve,
+    linalg_eig,
     fft,
 )
