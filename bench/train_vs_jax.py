@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import statistics
 import time
 
@@ -36,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as JP  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from shardtensor import lazy  # noqa: E402
+from shardtensor.explain import collectives_in_hlo  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -154,25 +154,9 @@ def fsdp_spec(shape):
 
 # ---- collectives in a compiled program ---------------------------------------------------------
 
-_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_BYTES = {"f32": 4, "f64": 8, "bf16": 2, "f16": 2, "s32": 4, "s64": 8, "u32": 4, "u64": 8, "s8": 1, "u8": 1,
-          "pred": 1}
-
-
-def collectives(hlo_text: str) -> dict:
-    """kind -> [count, bytes of the per-device result buffers] of every collective instruction."""
-    out = {k: [0, 0] for k in _COLLECTIVES}
-    for line in hlo_text.splitlines():
-        m = re.search(r"=\s*(.+?)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
-                      r"(-start)?\(", line)
-        if not m:
-            continue
-        size = 0
-        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-            size += _BYTES.get(dtype, 4) * int(np.prod([int(n) for n in dims.split(",") if n] or [1]))
-        out[m.group(2)][0] += 1
-        out[m.group(2)][1] += size
-    return out
+# kind -> (count, bytes of the per-device result buffers) of every collective instruction; the
+# same parser st.explain uses
+collectives = collectives_in_hlo
 
 
 def describe(c: dict) -> str:

@@ -20,8 +20,15 @@ from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedEx
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.rng import manual_seed  # noqa: F401
-from shardtensor.data import MpDeviceLoader  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
+from shardtensor.metrics import (  # noqa: F401
+    metrics_report, short_metrics_report, metric_data, metric_names, clear_metrics, clear_all,
+)
+from shardtensor.runtime import initialize_cache  # noqa: F401
+from shardtensor.compile_debug import RecompilationWarning  # noqa: F401
+from shardtensor.data import MpDeviceLoader  # noqa: F401
+from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
+from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401
 
 P = PartitionSpec

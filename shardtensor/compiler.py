@@ -11,14 +11,13 @@ Anything else keeps re-running ``fn`` each call — still one cached executable,
 from __future__ import annotations
 
 import functools
-import os
 import weakref
 
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtensor import lazy
+from shardtensor import compile_debug, lazy
 from shardtensor import metrics as counters
 from shardtensor.storage import Cell
 from shardtensor.tensor import ShardedTensor
@@ -89,7 +88,8 @@ class CompiledFunction:
         finally:
             lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken = previous
         cells = lazy.pending_cells()
-        execution = lazy.Execution.prepare(cells) if cells else None
+        with compile_debug.naming(flat, self.name):
+            execution = lazy.Execution.prepare(cells) if cells else None
         trace = _Trace(execution, flat, out, first_serial, broken)
         if execution is not None:
             execution.run()
@@ -98,8 +98,8 @@ class CompiledFunction:
         if trace.broken is None and last is not None and last == trace.fingerprint:
             self._frozen[signature] = trace.freeze()
             counters.increment("CompileFrozen")
-        elif trace.broken is not None and os.environ.get("SHARDTENSOR_DEBUG"):
-            print(f"[shardtensor] {self.name}: re-running Python each call: {trace.broken}")
+        elif trace.broken is not None and compile_debug.enabled():
+            compile_debug.emit(f"{self.name}: re-running Python each call: {trace.broken}")
         return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 import weakref
 
@@ -20,6 +21,7 @@ from jax._src.lax.lax import _convert_element_type
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
+from shardtensor import compile_debug
 from shardtensor import metrics as counters
 from shardtensor.storage import Cell, Failed, Leaf, Pending, ScalarLeaf
 
@@ -28,6 +30,11 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 _PENDING: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()  # serial -> cell
 _EXECUTABLES: dict = {}
+
+_COMPILE_TIME = counters.metric("CompileTime")
+_EXECUTE_TIME = counters.metric("ExecuteTime", aliases=("ExecuteReplicatedTime",))
+_LAZY_TRACING = counters.metric("LazyTracing")
+_trace_start = None  # perf_counter_ns() of the first op recorded since a graph last ran
 
 
 class _State:
@@ -47,6 +54,9 @@ class UnexpectedExecutionError(RuntimeError):
 
 def set_pending(cell: Cell, ref: Pending) -> None:
     """Give ``cell`` a new (lazy) value."""
+    global _trace_start
+    if _trace_start is None or not _PENDING.data:  # the first op of a new graph (.data: C-speed test)
+        _trace_start = time.perf_counter_ns()
     old = cell.value
     if cell.spec is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
         # an in-place update keeps the layout the data had (so optimizer state does not drift
@@ -210,12 +220,25 @@ class Execution:
 
     @classmethod
     def prepare(cls, cells, donate=True):
+        global _trace_start
+        if _trace_start is not None:
+            if not STATE.eager:  # in eager mode each op is its own graph: nothing to report
+                _LAZY_TRACING.add_since(_trace_start)
+            _trace_start = None
         program, arrays, scalars = _Program.build(cells, donate)
         leaf_cells, program.leaf_cells = program.leaf_cells, None  # the cache must not keep cells alive
         fn = _EXECUTABLES.get(program.key)
         if fn is None:
             counters.increment("UncachedCompile")
-            fn = _EXECUTABLES[program.key] = program.make_executable()
+            if compile_debug.enabled():
+                compile_debug.explain(program, leaf_cells, _EXECUTABLES)
+            fn = program.make_executable()
+            # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's
+            # call then finds this executable. A program that fails to compile is not cached.
+            start = time.perf_counter_ns()
+            fn.lower(*_call_arguments(program, arrays, scalars)).compile()
+            _COMPILE_TIME.add_since(start)
+            _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
         return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
@@ -244,14 +267,19 @@ def _device_scalars(vec: np.ndarray, mesh):
     return arr
 
 
-def call_executable(fn, arrays, scalars, wait=False):
-    program = fn.program
+def _call_arguments(program, arrays, scalars):
     donated = [arrays[i] for i in program.donated]
     kept = [arrays[i] for i in program.kept]
-    outs = fn(donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()})
+    return donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
+
+
+def call_executable(fn, arrays, scalars, wait=False):
+    start = time.perf_counter_ns()
+    outs = fn(*_call_arguments(fn.program, arrays, scalars))
     counters.increment("ExecuteReplicated")
     if wait:
         jax.block_until_ready(outs)
+    _EXECUTE_TIME.add_since(start)
     return outs
 
 

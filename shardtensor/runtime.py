@@ -313,3 +313,70 @@ def initialize_distributed(
         process_id=process_id,
         local_device_ids=local_device_ids,
     )
+
+
+# --------------------------------------------------------------------------- persistent compilation cache
+
+_CACHE = None  # (absolute path, readonly) once initialize_cache ran
+
+
+def initialize_cache(path, readonly: bool = False) -> None:
+    """Keep compiled programs on disk at ``path``, so a later process running the same program
+    loads them instead of compiling (JAX's persistent compilation cache).
+
+    Every program is cached, however small or quick to compile. A second process counts
+    ``PersistentCacheHit`` for each program it finds and ``PersistentCacheMiss`` for each it had to
+    compile. ``readonly=True`` reads the cache and never writes to it, e.g. one cache filled by one
+    host and shared by many; the directory must exist. Call it once per process, before the first
+    compilation you want cached; calling it again with the same arguments does nothing.
+
+    A cache belongs to its path: JAX's keys include the path of XLA's GPU autotuning cache (a
+    subdirectory), so a copied or moved cache directory finds nothing. On GPU that autotuning
+    cache is still updated by process 0 in readonly mode (JAX decides; turning it off would change
+    the keys).
+
+    Example::
+
+        import shardtensor as st
+        st.initialize_cache("/tmp/shardtensor_cache")
+        ...   # the first run compiles and writes; later runs load
+        st.counter_value("PersistentCacheHit")
+    """
+    global _CACHE
+    absolute = os.path.abspath(os.fspath(path))
+    readonly = bool(readonly)
+    if _CACHE is not None:
+        if _CACHE == (absolute, readonly):
+            return
+        raise RuntimeError(
+            f"The persistent compilation cache has already been initialized at {_CACHE[0]!r} "
+            f"(readonly={_CACHE[1]}); it cannot change to {absolute!r} (readonly={readonly}) in the "
+            "same process. Call initialize_cache once, at start-up, or use another process."
+        )
+    current = jax.config.jax_compilation_cache_dir
+    if current and os.path.abspath(current) != absolute:
+        raise RuntimeError(
+            f"JAX's compilation cache is already set to {current!r} (JAX_COMPILATION_CACHE_DIR or "
+            f"jax.config), not {absolute!r}; one process has one cache. Unset it or pass the same path."
+        )
+    if readonly and not os.path.isdir(absolute):
+        raise FileNotFoundError(
+            f"initialize_cache({absolute!r}, readonly=True): the directory does not exist, and a "
+            "read-only cache never creates it. Fill it first with a run that has readonly=False."
+        )
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", absolute)
+    # JAX skips programs that compile in under a second or are small; shardtensor caches all.
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    if readonly:
+        # JAX writes an entry only if it took at least this long to compile: never. Reads are
+        # unaffected, and without a size limit (-1) reading does not touch access-time files.
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+        jax.config.update("jax_compilation_cache_max_size", -1)
+    else:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # JAX decides once per process whether the cache is in use; make it decide again now.
+    compilation_cache.reset_cache()
+    _CACHE = (absolute, readonly)

@@ -22,4 +22,5 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     linalg_solve,
     linalg_eig,
     fft,
+    special,
 )

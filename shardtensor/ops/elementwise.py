@@ -4,7 +4,8 @@ bitwise and logical ops, where/clamp/lerp/addcmul/addcdiv/masked_fill, dtype con
 Every op follows torch exactly: the result dtype is ``torch.result_type`` of the operands (see
 ``_promote``), bfloat16/float16 are computed in float32 and rounded once at the end (as torch's CPU
 kernels do), integer division and remainder take torch's signs, NaN propagates as in torch.
-Activations live in ``activation.py``.
+Activations live in ``activation.py``; digamma, polygamma, Bessel functions and the other special
+functions in ``special.py``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import jax.scipy.special as jsp
 import numpy as np
 import torch
 from jax import lax
@@ -67,11 +67,6 @@ def unary_same(fn, *, int_fn=None):
 
     lowering.__name__ = getattr(fn, "__name__", "unary")
     return lowering
-
-
-def _digamma(x):
-    # torch: digamma(±0) = ∓inf (jax gives nan)
-    return jnp.where(x == 0, jnp.copysign(jnp.inf, -x).astype(x.dtype), jsp.digamma(x))
 
 
 def _sign(x):
@@ -129,20 +124,11 @@ _UNARY_FLOAT = {
     aten.erfc.default: lax.erfc,
     aten.erfinv.default: lax.erf_inv,
     aten.lgamma.default: lax.lgamma,
-    aten.digamma.default: _digamma,
-    aten.i0.default: jsp.i0,
     aten.reciprocal.default: lambda x: 1 / x,
     aten.deg2rad.default: jnp.deg2rad,
     aten.rad2deg.default: jnp.rad2deg,
     aten.sinc.default: _sinc,
     aten.angle.default: _angle,
-    aten.special_i0e.default: jsp.i0e,
-    aten.special_i1.default: jsp.i1,
-    aten.special_i1e.default: jsp.i1e,
-    aten.special_ndtri.default: jsp.ndtri,
-    aten.special_log_ndtr.default: jsp.log_ndtr,
-    aten.special_erfcx.default: jsp.erfcx,
-    aten.special_entr.default: jsp.entr,
 }
 for _op, _fn in _UNARY_FLOAT.items():
     register(_op)(unary_float(_fn))
@@ -195,22 +181,6 @@ def logit(self, eps=None):
         lo, hi = jnp.asarray(eps, x.dtype), jnp.asarray(1 - eps, x.dtype)
         x = jnp.where(x < lo, lo, jnp.where(x > hi, hi, x))
     return cast(jnp.log(x / (1 - x)), rt)
-
-
-@register(aten.polygamma.default)
-def polygamma(n, self):
-    rt = float_type(self)
-    x = cast(self, opmath(rt))
-    out = _digamma(x) if n == 0 else jsp.polygamma(jnp.asarray(n, np.int64), x)
-    return cast(out, rt)
-
-
-@register(aten.mvlgamma.default)
-def mvlgamma(self, p):
-    rt = float_type(self)
-    x = cast(self, opmath(rt))
-    out = sum(lax.lgamma(x - i / 2) for i in range(p)) + p * (p - 1) / 4 * math.log(math.pi)
-    return cast(out, rt)
 
 
 @register(aten.nan_to_num.default)
@@ -536,10 +506,6 @@ register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign)
 register(aten.xlogy.Tensor, aten.xlogy.Scalar_Other, aten.xlogy.Scalar_Self)(_binary_float(_xlogy))
 register(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar,
          aten.special_xlog1py.self_scalar)(_binary_float(_xlog1py))
-register(aten.igamma.default)(_binary_float(jsp.gammainc))
-register(aten.igammac.default)(_binary_float(jsp.gammaincc))
-register(aten.special_zeta.default, aten.special_zeta.other_scalar,
-         aten.special_zeta.self_scalar)(_binary_float(jsp.zeta))
 
 
 @register(aten.gcd.default)

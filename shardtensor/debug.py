@@ -1,0 +1,397 @@
+"""Seeing shardings: PyTorch/XLA's ``visualize_sharding`` tables and the HTML grids Jupyter shows.
+
+``visualize_sharding(string)`` and ``visualize_tensor_sharding(t)`` print (and return) a ``rich``
+table of the first two tile dimensions of a sharding, one cell per block with the device(s)
+holding it — ``'CPU 0'`` for a tile, ``'CPU [0, 1]'`` for a replica group — as PyTorch/XLA does.
+In Jupyter, a ``ShardedTensor`` and a ``Mesh`` display as a coloured grid (``_repr_html_``): for a
+tensor, each block of its first two dimensions with its devices and index ranges; for a mesh, the
+device ids laid out along its named axes. A device has the same colour in every grid.
+
+Example::
+
+    mesh = st.Mesh(range(8), (4, 2), ("x", "y"))
+    x = st.shard(torch.randn(8, 4), mesh, ("x", None))
+    st.visualize_tensor_sharding(x)   # 4 rows: CPU [0, 1] / CPU [2, 3] / CPU [4, 5] / CPU [6, 7]
+    x                                  # in Jupyter: the grid, "rows 0:2, cols 0:4" in the first cell
+"""
+from __future__ import annotations
+
+import html
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardtensor import runtime
+from shardtensor import sharding as sh
+from shardtensor.mesh import Mesh, jax_axis_names, mesh_for_jax_mesh
+from shardtensor.tensor import ShardedTensor
+
+# --------------------------------------------------------------------------- sharding strings
+
+
+@dataclass(frozen=True)
+class ParsedSharding:
+    """A sharding string taken apart.
+
+    ``kind`` is ``'replicated'``, ``'maximal'`` (one device holds everything) or ``'tiled'``;
+    ``tile_dims`` are the shard counts of the tensor's dimensions (the replica dimension of
+    ``last_tile_dim_replicate`` excluded); ``replicas`` the size of each replica group;
+    ``devices`` the device ids row-major over ``tile_dims + (replicas,)``.
+    """
+
+    kind: str
+    tile_dims: tuple[int, ...]
+    replicas: int
+    devices: tuple[int, ...]
+
+    def device_grid(self) -> np.ndarray:
+        """Device ids as an array of shape ``tile_dims + (replicas,)``."""
+        return np.array(self.devices, dtype=np.int64).reshape(self.tile_dims + (self.replicas,))
+
+
+_TILED = re.compile(
+    r"\{devices=\[(?P<dims>\d+(?:,\d+)*)\]"
+    r"(?:(?P<ids>\d+(?:,\d+)*)|<=\[(?P<iota>\d+(?:,\d+)*)\](?:T\((?P<perm>\d+(?:,\d+)*)\))?)"
+    r"(?P<suffix>(?:\s+last_tile_dim_replicate|\s+last_tile_dims=\{replicated\})?)\}"
+)
+_MAXIMAL = re.compile(r"\{maximal device=(\d+)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def parse_sharding_string(sharding: str, device_count: int | None = None) -> ParsedSharding:
+    """Parse an HLO sharding string, in V1 (explicit ids) or V2 (iota) form.
+
+    ``''`` (no sharding) and ``'{replicated}'`` mean every one of ``device_count`` devices (default:
+    all devices of the runtime) holds everything. Anything else that is not a tiling or
+    ``{maximal device=N}`` raises ValueError.
+
+    Example::
+
+        parse_sharding_string('{devices=[4,1,2]<=[8] last_tile_dim_replicate}').tile_dims   # (4, 1)
+    """
+    if not isinstance(sharding, str):
+        raise TypeError(f"a sharding string is a str, got {type(sharding).__name__}")
+    text = sharding.strip()
+    if text in ("", "{replicated}"):
+        n = runtime.global_runtime_device_count() if device_count is None else device_count
+        return ParsedSharding("replicated", (), n, tuple(range(n)))
+    m = _MAXIMAL.fullmatch(text)
+    if m:
+        return ParsedSharding("maximal", (), 1, (int(m.group(1)),))
+    m = _TILED.fullmatch(text)
+    if not m:
+        raise ValueError(
+            f"sharding {sharding!r} is not organized as expected: expected '{{replicated}}', "
+            "'{devices=[d0,d1,...]id,id,... (last_tile_dim_replicate)}' or its iota form "
+            "'{devices=[...]<=[...]}' (manual and tuple shardings cannot be shown)")
+    dims = _ints(m.group("dims"))
+    total = math.prod(dims)
+    if m.group("ids") is not None:
+        devices = _ints(m.group("ids"))
+    else:
+        # V2: the ids are arange reshaped to the iota dims, transposed, flattened
+        iota = _ints(m.group("iota"))
+        perm = _ints(m.group("perm")) if m.group("perm") else list(range(len(iota)))
+        if math.prod(iota) != total or sorted(perm) != list(range(len(iota))):
+            raise ValueError(f"sharding {sharding!r}: its iota {iota} T{tuple(perm)} does not fill the tile "
+                             f"dims {dims}")
+        devices = np.arange(total).reshape(iota).transpose(perm).reshape(-1).tolist()
+    if len(devices) != total or len(set(devices)) != total:
+        raise ValueError(f"sharding {sharding!r}: tile dims {dims} need {total} distinct device ids, "
+                         f"got {len(devices)} ids ({len(set(devices))} distinct)")
+    replicas = dims.pop() if m.group("suffix").strip() else 1
+    return ParsedSharding("tiled", tuple(dims), replicas, tuple(devices))
+
+
+def _v1_string(parsed: ParsedSharding) -> str:
+    """PyTorch/XLA's V1 form of a parsed sharding (explicit device ids)."""
+    if parsed.kind == "replicated":
+        return "{replicated}"
+    if parsed.kind == "maximal":
+        return f"{{maximal device={parsed.devices[0]}}}"
+    dims = parsed.tile_dims + ((parsed.replicas,) if parsed.replicas > 1 else ())
+    suffix = " last_tile_dim_replicate" if parsed.replicas > 1 else ""
+    return f"{{devices=[{','.join(map(str, dims))}]{','.join(map(str, parsed.devices))}{suffix}}}"
+
+
+def spec_of_named_sharding(mesh: Mesh, jax_spec, ndim: int) -> sh.PartitionSpec:
+    """A jax PartitionSpec over ``mesh.get_jax_mesh()`` as shardtensor's, over the mesh's own axes.
+
+    Axis names stay names on a named mesh; on an unnamed one (jax calls its axes ``'0'``, ``'1'``)
+    they become indices.
+
+    Example::
+
+        spec_of_named_sharding(Mesh(range(8), (4, 2)), jax.P('1', None), 2)   # PartitionSpec(1, None)
+    """
+    names = jax_axis_names(mesh)
+
+    def axis(name):
+        return name if mesh.axis_names is not None else names.index(name)
+
+    entries = []
+    for entry in list(jax_spec)[:ndim] + [None] * (ndim - len(jax_spec)):
+        if isinstance(entry, tuple):
+            entries.append(tuple(axis(n) for n in entry) if len(entry) > 1 else axis(entry[0]))
+        elif isinstance(entry, str):
+            entries.append(axis(entry))
+        else:
+            entries.append(None)  # None, or jax's UNCONSTRAINED: not split by this spec
+    return sh.PartitionSpec(*entries)
+
+
+def array_sharding(array, ndim: int) -> tuple[str, Mesh | None, sh.PartitionSpec | None]:
+    """(PyTorch/XLA sharding string, Mesh, spec) of a jax array or a compiled output's sharding.
+
+    ``array`` is a ``jax.Array`` or a ``jax.sharding.Sharding``. The mesh and spec are None when the
+    sharding is not over a mesh.
+
+    Example::
+
+        array_sharding(jax.device_put(x, NamedSharding(m.get_jax_mesh(), P('x'))), 1)
+        # ('{devices=[8]0,1,2,3,4,5,6,7}', m, PartitionSpec('x'))
+    """
+    import jax
+
+    s = array if isinstance(array, jax.sharding.Sharding) else array.sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+        mesh = mesh_for_jax_mesh(s.mesh)
+        spec = spec_of_named_sharding(mesh, s.spec, ndim)
+        return sh.sharding_string(mesh, spec, ndim), mesh, spec
+    if s.is_fully_replicated:
+        return "{replicated}", None, None
+    parsed = parse_sharding_string(str(s._to_xla_hlo_sharding(ndim)))
+    # HLO's ids are positions in the sharding's device assignment, not device ids
+    assignment = [d.id for d in s._device_assignment]
+    parsed = ParsedSharding(parsed.kind, parsed.tile_dims, parsed.replicas,
+                            tuple(assignment[i] for i in parsed.devices))
+    return _v1_string(parsed), None, None
+
+
+def tensor_sharding(t: ShardedTensor) -> tuple[str, Mesh | None, sh.PartitionSpec | None]:
+    """(sharding string, mesh, spec) of ``t``'s stored value.
+
+    A tensor sharded with ``shard``/``mark_sharding`` answers from its annotation without computing
+    anything; for a value whose layout XLA chose (or a view) the pending graph runs first, as when
+    printing it.
+
+    Example::
+
+        tensor_sharding(st.shard(x, mesh, ('x', None)))[0]   # '{devices=[4,1,2]0,...,7 last_tile_dim_replicate}'
+    """
+    if not isinstance(t, ShardedTensor):
+        raise TypeError(f"expected a ShardedTensor (a tensor on st.device()), got {type(t).__name__}")
+    cell = t._cell
+    if cell.spec is not None and not t._chain:
+        return sh.sharding_string(cell.mesh, cell.spec, t.dim()), cell.mesh, sh.PartitionSpec(*cell.spec)
+    return array_sharding(t._concrete_array(), t.dim())
+
+
+# --------------------------------------------------------------------------- rich tables
+
+# tab20's dark hues then its light ones, so neighbouring device ids get different hues
+_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
+            "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
+
+
+def _colour(device_id: int) -> tuple[str, str]:
+    """(background, text colour) of a device: the same in every table and grid."""
+    bg = _PALETTE[int(device_id) % len(_PALETTE)]
+    r, g, b = (int(bg[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return bg, "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "#ffffff"
+
+
+def _device_text(ids: list[int], platform: str, as_group: bool) -> str:
+    # PyTorch/XLA's cell text: 'CPU 3' for a tile, 'CPU [0, 1]' (a Python list) for a group
+    return f"{platform} {ids}" if as_group or len(ids) > 1 else f"{platform} {ids[0]}"
+
+
+def _cells_2d(parsed: ParsedSharding, sharding: str) -> list[list[list[int]]]:
+    """Rows of cells of device ids: the first two tile dims; later dims and replicas in each cell."""
+    if parsed.kind != "tiled":
+        return [[list(parsed.devices)]]
+    if len(parsed.tile_dims) < 2:
+        raise ValueError(
+            f"sharding {sharding!r} is not organized as expected: visualize_sharding shows tilings of "
+            f"at least two dimensions, this one tiles {len(parsed.tile_dims)} (as in PyTorch/XLA); "
+            "in Jupyter, display the tensor itself to see a 1-D sharding")
+    grid = parsed.device_grid()
+    rows, cols = parsed.tile_dims[:2]
+    return [[grid[i, j].reshape(-1).tolist() for j in range(cols)] for i in range(rows)]
+
+
+def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1., min_width: int = 9,
+                       max_width: int = 80):
+    """Print and return a ``rich`` table of which device holds which block of a sharding.
+
+    Shows the first two tile dimensions: a tile's cell reads ``'CPU 0'``; a replica group's (from
+    ``last_tile_dim_replicate``, or later tile dimensions) ``'CPU [0, 1]'``; ``'{replicated}'`` is
+    one cell with every device. ``use_color`` colours the cells when the console can show colour
+    (a terminal or Jupyter); otherwise cells are boxed (``box.SQUARE``, lines between rows).
+    ``scale`` sets the height, ``min_width``/``max_width`` bound each cell's width. Strings that are
+    not tilings of at least two dimensions (or ``{replicated}``) raise ValueError.
+
+    Example::
+
+        st.visualize_sharding('{devices=[2,4]0,1,2,3,4,5,6,7}')   # 2 rows: CPU 0 .. CPU 3 / CPU 4 .. CPU 7
+    """
+    import rich.align
+    import rich.box
+    import rich.console
+    import rich.padding
+    import rich.style
+    import rich.table
+
+    parsed = parse_sharding_string(sharding)
+    cells = _cells_2d(parsed, sharding)
+    platform = runtime.device_type()
+    print(f"Visualizing {sharding} (showing up to the first two dimensions)")
+    console = rich.console.Console(width=max_width)
+    use_color = use_color and console.color_system is not None
+    table = rich.table.Table(show_header=False, show_lines=not use_color, padding=0,
+                             highlight=not use_color, pad_edge=False,
+                             box=None if use_color else rich.box.SQUARE)
+    rows, cols = len(cells), len(cells[0])
+    base_height = int(10 * scale)
+    for row in cells:
+        out = []
+        for ids in row:
+            text = _device_text(ids, platform, as_group=parsed.kind == "replicated")
+            # each cell's share of a (10*scale)-line, 2.5:1 box, bounded by min/max width
+            width = min(max(int(base_height * 2.5 / cols), min_width), max_width)
+            height = max(int(base_height / rows), 1)
+            left, extra = divmod(width - len(text) - 2, 2)
+            top, extra_v = divmod(height - 2, 2)
+            pad = [top, left + extra, top + extra_v, left]
+            style = rich.style.Style()
+            if use_color:
+                bg, fg = _colour(ids[0])
+                pad = [p + 1 for p in pad]
+                style = rich.style.Style(bgcolor=bg, color=fg)
+            out.append(rich.padding.Padding(rich.align.Align(text, "center", vertical="middle"),
+                                            tuple(max(p, 0) for p in pad), style=style))
+        table.add_row(*out)
+    console.print(table, end="\n\n")
+    return table
+
+
+def visualize_tensor_sharding(t: ShardedTensor, **kwargs):
+    """``visualize_sharding`` of a tensor's sharding (the one XLA chose when nobody annotated it).
+
+    Keyword arguments go to ``visualize_sharding``. A pending tensor without an annotation is
+    computed first, as printing it would.
+
+    Example::
+
+        x = st.shard(torch.randn(8, 4), mesh, ('y', 'x'))
+        st.visualize_tensor_sharding(x, use_color=False)   # rows CPU 0 CPU 2 CPU 4 CPU 6 / CPU 1 ...
+    """
+    return visualize_sharding(tensor_sharding(t)[0], **kwargs)
+
+
+# --------------------------------------------------------------------------- HTML grids
+
+_TABLE = "border-collapse:collapse;margin:2px 0"
+_CELL = "border:2px solid #ffffff;padding:4px 10px;text-align:center;vertical-align:middle;white-space:nowrap"
+_HEAD = "padding:2px 6px;text-align:center;font-weight:normal;color:#666666"
+
+
+def _td(text_lines: list[str], device_id: int) -> str:
+    bg, fg = _colour(device_id)
+    body = "<br>".join(html.escape(line) for line in text_lines)
+    return f'<td style="{_CELL};background:{bg};color:{fg}">{body}</td>'
+
+
+def _ranges_text(shape: tuple, block: list[tuple[int, int]], shown: list[int]) -> str:
+    names = {0: "rows", 1: "cols"} if len(shape) >= 2 else {0: "elements"}
+    parts = [f"{names.get(d, f'dim {d}')} {block[d][0]}:{block[d][1]}" for d in shown]
+    if any(lo == hi for lo, hi in block):
+        parts.append("(padding only)")
+    return ", ".join(parts) if parts else "scalar"
+
+
+def _mesh_text(mesh: Mesh | None) -> str:
+    if mesh is None:
+        return ""
+    axes = ", ".join(f"{name}={size}" for name, size in zip(_axis_labels(mesh), mesh.mesh_shape))
+    return f" over mesh ({axes})"
+
+
+def _tensor_html(t: ShardedTensor) -> str:
+    """The Jupyter view of a ShardedTensor: its blocks, their devices and index ranges."""
+    string, mesh, _ = tensor_sharding(t)
+    shape = tuple(t.shape)
+    parsed = parse_sharding_string(string)
+    platform = runtime.device_type()
+    grid_dims = (parsed.tile_dims or (1,) * len(shape)) if parsed.kind == "tiled" else (1,) * len(shape)
+    devices = (parsed.device_grid() if parsed.kind == "tiled"
+               else np.array(parsed.devices).reshape((1,) * len(shape) + (-1,)))
+    sizes = [-(-n // k) for n, k in zip(shape, grid_dims)]  # ceil(N/k), padding at the end
+    # the grid: dims 0 (rows) and 1 (cols); a 1-D tensor is one row; later split dims list blocks
+    rows = grid_dims[0] if len(shape) >= 2 else 1
+    cols = grid_dims[1] if len(shape) >= 2 else (grid_dims[0] if shape else 1)
+    shown = [d for d in range(len(shape)) if d < 2 or grid_dims[d] > 1]
+    lines = []
+    for i in range(rows):
+        tds = []
+        for j in range(cols):
+            lead = (i, j) if len(shape) >= 2 else ((j,) if shape else ())
+            texts, first = [], None
+            for rest in np.ndindex(*grid_dims[len(lead):]):
+                tile = lead + rest
+                ids = devices[tile].reshape(-1).tolist()
+                first = ids[0] if first is None else first
+                block = [(min(k * s, n), min((k + 1) * s, n)) for k, s, n in zip(tile, sizes, shape)]
+                texts += [_device_text(ids, platform, as_group=parsed.kind == "replicated"),
+                          _ranges_text(shape, block, shown)]
+            tds.append(_td(texts, first))
+        lines.append(f"<tr>{''.join(tds)}</tr>")
+    dtype = str(t.dtype).removeprefix("torch.")
+    title = (f"<b>ShardedTensor</b> {html.escape(str(shape))} {html.escape(dtype)} &mdash; "
+             f"{html.escape(string)}{html.escape(_mesh_text(mesh))}")
+    return (f'<div class="shardtensor-sharding" style="font-family:monospace;font-size:12px">'
+            f"<div>{title}</div><table style=\"{_TABLE}\">{''.join(lines)}</table></div>")
+
+
+def _axis_labels(mesh: Mesh) -> list[str]:
+    return list(mesh.axis_names) if mesh.axis_names is not None else [f"axis {i}" for i in range(len(mesh.mesh_shape))]
+
+
+def _mesh_html(mesh: Mesh) -> str:
+    """The Jupyter view of a Mesh: device ids laid out along its axes (names and sizes)."""
+    names = _axis_labels(mesh)
+    ids = mesh.get_logical_mesh()
+    platform = runtime.device_type()
+    if ids.ndim == 1:
+        ids, names = ids.reshape(1, -1), [None] + names
+    # the last two axes form each grid; one grid per index of the leading axes
+    grids = []
+    for lead in np.ndindex(*ids.shape[:-2]):
+        block = ids[lead]
+        row_name, col_name = names[-2], names[-1]
+        head = "".join(f'<th style="{_HEAD}">{html.escape(f"{col_name}={j}")}</th>' for j in range(block.shape[1]))
+        corner = html.escape(f"{row_name} \\ {col_name}") if row_name is not None else ""
+        rows = [f'<tr><th style="{_HEAD}">{corner}</th>{head}</tr>']
+        for i, row in enumerate(block):
+            label = html.escape(f"{row_name}={i}") if row_name is not None else ""
+            cells = "".join(_td([f"{platform} {int(d)}"], int(d)) for d in row)
+            rows.append(f'<tr><th style="{_HEAD}">{label}</th>{cells}</tr>')
+        caption = ", ".join(f"{n}={k}" for n, k in zip(names, lead))
+        caption = f'<div style="color:#666666">{html.escape(caption)}</div>' if caption else ""
+        grids.append(f"{caption}<table style=\"{_TABLE}\">{''.join(rows)}</table>")
+    axes = " &times; ".join(html.escape(f"{n}={s}") for n, s in zip(_axis_labels(mesh), mesh.mesh_shape))
+    title = f"<b>{html.escape(type(mesh).__name__)}</b> {axes} ({mesh.size()} {html.escape(platform)} devices)"
+    return (f'<div class="shardtensor-mesh" style="font-family:monospace;font-size:12px">'
+            f"<div>{title}</div>{''.join(grids)}</div>")
+
+
+# tensor.py and mesh.py sit below this module and must not import it (and tensor.py is edited
+# elsewhere): the Jupyter hooks are attached here, when `import shardtensor` imports this module.
+ShardedTensor._repr_html_ = _tensor_html
+Mesh._repr_html_ = _mesh_html

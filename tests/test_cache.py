@@ -1,0 +1,94 @@
+"""Issue 4 §3: the persistent compilation cache (st.initialize_cache) across processes.
+
+The cache is process-wide and would make every later test write to disk, so everything that turns
+it on runs in short subprocesses; this process only checks the errors raised before it is on.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import shardtensor as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# One program, run by every subprocess; the read-only run adds a second, new program.
+SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch, shardtensor as st
+    path, mode = sys.argv[1], sys.argv[2]
+    st.initialize_cache(path, readonly=(mode == "readonly"))
+    out = {}
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    x = st.shard(torch.arange(32.).reshape(8, 4), mesh, ("data", None))
+    out["result"] = ((x * 2 + 1).sum(0)).cpu().tolist()
+    if mode == "readonly":
+        out["new"] = (x - 3).amax().item()
+    if mode == "first":
+        st.initialize_cache(path)  # the same path again: nothing happens
+        try:
+            st.initialize_cache(path + "_other")
+        except RuntimeError as e:
+            out["error"] = str(e)
+    for name in ("PersistentCacheHit", "PersistentCacheMiss", "UncachedCompile"):
+        out[name] = st.counter_value(name)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def _start(path, mode):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("SHARDTENSOR_DEBUG", None)
+    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(path), mode], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _result(proc):
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def _listing(path):
+    """Every file with its size and modification time: any write changes it."""
+    return sorted((os.path.relpath(os.path.join(d, f), path), os.stat(os.path.join(d, f)).st_size,
+                   os.stat(os.path.join(d, f)).st_mtime_ns)
+                  for d, _, files in os.walk(path) for f in files)
+
+
+def test_second_process_hits_readonly_never_writes(tmp_path):
+    cache = tmp_path / "cache"
+    first = _result(_start(cache, "first"))
+    want = [2.0 * (sum(range(i, 32, 4))) + 8 for i in range(4)]
+    assert first["result"] == want
+    assert first["PersistentCacheMiss"] >= 1 and first["PersistentCacheHit"] is None
+    assert "already been initialized" in first["error"] and "_other" in first["error"]
+    assert os.listdir(cache)
+
+    # a second process (read-write) and a read-only one, side by side on the same directory (a
+    # copy elsewhere would not hit: JAX's keys include a path inside the cache directory). The
+    # read-write one only hits, so it writes nothing either.
+    before = _listing(cache)
+    second, readonly = _start(cache, "second"), _start(cache, "readonly")
+    second, readonly = _result(second), _result(readonly)
+
+    assert second["result"] == want
+    assert second["PersistentCacheHit"] == first["PersistentCacheMiss"]  # every program loaded
+    assert second["PersistentCacheMiss"] is None  # nothing compiled
+    assert second["UncachedCompile"] == first["UncachedCompile"]  # new to this process's memory
+
+    assert readonly["result"] == want and readonly["new"] == 28.0
+    assert readonly["PersistentCacheHit"] == first["PersistentCacheMiss"]
+    assert readonly["PersistentCacheMiss"] >= 1  # the new program was compiled...
+    assert _listing(cache) == before  # ...and not written
+
+
+def test_readonly_needs_an_existing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        st.initialize_cache(tmp_path / "missing", readonly=True)
+    assert not (tmp_path / "missing").exists()
