@@ -27,6 +27,7 @@ from shardtensor.metrics import (  # noqa: F401
 from shardtensor.runtime import initialize_cache  # noqa: F401
 from shardtensor.compile_debug import RecompilationWarning  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
+from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401

@@ -1,0 +1,167 @@
+"""``checkpoint_module``: gradient checkpointing that really recomputes inside one XLA program.
+
+Built on ``torch.utils.checkpoint`` (``use_reentrant=False``): the forward keeps no activations of the
+module, and backward runs the module's forward again to get them back. Two things make that work on
+``st.device()``, where a whole training step is one lazy graph compiled by XLA:
+
+* In the recomputation, the module's inputs and parameters — together with the gradients of its
+  outputs that backward has produced so far — first pass through an ``optimization_barrier``.
+  Without it the recomputed ops are the very same ops on the very same values as the original
+  forward: XLA's common-subexpression elimination merges them, and the activations (and the
+  all-gathered weights) stay alive from forward to backward after all. Having the gradients in the
+  barrier also keeps the recomputation from being scheduled before backward reaches the module.
+  (XLA:GPU/TPU keep barriers until after scheduling; XLA:CPU removes them earlier, so on CPU the
+  saving depends on its scheduler — see ``bench/fsdp_memory.py``.)
+* Random numbers: the recomputation must draw the same dropout masks as the forward. torch restores
+  the device RNG state only for device modules that say they are ``_initialized``; shardtensor's does
+  not, so the device state is saved and restored here (``torch.get_device_module(...).get_rng_state``
+  / ``set_rng_state``). Reading the state computes the RNG key when random ops are pending, which
+  runs that small part of the lazy graph early.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils import _pytree as pytree
+
+import shardtensor as st
+from shardtensor.fsdp.barrier import optimization_barrier
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Make ``module`` recompute its activations in backward instead of keeping them; returns it.
+
+    The module stays the same object (so ``isinstance`` checks and wrap policies still see it); its
+    forward is replaced. Checkpointing is skipped when grad mode is off or no tensor input requires
+    grad (as PyTorch/XLA's ``checkpoint_module``). Apply it to the module FSDPv2 wraps, e.g. from an
+    ``auto_wrapper_callable``. Calling it again on the same module does nothing.
+
+    Example::
+
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        model = FSDPv2(model, auto_wrap_policy=policy,
+                       auto_wrapper_callable=lambda m, *a, **kw: FSDPv2(checkpoint_module(m), *a, **kw))
+    """
+    if not isinstance(module.__dict__.get("forward"), _CheckpointedForward):
+        module.forward = _CheckpointedForward(module, module.__dict__.get("forward"))
+    return module
+
+
+class _CheckpointedForward:
+    """A checkpointed module's forward. An object holding the module rather than a closure, so that
+    ``copy.deepcopy`` of the module gives a copy whose forward runs the copy."""
+
+    def __init__(self, module: nn.Module, patched=None):
+        self.module = module
+        self.patched = patched  # a forward set on the instance before, if any
+
+    def original(self, *args, **kwargs):
+        if self.patched is not None:
+            return self.patched(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled() or not _any_requires_grad((args, kwargs)):
+            return self.original(*args, **kwargs)
+        frame = _Recomputation(self.module)
+
+        def run(*inputs, **kw):
+            if not frame.active:
+                return self.original(*inputs, **kw)
+            return frame.recompute(self.original, inputs, kw)
+
+        out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
+                                          context_fn=frame.contexts, **kwargs)
+        frame.watch_gradients(out)
+        return out
+
+
+def _any_requires_grad(tree) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(tree))
+
+
+class _Recomputation:
+    """One checkpointed call: the device RNG state at its start, and whether backward is recomputing."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.active = False
+        self.rng_state = None
+        self.grads = []  # gradients of the outputs that reached backward before the recomputation
+
+    def contexts(self):
+        """torch's ``context_fn``: called at the start of the forward; (forward ctx, recompute ctx)."""
+        device_module = _device_module()
+        if not getattr(device_module, "_initialized", False):  # else torch saves the state itself
+            self.rng_state = device_module.get_rng_state()
+        return contextlib.nullcontext(), self._recomputing()
+
+    @contextlib.contextmanager
+    def _recomputing(self):
+        device_module = _device_module()
+        current = None
+        if self.rng_state is not None:
+            current = device_module.get_rng_state()
+            device_module.set_rng_state(self.rng_state)
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+            if current is not None:
+                device_module.set_rng_state(current)
+
+    def watch_gradients(self, out):
+        """Keep the output gradients as they arrive in backward: the recomputation waits for them."""
+        def keep(grad):
+            self.grads.append(grad)
+
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, st.ShardedTensor) and t.requires_grad:
+                t.register_hook(keep)
+
+    def recompute(self, forward, inputs, kwargs):
+        """Run ``forward`` again on barrier copies of its inputs and of the module's parameters."""
+        flat, spec = pytree.tree_flatten((inputs, kwargs))
+        params = list(self.module.parameters())  # a tied parameter comes once
+        on_device = [x for x in flat if isinstance(x, st.ShardedTensor)] + \
+                    [p for p in params if isinstance(p, st.ShardedTensor)]
+        if not on_device:
+            return forward(*inputs, **kwargs)
+        grads = [g for g in self.grads if isinstance(g, st.ShardedTensor)]
+        self.grads = []
+        copies = optimization_barrier([x.detach() for x in on_device] + [g.detach() for g in grads])
+        # same requires_grad as the originals, so the recomputation saves the same tensors
+        by_id = {id(x): c.requires_grad_(x.requires_grad) for x, c in zip(on_device, copies)}
+        flat = [by_id.get(id(x), x) for x in flat]
+        inputs, kwargs = pytree.tree_unflatten(flat, spec)
+        with _swapped_parameters(self.module, by_id):
+            return forward(*inputs, **kwargs)
+
+
+def _device_module():
+    return torch.get_device_module(st.device().type)
+
+
+@contextlib.contextmanager
+def _swapped_parameters(module: nn.Module, by_id: dict):
+    """Temporarily put ``by_id[id(p)]`` in place of each parameter ``p`` of ``module``.
+
+    Written to ``_parameters`` directly (as torch.func.functional_call does) so that no module hook
+    runs again and ``module.forward`` — the checkpointed one — is not re-entered.
+    """
+    swapped = []
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None and id(p) in by_id:
+                swapped.append((sub, name, p))
+                sub._parameters[name] = by_id[id(p)]
+    try:
+        yield
+    finally:
+        for sub, name, p in swapped:
+            sub._parameters[name] = p
+
