@@ -1,9 +1,21 @@
 """The OpInfo sweep, shared by ``tests/ops/test_opinfo.py`` and ``bench/op_coverage.py``.
 
 For every entry of torch's OpInfo database that has float32 CPU samples, run a few samples with every
-tensor input sharded over a (4, 2) mesh (first dimension divisible by 4, else replicated) in lazy
-mode, and compare with eager torch: values with OpInfo's float32 tolerances, dtypes exactly.
-``check_backward`` does the same for the input gradients of ``sum of float outputs``.backward().
+tensor input sharded over a (4, 2) mesh and compare with eager torch: values with OpInfo's tolerances,
+dtypes exactly. One check per *kind* (see ``KINDS``):
+
+* ``forward``          float32, lazy mode, inputs sharded on their first dimension divisible by 4;
+* ``backward``         input gradients of ``sum of float outputs``.backward(), float32, lazy mode;
+* ``forward_eager``    as ``forward``, in eager mode (every op runs at once);
+* ``forward_uneven``   float32, lazy, inputs sharded on their first dimension *not* divisible by 4
+                       (padded storage);
+* ``forward_int64`` / ``forward_bool`` / ``forward_bfloat16``  samples of that dtype, where the OpInfo
+                       declares it;
+* ``inplace``          the in-place variant (``x.add_``…) on a sharded input and on a view of a
+                       sharded base; the mutated tensors are compared, and the op must return ``self``.
+
+Ops that draw random numbers (an aten op tagged ``nondeterministic_seeded`` runs) can't match torch's
+generator: their results are compared by shape and dtype only.
 
 Example::
 
@@ -18,14 +30,17 @@ import pathlib
 import torch
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardtensor as st
 
 SAMPLES = int(os.environ.get("SHARDTENSOR_OPINFO_SAMPLES", "2"))
 EXPECTED_FILE = pathlib.Path(__file__).with_name("opinfo_expected_failures.txt")
-# Floor under OpInfo's float32 tolerances: XLA's CPU kernels (exp, log, tanh, dot reductions)
-# differ from ATen's in the last bits, more than torch's default float32 rtol of 1.3e-6.
-BASE_RTOL, BASE_ATOL = 1e-5, 1e-5
+# Floors under OpInfo's tolerances, per result dtype: XLA's CPU kernels (exp, log, tanh, dot
+# reductions) differ from ATen's in the last bits, more than torch's default float32 rtol of 1.3e-6;
+# bfloat16 chains round at different points (XLA keeps excess precision between fused ops).
+BASE_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-5, 1e-5), torch.complex64: (1e-5, 1e-5),
+            torch.complex128: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
 
 _MESH = None
 
@@ -50,7 +65,6 @@ def _has_f32(op) -> bool:
 
 # jiterator_* entries claim CPU dtypes but are CUDA-only (eager torch raises on CPU).
 OPS = {op_id(op): op for op in op_db if _has_f32(op) and not op.name.startswith("jiterator_")}
-DIFF_OPS = {k: op for k, op in OPS.items() if op.supports_autograd}
 
 
 # ---- expected failures --------------------------------------------------------------------------
@@ -99,26 +113,31 @@ def failure_reason(exc: BaseException) -> str:
 
 # ---- running one op -----------------------------------------------------------------------------
 
-def _samples(op, requires_grad=False):
+def _samples(op, requires_grad=False, dtype=torch.float32, where=lambda s: True):
+    """The first SAMPLES samples of ``op`` (among its first 12) for which ``where`` holds."""
     out = []
-    for s in op.sample_inputs("cpu", torch.float32, requires_grad=requires_grad):
-        out.append(s)
+    for i, s in enumerate(op.sample_inputs("cpu", dtype, requires_grad=requires_grad)):
+        if i >= 12:
+            break
+        if where(s):
+            out.append(s)
         if len(out) >= SAMPLES:
             break
     return out
 
 
-def _spec(t: torch.Tensor):
+def _spec(t: torch.Tensor, uneven=False):
+    """Shard the first dimension that divides by 4 over 'x' (``uneven``: the first that doesn't)."""
     for d, n in enumerate(t.shape):
-        if n > 0 and n % 4 == 0:
+        if (n > 1 and n % 4 != 0) if uneven else (n > 0 and n % 4 == 0):
             return tuple("x" if i == d else None for i in range(t.dim()))
     return (None,) * t.dim()
 
 
-def _to_sharded(x, grad=False):
+def _to_sharded(x, grad=False, uneven=False):
     if isinstance(x, torch.Tensor):
         leaf = x.requires_grad
-        s = st.shard(x.detach().clone(), mesh(), _spec(x))
+        s = st.shard(x.detach().clone(), mesh(), _spec(x, uneven))
         if grad and leaf:
             s.requires_grad_()
         return s
@@ -144,16 +163,20 @@ def _to_cpu(x):
     return x
 
 
-def _tolerances(op):
-    rtol, atol = BASE_RTOL, BASE_ATOL
+def _tolerances(op, dtype):
+    """(rtol, atol) for results of ``dtype``: exact for integers and bools, else the floor above
+    raised to OpInfo's own tolerance override for that dtype."""
+    if dtype not in BASE_TOL:
+        return 0.0, 0.0
+    rtol, atol = BASE_TOL[dtype]
     for dec in getattr(op, "decorators", ()) or ():
         decs = getattr(dec, "decorators", (dec,))
         if not isinstance(decs, (list, tuple)):
             decs = (decs,)
         for d in decs:
             table = getattr(d, "d", None)
-            if isinstance(table, dict) and torch.float32 in table:
-                tol = table[torch.float32]
+            if isinstance(table, dict) and dtype in table:
+                tol = table[dtype]
                 if hasattr(tol, "atol") and hasattr(tol, "rtol"):
                     atol, rtol = max(atol, tol.atol), max(rtol, tol.rtol)
     return rtol, atol
@@ -163,9 +186,9 @@ def _compare(got, want, op, what, values=True):
     got_l, _ = tree_flatten(tree_map(_to_cpu, got))
     want_l, _ = tree_flatten(want)
     assert len(got_l) == len(want_l), f"{what}: {len(got_l)} outputs, torch gives {len(want_l)}"
-    rtol, atol = _tolerances(op)
     for i, (g, w) in enumerate(zip(got_l, want_l)):
         if isinstance(w, torch.Tensor):
+            rtol, atol = _tolerances(op, w.dtype)
             assert isinstance(g, torch.Tensor), f"{what}[{i}]: got {type(g).__name__}, torch gives a tensor"
             assert g.dtype == w.dtype, f"{what}[{i}]: dtype {g.dtype}, torch gives {w.dtype}"
             if w.layout != torch.strided:
@@ -177,7 +200,9 @@ def _compare(got, want, op, what, values=True):
             torch.testing.assert_close(g.detach(), w.detach(), rtol=rtol, atol=atol, equal_nan=True,
                                        msg=lambda m: f"{what}[{i}]: {m}")
         elif isinstance(w, float) and isinstance(g, float):
-            torch.testing.assert_close(g, w, rtol=rtol, atol=atol, equal_nan=True)
+            if values:
+                torch.testing.assert_close(g, w, rtol=BASE_TOL[torch.float32][0],
+                                           atol=BASE_TOL[torch.float32][1], equal_nan=True)
         elif w is not None and values:
             assert g == w, f"{what}[{i}]: {g!r} != {w!r}"
 
@@ -186,14 +211,35 @@ def _compare(got, want, op, what, values=True):
 UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
 
+class _RandomProbe(TorchDispatchMode):
+    """Notes whether any aten op that draws from torch's generator runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.random = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.random = True
+        return func(*args, **(kwargs or {}))
+
+
+def _eager(fn, sample, seed=0):
+    """Run ``fn`` on CPU copies of the sample: (result, whether it drew random numbers)."""
+    probe = _RandomProbe()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inp, args, kwargs = _args(sample, _clone_leaf)
+        with probe:
+            out = fn(inp, *args, **kwargs)
+    return out, probe.random
+
+
 def _deterministic(op, sample, want) -> bool:
     """False for ops whose result is random (a second eager run with another seed differs) or garbage."""
     if op.name in UNINITIALISED:
         return False
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(12345)
-        inp, args, kwargs = _args(sample, _clone_leaf)
-        again = op(inp, *args, **kwargs)
+    again, _ = _eager(op, sample, seed=12345)
     a, _ = tree_flatten(again)
     b, _ = tree_flatten(want)
     for x, y in zip(a, b):
@@ -207,19 +253,61 @@ def _deterministic(op, sample, want) -> bool:
     return True
 
 
-def check_forward(op):
-    samples = _samples(op)
-    if not samples:
-        return
+def _run_sharded(fn, sample, uneven=False, eager=False):
+    inp, args, kwargs = _args(sample, lambda x: _to_sharded(x, uneven=uneven))
+    with st.eager_mode(eager):
+        return fn(inp, *args, **kwargs)
+
+
+def check_forward(op, dtype=torch.float32, eager=False, uneven=False):
+    """Compare the op on sharded inputs with eager torch; returns how many samples were compared."""
+    def has_uneven_dim(sample):
+        return any(_spec(t, True) != (None,) * t.dim() for t in _tensors(sample))
+
+    samples = _samples(op, dtype=dtype, where=has_uneven_dim if uneven else lambda s: True)
     for k, sample in enumerate(samples):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)
-            inp, args, kwargs = _args(sample, _clone_leaf)
-            want = op(inp, *args, **kwargs)
-        values = _deterministic(op, sample, want)
-        inp, args, kwargs = _args(sample, _to_sharded)
-        got = op(inp, *args, **kwargs)
+        want, drew_random = _eager(op, sample)
+        values = not drew_random and _deterministic(op, sample, want)
+        got = _run_sharded(op, sample, uneven=uneven, eager=eager)
         _compare(got, want, op, f"sample {k} output", values=values)
+    return len(samples)
+
+
+def _tensors(sample):
+    return [t for t in tree_flatten(_args(sample, lambda x: x))[0] if isinstance(t, torch.Tensor)]
+
+
+def check_inplace(op):
+    """The in-place variant on a sharded input and on a view of a sharded base, against torch."""
+    fn = op.inplace_variant
+    ran = 0
+    for k, sample in enumerate(_samples(op)):
+        if sample.broadcasts_input or not isinstance(sample.input, torch.Tensor):
+            continue
+        try:
+            want, drew_random = _eager(fn, sample)
+        except Exception:  # noqa: BLE001  (torch refuses this sample in place: so must we)
+            try:
+                _run_sharded(fn, sample)
+            except Exception:  # noqa: BLE001
+                continue
+            raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not")
+        values = not drew_random
+        inp, args, kwargs = _args(sample, _to_sharded)
+        got = fn(inp, *args, **kwargs)
+        assert got is inp, f"sample {k}: the in-place variant must return its input"
+        _compare(inp, want, op, f"sample {k} input", values=values)
+        if sample.input.dim() >= 1:  # the same through a view: the base sees the write
+            base_ref = torch.stack([sample.input.detach().clone()] * 2)
+            base = st.shard(base_ref.clone(), mesh(), _spec(base_ref))
+            _, ref_args, ref_kwargs = _args(sample, _clone_leaf)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                fn(base_ref[1], *ref_args, **ref_kwargs)
+            fn(base[1], *args, **kwargs)
+            _compare(base, base_ref, op, f"sample {k} base of the view", values=values)
+        ran += 1
+    return ran
 
 
 def _float_leaves(tree):
@@ -240,10 +328,13 @@ def _loss(out):
 
 def check_backward(op):
     samples = _samples(op, requires_grad=True)
-    ran = False
+    ran = 0
     for k, sample in enumerate(samples):
+        probe = _RandomProbe()
         ref = _args(sample, _clone_leaf)
-        loss = _loss(op(ref[0], *ref[1], **ref[2]))
+        with torch.random.fork_rng(devices=[]), probe:
+            torch.manual_seed(0)
+            loss = _loss(op(ref[0], *ref[1], **ref[2]))
         if loss is None:
             continue
         leaves_ref = _float_leaves(ref)
@@ -255,9 +346,32 @@ def check_backward(op):
         loss_sh.backward()
         want = [t.grad for t in leaves_ref]
         got = [t.grad for t in leaves_sh]
-        _compare(got, want, op, f"sample {k} grad")
-        ran = True
+        _compare(got, want, op, f"sample {k} grad", values=not probe.random)
+        ran += 1
     return ran
+
+
+def _declares(dtype):
+    return lambda op: dtype in op.supported_dtypes("cpu")
+
+
+# kind -> (does the entry have this check?, the check). Test ids are ``test_<kind>[<op id>]``.
+KINDS = {
+    "forward": (lambda op: True, check_forward),
+    "backward": (lambda op: op.supports_autograd, check_backward),
+    "forward_eager": (lambda op: True, lambda op: check_forward(op, eager=True)),
+    "forward_uneven": (lambda op: True, lambda op: check_forward(op, uneven=True)),
+    "forward_int64": (_declares(torch.int64), lambda op: check_forward(op, dtype=torch.int64)),
+    "forward_bool": (_declares(torch.bool), lambda op: check_forward(op, dtype=torch.bool)),
+    "forward_bfloat16": (_declares(torch.bfloat16), lambda op: check_forward(op, dtype=torch.bfloat16)),
+    "inplace": (lambda op: op.inplace_variant is not None, check_inplace),
+}
+
+
+def ids_of(kind) -> list[str]:
+    """The op ids that have a ``kind`` check."""
+    applies = KINDS[kind][0]
+    return sorted(i for i, op in OPS.items() if applies(op))
 
 
 # ---- families -----------------------------------------------------------------------------------
