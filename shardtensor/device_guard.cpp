@@ -1,12 +1,22 @@
-// The PrivateUse1 device guard for shardtensor's torch device, in C++.
+// shardtensor's C++ half: the PrivateUse1 device guard, and the tensor-metadata setters behind
+// in-place view ops (squeeze_, t_, as_strided_, resize_, set_ ...).
 //
 // torch's Python device guard is called while autograd unwinds an exception raised in backward();
 // with the Python error still set, that call aborts the process ("terminate called without an
 // active exception"). This guard never calls Python. shardtensor has one logical device and no
 // streams or events, so every method is trivial.
+//
+// A ShardedTensor's sizes live in its C++ TensorImpl (made by _make_wrapper_subclass) and Python
+// cannot change them; set_geometry/share_storage/fresh_storage do, for the dispatcher. Its storage
+// holds no data (the values are in JAX): only its byte size and identity matter.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/Stream.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/variable.h>
+#include <vector>
 namespace {
 struct ShardtensorGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   static thread_local c10::DeviceIndex current_device;
@@ -34,4 +44,59 @@ struct ShardtensorGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 thread_local c10::DeviceIndex ShardtensorGuardImpl::current_device = 0;
 thread_local c10::StreamId ShardtensorGuardImpl::current_stream = 0;
 C10_REGISTER_GUARD_IMPL(PrivateUse1, ShardtensorGuardImpl);
+
+c10::TensorImpl* data_less_impl(const at::Tensor& t) {
+  TORCH_CHECK(t.defined() && t.device().type() == c10::DeviceType::PrivateUse1,
+              "shardtensor: expected a tensor on the shardtensor device");
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  TORCH_CHECK(impl->has_storage() && impl->storage().data_ptr().get() == nullptr,
+              "shardtensor: expected a ShardedTensor (a tensor whose storage holds no data)");
+  return impl;
+}
+}  // namespace
+
+// Give t these sizes, strides and storage offset (its storage grows to cover them).
+void set_geometry(const at::Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides,
+                  int64_t storage_offset) {
+  c10::TensorImpl* impl = data_less_impl(t);
+  TORCH_CHECK(sizes.size() == strides.size(), "shardtensor: sizes and strides differ in length");
+  int64_t extent = storage_offset;  // one past the last element, in elements
+  bool empty = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    TORCH_CHECK(sizes[i] >= 0 && strides[i] >= 0 && storage_offset >= 0, "shardtensor: negative size, stride or offset");
+    empty = empty || sizes[i] == 0;
+    extent += (sizes[i] - 1) * strides[i];
+  }
+  extent = empty ? storage_offset : extent + 1;
+  impl->set_sizes_and_strides(sizes, strides, storage_offset);
+  size_t nbytes = static_cast<size_t>(extent) * impl->dtype().itemsize();
+  auto* storage = impl->storage().unsafeGetStorageImpl();
+  if (storage->nbytes() < nbytes) storage->set_nbytes(nbytes);
+}
+
+// Make t share src's storage (torch's set_(src)).
+void share_storage(const at::Tensor& t, const at::Tensor& src) {
+  c10::TensorImpl* impl = data_less_impl(t);
+  impl->set_storage_keep_dtype(data_less_impl(src)->storage());
+}
+
+// Give t a storage of its own of nbytes bytes (a resize_ that had to reallocate).
+void fresh_storage(const at::Tensor& t, int64_t nbytes) {
+  c10::TensorImpl* impl = data_less_impl(t);
+  impl->set_storage_keep_dtype(c10::Storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                                            at::DataPtr(nullptr, t.device()), nullptr, false));
+}
+
+// An in-place view op changed the geometry of t, an autograd view: make autograd rebuild t from its
+// base with as_strided (exact on shardtensor) rather than by replaying the view ops that made it,
+// which knows nothing of in-place view ops (pytorch/pytorch#49825; plain CPU tensors use as_strided).
+void forget_view_replay(const at::Tensor& t) {
+  auto* meta = torch::autograd::impl::get_view_autograd_meta(t);
+  if (meta == nullptr) return;
+  for (bool forward : {false, true}) {
+    if (forward ? !meta->has_fw_view() : !meta->has_bw_view()) continue;
+    auto& info = const_cast<torch::autograd::ViewInfo&>(forward ? meta->get_forward_view() : meta->get_backward_view());
+    info.view_fn_.reset();
+    info.rev_view_fn_ = nullptr;
+  }
 }

@@ -19,6 +19,7 @@ from shardtensor import lazy, rng, views
 from shardtensor import metrics as counters
 from shardtensor.dtypes import to_jax, to_torch
 from shardtensor.ops import lookup
+from shardtensor.ops.registry import register
 from shardtensor.storage import Cell, Failed, Node, Pending, ScalarLeaf
 from shardtensor.tensor import ShardedTensor, contiguous_strides
 
@@ -408,11 +409,13 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
     if f.functional_by_name:  # e.g. polygamma_(self, n) vs polygamma(n, self)
         fkw.update({name: a for name, a in zip(f.arg_names, args) if name not in f.out_names})
         fargs = []
+    meta_ran = True  # torch's meta kernel ran now (and gave its warnings)
     try:
         refs, plan = record(f.functional, fargs, fkw)
         metas = plan.outs
         checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets))
-        if checked not in _CHECKED:  # torch's own checks (broadcast into self, casts), once
+        meta_ran = checked not in _CHECKED
+        if meta_ran:  # torch's own checks (broadcast into self, casts), once
             meta_outputs(func, args, kwargs)
             _CHECKED.add(checked)
     except _Decomposed as d:
@@ -425,10 +428,22 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
     n_returned = len(refs) - len(flat_targets) if functional_variant else 0
     written, written_metas = refs[n_returned:], metas[n_returned:]
     cells = []
+    outs = {id(x) for name in f.out_names for x in (bound[name] if isinstance(bound[name], (list, tuple))
+                                                    else [bound[name]])}
     for t, ref, meta in zip(flat_targets, written, written_metas):
         if tuple(meta[0]) != tuple(t.shape):
-            raise RuntimeError(f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor of "
-                               f"shape {tuple(t.shape)} (shardtensor tensors cannot be resized)")
+            if id(t) not in outs:
+                raise RuntimeError(f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor "
+                                   f"of shape {tuple(t.shape)}")
+            # out= tensors of another shape are resized, as torch does (it warns if they were not empty)
+            shape = tuple(meta[0])
+            if t.numel() and not meta_ran:
+                warnings.warn(f"An output with one or more elements was resized since it had shape {list(t.shape)}, "
+                              f"which does not match the required output shape {list(shape)}. This behavior is "
+                              "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+                              "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
+                              "inplace, to zero elements with t.resize_(0).", UserWarning, stacklevel=3)
+            geometry.resize_to(func, t, shape, meta[2] if len(meta) > 2 and meta[2] else contiguous_strides(shape), 0)
         if meta[1] != t.dtype:
             ref = _cast(ref, t.dtype)
         views.write(t, ref)
@@ -576,6 +591,20 @@ def _is_nonzero(func, args, kwargs):
     return bool(to_cpu(args[0]).item())
 
 
+def _allclose(func, args, kwargs):
+    """A Python bool: the values are needed on the host (as for ``equal``)."""
+    return bool(to_cpu(aten.isclose.default(*args, **kwargs).all()).item())
+
+
+def _sparse(func, args, kwargs):
+    layout = kwargs.get("layout") or {"_to_sparse_csr": "torch.sparse_csr", "_to_sparse_csc": "torch.sparse_csc",
+                                      "_to_sparse_bsr": "torch.sparse_bsr", "_to_sparse_bsc": "torch.sparse_bsc"
+                                      }.get(func._schema.name.split("::")[1], "torch.sparse_coo")
+    raise NotImplementedError(
+        f"{func}: shardtensor holds dense (torch.strided) tensors only; a tensor of layout {layout} cannot live "
+        "on st.device(). Convert on the host instead, e.g. t.cpu().to_sparse()")
+
+
 def _linalg_check_errors(func, args, kwargs):
     """``_linalg_check_errors(info, api_name, is_matrix)`` raises torch's error when a factorization
     failed (a singular matrix for inv/solve, not positive-definite for cholesky). It needs the values
@@ -586,15 +615,18 @@ def _linalg_check_errors(func, args, kwargs):
     return func(to_cpu(args[0]), *args[1:], **kwargs)
 
 
+@register(aten.nonzero_static.default)
+def _nonzero_static(x, *, size, fill_value=-1):
+    """``nonzero`` padded (with ``fill_value`` rows) or cut to ``size`` rows: a fixed shape, so no host
+    round trip (unlike ``nonzero``)."""
+    if x.ndim == 0:
+        return jax.numpy.zeros((size, 0), jax.numpy.int64)
+    idx = jax.numpy.nonzero(x, size=size, fill_value=fill_value)
+    return jax.numpy.stack(idx, axis=1).astype(jax.numpy.int64)
+
+
 def _sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.math: attention decomposes into ops we lower
-
-
-def _resize_(func, args, kwargs):
-    t, size = args[0], tuple(args[1])
-    if tuple(t.shape) != size:
-        raise RuntimeError(f"shardtensor tensors cannot be resized (from {tuple(t.shape)} to {size})")
-    return t
 
 
 def _data_dependent(func, args, kwargs):
@@ -726,10 +758,10 @@ _SPECIAL = {
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,
     aten.equal.default: _equal,
+    aten.allclose.default: _allclose,
     aten.is_nonzero.default: _is_nonzero,
     aten._fused_sdp_choice.default: _sdp_choice,
     aten._linalg_check_errors.default: _linalg_check_errors,
-    aten.resize_.default: _resize_,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.lift_fresh.default: _alias,
@@ -745,6 +777,16 @@ _SPECIAL = {
     aten.index_put.default: _index_put,
     aten.index_put_.default: _index_put,
 }
-for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default,
-            aten.unique_consecutive.default, aten.repeat_interleave.Tensor, aten.bincount.default):
+for _op in (aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
+            aten.unique_dim.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor,
+            aten.bincount.default):
     _SPECIAL[_op] = _data_dependent
+for _name in ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc"):
+    _packet = getattr(aten, _name, None)
+    for _o in (_packet.overloads() if _packet is not None else ()):
+        _SPECIAL[getattr(_packet, _o)] = _sparse
+
+# in-place ops that change a tensor's shape (that module uses this one, so it comes last)
+from shardtensor import geometry
+
+_SPECIAL.update(geometry.HANDLERS)

@@ -74,7 +74,7 @@ class Cell:
     """
 
     __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "serial",
-                 "layout", "__weakref__")
+                 "layout", "root", "__weakref__")
     _next_serial = 0
 
     def __init__(self, value, shape, dtype, mesh=None, spec=None, owned=False):
@@ -87,6 +87,9 @@ class Cell:
         self.owned = owned
         self._leaf = None
         self.layout = None  # the jax sharding an in-place update must keep (cells without a spec)
+        # (strides, storage offset) torch gives the value when it is seen as storage (as_strided,
+        # resize_): those of the first tensor made without a view chain; None means contiguous
+        self.root = None
         self.serial = Cell._next_serial  # creation order: compile() tells old cells from new ones
         Cell._next_serial += 1
 

@@ -51,6 +51,10 @@ class ShardedTensor(torch.Tensor):
             cls, shape, strides=strides or contiguous_strides(shape), storage_offset=storage_offset,
             dtype=dtype or cell.dtype, device=device.device(), requires_grad=requires_grad,
         )
+        if not chain and cell.root is None and (strides or storage_offset) and (
+                tuple(strides or ()) != contiguous_strides(shape) or storage_offset):
+            # the storage layout of the cell (as_strided and resize_ address storage)
+            cell.root = (tuple(strides or contiguous_strides(shape)), storage_offset)
         r._cell = cell
         r._chain = chain
         r._vcache = None
@@ -269,3 +273,4 @@ def _jax_to_torch(a: np.ndarray) -> torch.Tensor:
 def numpy_to_torch(a) -> torch.Tensor:
     """A torch CPU tensor from a numpy (or jax) array, exact dtype."""
     return _jax_to_torch(np.asarray(a))
+

@@ -19,6 +19,7 @@ from torch.utils.backend_registration import _DummyPrivateUse1Hook, _setup_priva
 BACKEND = "shardtensor"
 _DEVICE = None
 CPP_GUARD = False  # True once the C++ device guard is loaded (the normal case)
+EXT = None  # the C++ module: set_geometry, share_storage, fresh_storage, forget_view_replay (or None)
 
 
 def device(index=None) -> torch.device:
@@ -143,6 +144,7 @@ def _install_backward_error_fix():
 # --- factories with device=st.device() ------------------------------------------------------------
 _LIB = None
 _FACTORIES = ("_copy_from", "empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
+              "_efficientzerotensor",  # autograd's zero gradients (sgn, complex ops): plain zeros here
               "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
               "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
               "normal.float_float")
@@ -174,11 +176,20 @@ def _copy_from_kernel(src, dst, non_blocking=False):
     return dispatch.handle(torch.ops.aten.copy_.default, (dst, src), {})
 
 
-def _empty_kernel(size, *args, dtype=None, **kwargs):
-    """``torch.empty`` on st.device(): zeros, recorded lazily (no transfer)."""
+def _empty_kernel(size, *args, dtype=None, memory_format=None, **kwargs):
+    """``torch.empty``/``empty_strided`` on st.device(): zeros, recorded lazily (no transfer), with the
+    strides torch gives (``as_strided`` on the result addresses its storage as torch's would)."""
     from shardtensor import dispatch
+    from shardtensor.tensor import ShardedTensor
 
-    return dispatch.zeros(tuple(size), dtype or torch.get_default_dtype())
+    out = dispatch.zeros(tuple(size), dtype or torch.get_default_dtype())
+    if args:  # empty_strided(size, stride)
+        strides = tuple(args[0])
+    elif memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        strides = torch.empty(tuple(size), memory_format=memory_format, device="meta").stride()
+    else:
+        return out
+    return ShardedTensor(out._cell, strides=strides)
 
 
 def _factory_kernel(op, dispatch):
@@ -188,29 +199,32 @@ def _factory_kernel(op, dispatch):
     return kernel
 
 
-def _load_cpp_device_guard() -> bool:
-    """Build (once per machine, ~15 s, cached by torch) and load the C++ device guard."""
+def _load_cpp_extension():
+    """Build (once per machine, ~1 min, cached by torch) and load the C++ device guard and metadata
+    setters; None when it cannot be built (or SHARDTENSOR_PYTHON_DEVICE_GUARD is set)."""
     from torch.utils.cpp_extension import load_inline
 
     if os.environ.get("SHARDTENSOR_PYTHON_DEVICE_GUARD"):  # for testing the fallback
-        return False
+        return None
     source = (pathlib.Path(__file__).parent / "device_guard.cpp").read_text()
     try:
-        load_inline("shardtensor_device_guard", cpp_sources=[source], is_python_module=False)
-        return True
+        return load_inline("shardtensor_device_ext", cpp_sources=[source],
+                           functions=["set_geometry", "share_storage", "fresh_storage", "forget_view_replay"])
     except Exception as e:  # no compiler or ninja: fall back to torch's Python guard
         warnings.warn(
-            f"shardtensor could not build its C++ device guard ({e}); using torch's Python guard. "
+            f"shardtensor could not build its C++ extension ({e}); using torch's Python device guard. "
             "Errors raised inside backward() still reach you from ops and tensor hooks, but one "
             "raised by a grad_fn or module backward hook aborts the process (and exit after such an "
-            "error may too). Install a C++ compiler and `pip install ninja` to fix this.",
+            "error may too), and in-place ops that change a tensor's shape (squeeze_, t_, resize_, "
+            "set_ ...) are not available. Install a C++ compiler and `pip install ninja` to fix this.",
             RuntimeWarning, stacklevel=2)
-        return False
+        return None
 
 
 def _install():
-    global _DEVICE, CPP_GUARD
-    CPP_GUARD = _load_cpp_device_guard()
+    global _DEVICE, CPP_GUARD, EXT
+    EXT = _load_cpp_extension()
+    CPP_GUARD = EXT is not None
     if CPP_GUARD:
         torch.utils.rename_privateuse1_backend(BACKEND)
         torch.utils.generate_methods_for_privateuse1_backend()

@@ -3,6 +3,10 @@
 A view is its Cell plus a chain of ``ViewStep``s (the view ops applied to the Cell's value). Reading
 replays the chain; writing runs it backwards with scatters, so ``x.t().mul_(2)`` or ``x[:, 0] = 1``
 updates the base exactly as torch does.
+
+Ops that address torch's storage directly (``as_strided``, ``resize_``, ``set_``) get a
+``storage_step``: the Cell's value laid out by its root strides is the storage, so the step picks
+storage elements by position, as torch does, whatever views came before.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch
 
 from shardtensor import lazy
 from shardtensor.storage import Failed, Leaf, Node, Pending
+from shardtensor.tensor import contiguous_strides
 
 aten = torch.ops.aten
 
@@ -48,9 +53,9 @@ def apply(step: ViewStep, ref):
     return Pending(node, step.index)
 
 
-def scatter(step: ViewStep, base_ref, src_ref):
+def scatter(step: ViewStep, base, src):
     """Reference to ``base`` with the part ``step`` views replaced by ``src``."""
-    node = Node(step.scatter(), ("scatter", step.key), (base_ref, src_ref))
+    node = Node(step.scatter(), ("scatter", step.key), (base, src))
     return Pending(node, 0)
 
 
@@ -99,6 +104,135 @@ def _permutation(func, args, ndim):
     return tuple(d % ndim for d in args[0])
 
 
+# --- views addressed by storage position (as_strided, resize_, set_) -------------------------------
+def storage_extent(shape, strides, offset) -> int:
+    """Elements of storage a tensor of this geometry reaches (one past its last element)."""
+    if any(n == 0 for n in shape):
+        return offset
+    return offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+
+
+def _positions(shape, strides, offset):
+    """Storage position of each element of a tensor of this geometry, row-major, as int64."""
+    pos = np.full(tuple(shape), offset, dtype=np.int64)
+    for d, (n, s) in enumerate(zip(shape, strides)):
+        pos = pos + (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (len(shape) - d - 1))
+    return pos.reshape(-1)
+
+
+def cell_storage(cell):
+    """(root strides, root offset, storage size in elements) of a Cell's value as torch storage."""
+    strides, offset = cell.root or (contiguous_strides(cell.shape), 0)
+    return strides, offset, storage_extent(cell.shape, strides, offset)
+
+
+def _is_contiguous(shape, strides) -> bool:
+    expected = contiguous_strides(shape)
+    return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
+
+
+def storage_indices(cell, size, stride, offset, what="as_strided"):
+    """Where each element of the view (size, stride, offset) of ``cell``'s storage sits in the Cell's
+    row-major value: an int ``start`` when they are the run start, start+1, ... (no index array is
+    built), else a numpy int64 array. RuntimeError, as torch's, if the view leaves the storage."""
+    root_strides, root_offset, extent = cell_storage(cell)
+    size, stride = tuple(int(n) for n in size), tuple(int(s) for s in stride)
+    need = storage_extent(size, stride, offset)
+    if need > extent or offset < 0 or any(s < 0 for s in stride):
+        itemsize = cell.dtype.itemsize
+        raise RuntimeError(
+            f"{what}: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize "
+            f"{itemsize} requiring a storage size of {need * itemsize} are out of bounds for storage of "
+            f"size {extent * itemsize}")
+    dense_root = root_offset == 0 and _is_contiguous(cell.shape, root_strides)
+    if dense_root and _is_contiguous(size, stride):
+        return offset
+    wanted = _positions(size, stride, offset)
+    if dense_root or not wanted.size:
+        return wanted
+    held = _positions(cell.shape, root_strides, root_offset)
+    where = np.full(extent, -1, dtype=np.int64)
+    where[held] = np.arange(held.size, dtype=np.int64)
+    idx = where[wanted]
+    if (idx < 0).any():
+        raise RuntimeError(f"{what}: the view reads storage elements that no tensor holds (gaps of a "
+                           "strided storage); make the source contiguous first")
+    if np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
+        return int(idx[0])
+    return idx
+
+
+_STEPS: dict = {}  # storage steps by geometry (their index arrays cost a little to build)
+
+
+def storage_step(cell, size, stride, offset, what="as_strided") -> ViewStep:
+    """A ViewStep from ``cell``'s value to the view (size, stride, offset) of its storage."""
+    size, stride, offset = tuple(int(n) for n in size), tuple(int(s) for s in stride), int(offset)
+    key = ("storage_view", cell.shape, cell_storage(cell)[:2], size, stride, offset)
+    step = _STEPS.get(key)
+    if step is not None:
+        return step
+    idx = storage_indices(cell, size, stride, offset, what)
+    if len(_STEPS) > 4096:
+        _STEPS.clear()
+    step = _STEPS[key] = ViewStep(None, (), {}, None, 0, key, cell.shape, size)
+    n = math.prod(size)
+    if isinstance(idx, int):  # a contiguous run: slices, no gather
+        def caller(base):
+            return (jax.lax.slice_in_dim(base.reshape(-1), idx, idx + n).reshape(size),)
+
+        def scatter_fn(base, src):
+            flat = jax.lax.dynamic_update_slice_in_dim(base.reshape(-1), src.reshape(-1).astype(base.dtype),
+                                                       idx, axis=0)
+            return (flat.reshape(base.shape),)
+    else:
+        def caller(base):
+            return (base.reshape(-1)[idx].reshape(size),)
+
+        def scatter_fn(base, src):
+            out = base.reshape(-1).at[idx].set(src.reshape(-1).astype(base.dtype))
+            return (out.reshape(base.shape),)
+    step.caller, step._scatter = caller, scatter_fn
+    return step
+
+
+def is_dense(shape, strides) -> bool:
+    """A geometry at offset 0 whose elements fill storage positions 0..numel-1, each once."""
+    if any(n == 0 for n in shape):
+        return True
+    order = sorted((s, n) for n, s in zip(shape, strides) if n != 1)
+    acc = 1
+    for s, n in order:
+        if s != acc:
+            return False
+        acc *= n
+    return True
+
+
+def storage_values(cell, shape, strides):
+    """Reference to a new value for a storage that ``cell``'s storage grows (or shrinks) into: the
+    tensor of dense geometry (shape, strides) over it. The old storage elements come first, then
+    zeros (torch leaves them uninitialised)."""
+    root_strides, root_offset, extent = cell_storage(cell)
+    held = None if root_offset == 0 and _is_contiguous(cell.shape, root_strides) else _positions(
+        cell.shape, root_strides, root_offset)
+    total = math.prod(shape)
+    keep = min(extent, total)
+    order = None if _is_contiguous(shape, strides) else _positions(shape, strides, 0)
+
+    def grow(base):
+        flat = base.reshape(-1)
+        if held is not None:
+            flat = jnp.zeros((extent,), base.dtype).at[held].set(flat)
+        flat = flat[:keep]
+        if total > keep:
+            flat = jnp.concatenate([flat, jnp.zeros((total - keep,), base.dtype)])
+        return ((flat if order is None else flat[order]).reshape(shape),)
+
+    key = ("storage_values", cell.shape, cell_storage(cell)[:2], tuple(shape), tuple(strides))
+    return Pending(Node(grow, key, (base_ref(cell),)), 0)
+
+
 def _generic_scatter(step: ViewStep):
     # Which base element each view element reads, worked out by running the same view op on indices.
     n = math.prod(step.in_shape)
@@ -120,18 +254,18 @@ def read(t):
     """The value reference of ShardedTensor ``t`` (Pending or Leaf)."""
     cell = t._cell
     if not t._chain:
-        return _base_ref(cell)
+        return base_ref(cell)
     cached = t._vcache
     if cached is not None and cached[0] == lazy.STATE.epoch and cached[1] == cell.version and cached[2] is cell.value:
         return cached[3]
-    ref = _base_ref(cell)
+    ref = base_ref(cell)
     for step in t._chain:
         ref = apply(step, ref)
     t._vcache = (lazy.STATE.epoch, cell.version, cell.value, ref)
     return ref
 
 
-def _base_ref(cell):
+def base_ref(cell):
     v = cell.value
     if isinstance(v, Pending):
         return v
@@ -150,7 +284,7 @@ def write(t, ref) -> None:
     if isinstance(ref, Leaf):  # a concrete value: copy it through a node so cells never share arrays
         ref = Pending(Node(_identity, ("identity",), (ref,)), 0)
     if t._chain:
-        parts = [_base_ref(cell)]
+        parts = [base_ref(cell)]
         for step in t._chain[:-1]:
             parts.append(apply(step, parts[-1]))
         for step, part in zip(reversed(t._chain), reversed(parts)):
