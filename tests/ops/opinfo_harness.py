@@ -157,6 +157,19 @@ def _args(sample, fn):
     return tree_map(fn, (sample.input, sample.args, sample.kwargs))
 
 
+# Positional arguments that torch requires on the CPU whatever the device of the other inputs (as the
+# OpInfo samples build them): they stay CPU tensors instead of being sharded.
+HOST_ARGS = {"tensor_split": {0}}  # tensor_indices_or_sections: "expected ... to be on cpu"
+
+
+def _sharded_args(op, sample, **kw):
+    """(input, args, kwargs) of ``sample`` with every tensor sharded (see ``_to_sharded``)."""
+    host = HOST_ARGS.get(op.name, set())
+    inp = tree_map(lambda x: _to_sharded(x, **kw), sample.input)
+    args = [a if i in host else tree_map(lambda x: _to_sharded(x, **kw), a) for i, a in enumerate(sample.args)]
+    return inp, args, tree_map(lambda x: _to_sharded(x, **kw), sample.kwargs)
+
+
 def _to_cpu(x):
     if isinstance(x, st.ShardedTensor):
         return x.cpu()
@@ -253,8 +266,8 @@ def _deterministic(op, sample, want) -> bool:
     return True
 
 
-def _run_sharded(fn, sample, uneven=False, eager=False):
-    inp, args, kwargs = _args(sample, lambda x: _to_sharded(x, uneven=uneven))
+def _run_sharded(op, fn, sample, uneven=False, eager=False):
+    inp, args, kwargs = _sharded_args(op, sample, uneven=uneven)
     with st.eager_mode(eager):
         return fn(inp, *args, **kwargs)
 
@@ -268,7 +281,7 @@ def check_forward(op, dtype=torch.float32, eager=False, uneven=False):
     for k, sample in enumerate(samples):
         want, drew_random = _eager(op, sample)
         values = not drew_random and _deterministic(op, sample, want)
-        got = _run_sharded(op, sample, uneven=uneven, eager=eager)
+        got = _run_sharded(op, op, sample, uneven=uneven, eager=eager)
         _compare(got, want, op, f"sample {k} output", values=values)
     return len(samples)
 
@@ -288,12 +301,12 @@ def check_inplace(op):
             want, drew_random = _eager(fn, sample)
         except Exception:  # noqa: BLE001  (torch refuses this sample in place: so must we)
             try:
-                _run_sharded(fn, sample)
+                _run_sharded(op, fn, sample)
             except Exception:  # noqa: BLE001
                 continue
             raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not")
         values = not drew_random
-        inp, args, kwargs = _args(sample, _to_sharded)
+        inp, args, kwargs = _sharded_args(op, sample)
         got = fn(inp, *args, **kwargs)
         assert got is inp, f"sample {k}: the in-place variant must return its input"
         _compare(inp, want, op, f"sample {k} input", values=values)
@@ -339,7 +352,7 @@ def check_backward(op):
             continue
         leaves_ref = _float_leaves(ref)
         loss.backward()
-        sh = _args(sample, lambda x: _to_sharded(x, grad=True))
+        sh = _sharded_args(op, sample, grad=True)
         leaves_sh = _float_leaves(sh)
         loss_sh = _loss(op(sh[0], *sh[1], **sh[2]))
         assert loss_sh is not None, f"sample {k}: no differentiable output"
