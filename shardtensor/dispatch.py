@@ -625,6 +625,17 @@ def _nonzero_static(x, *, size, fill_value=-1):
     return jax.numpy.stack(idx, axis=1).astype(jax.numpy.int64)
 
 
+def _det_factors(func, args, kwargs):
+    """``_linalg_det`` / ``_linalg_slogdet`` also return LU factors, which backward reads as factors of
+    A^T when A is contiguous and real (torch's CPU kernel factors the column-major view) and of A
+    otherwise. The lowering always factors its input's transpose, so a non-contiguous A goes in as
+    the contiguous values of A^T: the same determinant, and the factors of A that backward expects."""
+    a = args[0]
+    if isinstance(a, ShardedTensor) and not a.is_contiguous() and not a.is_complex():
+        args = (a.mT.contiguous(), *args[1:])
+    return _record_and_wrap(func, args, kwargs)
+
+
 def _sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.math: attention decomposes into ops we lower
 
@@ -762,6 +773,8 @@ _SPECIAL = {
     aten.is_nonzero.default: _is_nonzero,
     aten._fused_sdp_choice.default: _sdp_choice,
     aten._linalg_check_errors.default: _linalg_check_errors,
+    aten._linalg_det.default: _det_factors,
+    aten._linalg_slogdet.default: _det_factors,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
     aten.lift_fresh.default: _alias,

@@ -273,8 +273,9 @@ def test_sharded_forward_backward(case):
     _sharded_grads(fn, *inputs)
 
 
-@pytest.mark.xfail(strict=True, reason="torch's det/slogdet backward reads LU as the factor of A^T only when A "
-                   "is contiguous; a lowering cannot see strides, so it assumes a contiguous A (needs the "
-                   "dispatcher to pass A.mT for a contiguous real A and the lowering to factor its input)")
+# torch's det/slogdet backward reads LU as the factor of A^T only when A is contiguous; the dispatcher
+# hands a non-contiguous A to the lowering as the contiguous values of A^T (dispatch._det_factors)
 def test_sharded_det_backward_transposed_input():
     _sharded_grads(lambda A: (torch.linalg.det(A.mT),), _square((4, 4, 4), F64, seed=1))
+    _sharded_grads(lambda A: tuple(torch.linalg.slogdet(A.mT)), _square((4, 4, 4), F64, seed=3))
+    _sharded_grads(lambda A: (torch.linalg.det(A[:, 1:, 1:]),), _square((4, 4, 4), F64, seed=4))
