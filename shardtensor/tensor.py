@@ -125,7 +125,7 @@ class ShardedTensor(torch.Tensor):
             from shardtensor import mesh as mesh_mod  # noqa: F811
 
             m = mesh_mod.mesh_for_jax_mesh(s.mesh)
-            return m, sh.normalize_spec(m, _spec_from_jax(s.spec, array.ndim), array.ndim)
+            return m, sh.normalize_spec(m, _spec_from_jax(s.spec, array.ndim, m), array.ndim)
         return device.default_mesh(), (None,) * array.ndim
 
     def _concrete_array(self):
@@ -233,8 +233,17 @@ class Shard:
         return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
 
-def _spec_from_jax(spec, ndim):
-    entries = list(spec) + [None] * (ndim - len(spec))
+def _spec_from_jax(spec, ndim, mesh):
+    """The partition spec over ``mesh`` of a jax PartitionSpec (on an unnamed mesh, jax's axis names
+    '0', '1', ... are axis indices)."""
+    def entry(e):
+        if e is None or mesh.axis_names:
+            return e
+        if isinstance(e, tuple):
+            return tuple(entry(x) for x in e)
+        return int(e)
+
+    entries = [entry(e) for e in spec] + [None] * (ndim - len(spec))
     return tuple(entries[:ndim])
 
 
@@ -244,7 +253,7 @@ def _string_of_jax_sharding(array, ndim):
         from shardtensor import mesh as mesh_mod
 
         m = mesh_mod.mesh_for_jax_mesh(s.mesh)
-        return sh.sharding_string(m, _spec_from_jax(s.spec, ndim), ndim)
+        return sh.sharding_string(m, _spec_from_jax(s.spec, ndim, m), ndim)
     if s.is_fully_replicated:
         return "{replicated}"
     return str(s._to_xla_hlo_sharding(ndim))

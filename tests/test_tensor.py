@@ -1105,3 +1105,15 @@ def test_torch_tensor_with_device_argument():
     i = torch.tensor([1, 0], device=st.device())
     assert i.dtype == torch.int64
     assert_close(x[i].cpu(), torch.tensor([[3.0, 4.0], [1.0, 2.0]]))
+
+
+def test_layout_xla_chose_on_an_unnamed_mesh():
+    # jax names an unnamed mesh's axes '0', '1': they read back as axis indices
+    mesh = st.Mesh(range(8), (4, 2))
+    x = torch.randn(8, 4)
+    c = st.shard(x, mesh, (0, 1)) * 2
+    st.sync()
+    assert c._layout() == (mesh, ((0,), (1,)))
+    assert len(c.local_shards) == 8
+    torch.testing.assert_close(c.cpu(), x * 2)
+    assert "ShardedTensor" in repr(c)
