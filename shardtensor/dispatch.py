@@ -562,9 +562,10 @@ def _to_copy(func, args, kwargs):
         return out.to(dtype) if dtype is not None else out
     kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory", "non_blocking")}
     if kwargs.get("dtype") in (None, t.dtype) and kwargs.get("memory_format") is None:
-        return _record_and_wrap(aten.clone.default, (t,), {})
+        return _keep_sharding(t, _record_and_wrap(aten.clone.default, (t,), {}))
     kwargs.pop("memory_format", None)
-    return _record_and_wrap(aten._to_copy.default, (t,), kwargs)
+    # .to(dtype) keeps the sharding (model.to(torch.bfloat16) must not un-shard the parameters)
+    return _keep_sharding(t, _record_and_wrap(aten._to_copy.default, (t,), kwargs))
 
 
 def _copy_(func, args, kwargs):
@@ -703,8 +704,11 @@ def _placeholder(func, args, kwargs):
 def _same_sharding(func, args, kwargs):
     """``clone`` and ``*_like`` keep the sharding annotation of their source (as in PyTorch/XLA and
     DTensor), so e.g. optimizer state is laid out like its parameter."""
-    out = _record_and_wrap(func, args, kwargs)
-    src = args[0]
+    return _keep_sharding(args[0], _record_and_wrap(func, args, kwargs))
+
+
+def _keep_sharding(src, out):
+    """``out`` annotated with ``src``'s sharding, when ``src`` has one of its own (not a view)."""
     if src._cell.spec is not None and not src._chain and isinstance(out, ShardedTensor):
         out._cell.mesh, out._cell.spec = src._cell.mesh, src._cell.spec
     return out

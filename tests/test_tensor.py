@@ -1117,3 +1117,15 @@ def test_layout_xla_chose_on_an_unnamed_mesh():
     assert len(c.local_shards) == 8
     torch.testing.assert_close(c.cpu(), x * 2)
     assert "ShardedTensor" in repr(c)
+
+
+def test_to_dtype_keeps_the_sharding():
+    mesh = st.Mesh(range(8), (4, 2), ("x", "y"))
+    lin = torch.nn.Linear(8, 16).to(st.device())
+    st.mark_sharding(lin.weight, mesh, ("x", None))
+    lin.to(torch.bfloat16)
+    assert lin.weight.dtype == torch.bfloat16 and lin.weight.partition_spec == ("x", None)
+    x = st.shard(torch.randn(8, 4), mesh, (None, "y"))
+    for y in (x.to(torch.float64), x.double(), x.to(st.device()), x.clone()):
+        assert y.partition_spec == (None, "y")
+        torch.testing.assert_close(y.cpu(), x.cpu().to(y.dtype))
