@@ -78,6 +78,10 @@ def _make_scatter(step: ViewStep):
     if func is aten.select.int:
         dim = args[0] % len(step.in_shape)
         return _update_slice(dim, args[1] % step.in_shape[dim], squeeze=True)
+    if func is aten._conj.default:  # a conjugated view (there is no conj bit): write back conjugated
+        return lambda base, src: (jnp.conj(src).astype(base.dtype),)
+    if func is aten.view_as_real.default:
+        return lambda base, src: (jax.lax.complex(src[..., 0], src[..., 1]).astype(base.dtype),)
     return _generic_scatter(step)
 
 

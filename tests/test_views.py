@@ -515,3 +515,14 @@ def test_inplace_on_int_and_bool_views(eager):
         want[1] = True
         want.t()[2].logical_not_()
         assert torch.equal(b.cpu(), want)
+
+
+def test_writes_through_view_as_real_and_conj():
+    mesh = st.Mesh(range(8), (4, 2), ("x", "y"))
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    s, ref = st.shard(z.clone(), mesh, ("x", None)), z.clone()
+    torch.view_as_real(s).mul_(2)
+    torch.view_as_real(ref).mul_(2)
+    torch.view_as_real(s)[..., 1] = 0
+    torch.view_as_real(ref)[..., 1] = 0
+    torch.testing.assert_close(s.cpu(), ref)

@@ -23,4 +23,6 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     linalg_eig,
     fft,
     special,
+    complex,
+    histogram,
 )

@@ -451,3 +451,40 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
         return cast(jnp.zeros_like(g), rt)
     ax = _axis(dim, y.ndim)
     return cast(g - jnp.exp(y) * jnp.sum(g, axis=ax, keepdims=True), rt)
+
+
+# ----------------------------------------------------------------------------------------------
+# hash_tensor
+# ----------------------------------------------------------------------------------------------
+_HASHABLE_INTS = {np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8)}
+
+
+@register(aten.hash_tensor.default)
+def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
+    """torch.hash_tensor, mode 0: the xor of every element's 64-bit pattern (floats widened to float64,
+    integers and bool to int64, NaN payloads and the sign of zero kept), as uint64."""
+    if mode != 0:
+        raise RuntimeError(f"Unknown hash_tensor mode: {mode}")
+    dt = dtype_of(self)
+    if is_float(dt):
+        bits = lax.bitcast_convert_type(cast(self, np.float64), np.uint64)
+    elif dt in _HASHABLE_INTS or is_bool(dt):
+        bits = lax.bitcast_convert_type(cast(self, INT64), np.uint64)
+    else:
+        raise RuntimeError(f'"xor_sum_cpu" not implemented for \'{dt}\'')
+    ax = axes(dim, self.ndim)
+    if self.size == 0 and not (dim is not None and len(dim)):
+        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
+                           "Specify the reduction dim with the 'dim' argument.")
+    for a in ax:
+        if self.shape[a] == 0:
+            raise RuntimeError(f"hash_tensor: Expected reduction dim {a} to have non-zero size.")
+    # xor is per-bit parity. A sum of bit planes rather than an xor reduce: XLA's CPU all-reduce has no
+    # xor, so a sharded xor reduction fails to run; a uint32 sum wraps but keeps its parity.
+    shifts = jnp.arange(64, dtype=np.uint64)
+    planes = ((bits[..., None] >> shifts) & np.uint64(1)).astype(np.uint32)
+    parity = (jnp.sum(planes, axis=ax, dtype=np.uint32) & np.uint32(1)).astype(np.uint64)
+    out = jnp.bitwise_or.reduce(parity << shifts, axis=-1)
+    if keepdim:
+        out = jnp.reshape(out, tuple(1 if i in ax else n for i, n in enumerate(self.shape)))
+    return out

@@ -1,7 +1,12 @@
-"""Sorting-based ops: sort, topk, median, nanmedian, kthvalue.
+"""Sorting-based ops: sort, topk, median, nanmedian, kthvalue, mode, searchsorted, bucketize, isin.
 
 torch orders NaN above every number (last in an ascending sort, first in a descending one); sorts are
-stable here (ties keep their original order), indices are int64.
+stable here (ties keep their original order), indices are int64. searchsorted / bucketize replay torch's
+bisection step by step, so unsorted or NaN-holding boundaries give torch's answers too.
+
+Example::
+
+    lookup(aten.searchsorted.Tensor).fn(jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0]), right=True)  # [2]
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from shardtensor.ops._promote import BOOL, INT64, fresh, is_complex, is_float
+from shardtensor.ops._promote import BOOL, INT64, cast, dtype_of, fresh, is_complex, is_float, result_type
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -124,3 +129,135 @@ def kthvalue(self, k, dim=-1, keepdim=False):
     ax = _axis(dim, self.ndim)
     values, indices = sort_along(self, ax, descending=False)
     return _pick(values, indices, int(k) - 1, ax, keepdim)
+
+
+# ----------------------------------------------------------------------------------------------
+# mode
+# ----------------------------------------------------------------------------------------------
+@register(aten.mode.default)
+def mode(self, dim=-1, keepdim=False):
+    """The smallest most frequent value and the index of its last occurrence. (torch's CPU kernel
+    picks the last element of the value's run after ``std::sort``, which is the last occurrence for
+    slices of up to 16 elements; beyond that its choice among equal values is unspecified.) NaN never
+    equals NaN, so each NaN counts once, sorted after every number."""
+    if self.ndim == 0:
+        return fresh(self), jnp.zeros((), INT64)
+    ax = _axis(dim, self.ndim)
+    if self.shape[ax] == 0:
+        raise RuntimeError(f"mode(): Expected reduction dim {ax} to have non-zero size.")
+    x = jnp.moveaxis(self, ax, -1)
+    last = x.ndim - 1
+    values, indices = sort_along(x, last, descending=False)
+    differs = values[..., 1:] != values[..., :-1]
+    edge = jnp.ones(values.shape[:-1] + (1,), BOOL)
+    starts = jnp.concatenate([edge, differs], axis=-1)
+    ends = jnp.concatenate([differs, edge], axis=-1)
+    pos = lax.broadcasted_iota(INT64, values.shape, last)
+    run_start = lax.cummax(jnp.where(starts, pos, 0), axis=last)
+    count = jnp.where(ends, pos - run_start + 1, 0)
+    best = jnp.argmax(count, axis=-1, keepdims=True)  # the first maximum: the smallest value
+    v = jnp.take_along_axis(values, best, axis=-1)
+    i = jnp.take_along_axis(indices, best, axis=-1)
+    if keepdim:
+        return jnp.moveaxis(v, -1, ax), jnp.moveaxis(i, -1, ax)
+    return v[..., 0], i[..., 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# searchsorted / bucketize / isin
+# ----------------------------------------------------------------------------------------------
+def _gather_last(seq, pos):
+    """seq[..., pos] with ``seq`` 1-D (shared) or shaped like ``pos`` except in the last dim."""
+    if seq.ndim == 1:
+        return jnp.take(seq, pos, mode="clip")
+    return jnp.take_along_axis(seq, jnp.clip(pos, 0, seq.shape[-1] - 1), axis=-1)
+
+
+def binary_search(seq, values, goes_right, start=None, end=None, sorter=None, width=None):
+    """torch's (and std::upper_bound's) bisection over ``seq``'s last dim, step for step, so that even
+    unsorted or NaN-holding sequences give torch's answer: while start < end, look at
+    mid = start + (end - start) // 2 and continue right of it if ``goes_right(seq[mid], value)``.
+    ``seq`` is 1-D or has ``values``' leading dims; ``sorter`` (like ``seq``) reorders it. ``width``
+    bounds end - start (default: the whole sequence)."""
+    n = seq.shape[-1]
+    start = jnp.zeros(values.shape, INT64) if start is None else start
+    end = jnp.full(values.shape, n, INT64) if end is None else end
+    for _ in range(max(n if width is None else width, 1).bit_length()):  # each step halves end - start
+        active = start < end
+        mid = start + (end - start) // 2
+        probe = _gather_last(sorter, mid) if sorter is not None else mid
+        right = goes_right(_gather_last(seq, probe), values)
+        start = jnp.where(active & right, mid + 1, start)
+        end = jnp.where(active & ~right, mid, end)
+    return start
+
+
+def left_of_lower_bound(mid_val, value):
+    """Lower bound (first element not below ``value``): torch continues right if !(mid >= value)."""
+    return jnp.logical_not(mid_val >= value)
+
+
+def left_of_upper_bound(mid_val, value):
+    """Upper bound (first element above ``value``): torch continues right if !(mid > value)."""
+    return jnp.logical_not(mid_val > value)
+
+
+def _search_dtype(name, seq, values):
+    dt = result_type(seq, values)
+    if dt == BOOL or is_complex(dt):
+        raise NotImplementedError(f'"{name}" not implemented for \'{"Bool" if dt == BOOL else "complex"}\'')
+    return dt
+
+
+@register(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    if side is not None:
+        if side not in ("left", "right"):
+            raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
+        if right and side == "left":
+            raise RuntimeError("torch.searchsorted(): side and right can't be set to opposites, got side of "
+                               "left while right was True")
+        right = side == "right"
+    dt = _search_dtype("searchsorted_out_cpu", sorted_sequence, self)
+    seq, values = cast(sorted_sequence, dt), cast(self, dt)
+    out_dt = np.dtype(np.int32) if out_int32 else INT64
+    if values.size == 0 or seq.shape[-1] == 0:
+        return jnp.zeros(values.shape, out_dt)
+    if seq.ndim > 1 and values.ndim == 0:
+        raise RuntimeError("torch.searchsorted(): input value can be a scalar only when boundaries tensor "
+                           f"dimension is 1, but we got boundaries tensor dim({seq.ndim}) and input value's "
+                           "dim(0) numel(1)")
+    if sorter is not None:
+        sorter = sorter.astype(INT64)
+    pos = binary_search(seq, values, left_of_upper_bound if right else left_of_lower_bound, sorter=sorter)
+    return pos.astype(out_dt)
+
+
+@register(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(self, boundaries, *, out_int32=False, right=False):
+    if boundaries.ndim != 1:
+        raise RuntimeError(f"boundaries tensor must be 1 dimension, but got dim({boundaries.ndim})")
+    return searchsorted(boundaries, self, out_int32=out_int32, right=right)
+
+
+@register(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    for d in (dtype_of(elements), dtype_of(test_elements)):
+        if is_complex(d) or d == BOOL:
+            raise RuntimeError(f"Unsupported input type encountered for isin(): {d}")
+    dt = result_type(elements, test_elements)
+    x, t = cast(elements, dt), jnp.ravel(cast(test_elements, dt))
+    m = t.shape[0]
+    if m == 0 or x.size == 0:
+        found = jnp.zeros(x.shape, BOOL)
+    elif m < 10.0 * float(max(x.size, 1)) ** 0.145:
+        # few test elements: compare with each (torch's own threshold for its two algorithms)
+        found = jnp.any(x[..., None] == t, axis=-1)
+    else:
+        # sort the test elements (NaN last), find each element's lower bound, compare there
+        s = sort_along(t, 0, descending=False)[0]
+        nan_last = (lambda v: jnp.isnan(v)) if is_float(dt) else (lambda v: jnp.zeros(v.shape, BOOL))
+        flat = jnp.ravel(x)
+        pos = binary_search(s, flat, lambda mid, v: ~(nan_last(mid) | (mid >= v)))
+        found = ((pos < m) & (jnp.take(s, pos, mode="clip") == flat)).reshape(x.shape)
+    return jnp.logical_not(found) if invert else found
