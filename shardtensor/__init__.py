@@ -31,5 +31,6 @@ from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401
+from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 
 P = PartitionSpec

@@ -283,3 +283,46 @@ def numpy_to_torch(a) -> torch.Tensor:
     """A torch CPU tensor from a numpy (or jax) array, exact dtype."""
     return _jax_to_torch(np.asarray(a))
 
+
+# === torch.compile (Dynamo) support ===============================================================
+# Dynamo captures a ShardedTensor only if it is a traceable wrapper subclass (otherwise it inlines
+# shardtensor's own dispatch Python and graph-breaks on every op). The protocol is:
+#  - __tensor_flatten__, always present: Dynamo's guards call it on every compiled call to compare the
+#    sharding context, so an input sharded another way recompiles;
+#  - __tensor_unflatten__, present only while Dynamo compiles: torch treats a class as traceable only
+#    when it has both, and outside compilation it must not, or nn.Module.to(st.device()) would switch
+#    to torch.utils.swap_tensors (which fails whenever autograd still references a parameter).
+# The inner "tensor" is a meta tensor of the same shape, dtype and strides: Dynamo fakeifies it and
+# traces with shardtensor.dynamo_backend._TracingShardedTensor. See shardtensor/dynamo_backend.py.
+def _tensor_flatten(self):
+    cell = self._cell
+    if self._chain or cell.spec is None or cell.mesh is None:
+        return ["_dynamo_meta"], None
+    return ["_dynamo_meta"], (cell.mesh._key(), tuple(cell.spec))
+
+
+def _dynamo_meta(self):
+    # cached, so repeated reads return one object (Dynamo's aliasing guards compare ids)
+    key = (tuple(self.shape), self.stride(), self.dtype, self.storage_offset())
+    cached = self.__dict__.get("_dynamo_meta_cache")
+    if cached is None or cached[0] != key:
+        from shardtensor.dispatch import meta_like
+
+        cached = self.__dict__["_dynamo_meta_cache"] = (key, meta_like(self))
+    return cached[1]
+
+
+class _OnlyWhileCompiling:
+    """A class attribute that exists only while Dynamo compiles (hasattr is False otherwise)."""
+
+    def __get__(self, obj, owner=None):
+        if torch._guards.CompileContext.try_get() is None:
+            raise AttributeError("__tensor_unflatten__ (ShardedTensor is traceable only while Dynamo compiles)")
+        from shardtensor import dynamo_backend
+
+        return dynamo_backend.unflatten
+
+
+ShardedTensor.__tensor_flatten__ = _tensor_flatten
+ShardedTensor.__tensor_unflatten__ = _OnlyWhileCompiling()
+ShardedTensor._dynamo_meta = property(_dynamo_meta)

@@ -1,0 +1,216 @@
+"""``torch.compile(model, backend="shardtensor")``: Dynamo's graph of a model, run as one JAX program.
+
+What happens, in order:
+
+1. **Capture.** While Dynamo compiles, ``ShardedTensor`` is a traceable wrapper subclass
+   (``__tensor_flatten__`` in ``tensor.py``): Dynamo replaces each ShardedTensor input and parameter by
+   a ``_TracingShardedTensor`` — a wrapper around a fake *meta* tensor of the same shape, dtype and
+   strides — and runs the model's Python on those. Their ``__torch_dispatch__`` only computes output
+   metadata, so Dynamo never inlines shardtensor's own dispatch code and a plain MLP or transformer
+   block is captured whole (0 graph breaks). The graph the backend receives is the model's *torch-level*
+   FX graph (``torch._C._nn.linear``, ``torch.nn.functional.gelu``, methods, ...), with sharded
+   parameters and inputs as graph inputs.
+2. **Guards.** Dynamo guards on each input's ``__tensor_flatten__`` context — the mesh and partition
+   spec given with ``st.shard``/``st.mark_sharding`` — so calling with an input sharded another way
+   (same shape) recompiles, as does any change Dynamo itself guards on (shapes, dtypes, grad mode).
+3. **Run.** The backend returns ``st.compile(graph)``: the first calls run the graph's ops on the real
+   ShardedTensors in lazy mode, through the same lowerings as eager code, and run everything the graph
+   computes as **one JAX program** at the end of the call. Once two calls record the same program from
+   the same tensors, and no output requires grad, the graph is frozen: later calls run the cached
+   executable without running the graph's Python at all (see ``shardtensor/compiler.py``).
+
+Autograd is torch's own: the compiled forward records its backward like eager code does, so
+``loss.backward()`` and ``opt.step()`` after a compiled forward run lazily and form one more program at
+the next sync (``st.step()``, ``.item()``, or the next compiled call, which syncs pending work on
+entry). A forward whose outputs require grad re-runs the graph's Python each call (still one cached
+executable: no recompile). A graph break (``print``, ``.item()``, unsupported Python) splits the model
+into several graphs, each its own program, with the code between them run lazily as usual.
+
+Limits: only this backend knows ShardedTensor. AOTAutograd-based backends (``inductor``,
+``aot_eager``) would compile for the meta placeholders, so they stop with a clear error. Dynamo guards
+on the sharding the *user* gave; a computed input whose layout XLA chose is not guarded, but
+shardtensor's own executable cache keys on actual layouts, so such a change still compiles a new
+program (``UncachedCompile``) and gives the right result.
+
+Example::
+
+    import torch, shardtensor as st
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()).to(st.device())
+    st.mark_sharding(model[0].weight, mesh, ("model", None))
+    compiled = torch.compile(model, backend="shardtensor")
+    y = compiled(st.shard(torch.randn(8, 16), mesh, ("data", None)))   # one program per call
+
+Importing this module does not import ``torch._dynamo`` (about 3 s); the backend name is registered
+through the ``torch_dynamo_backends`` entry point, which Dynamo reads when a name is first looked up.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+
+import torch
+from torch.utils import _pytree as pytree
+
+from shardtensor import metrics as counters
+from shardtensor.tensor import ShardedTensor
+
+BACKEND_NAME = "shardtensor"
+_META = torch.device("meta")
+_graph_ids = itertools.count()
+
+
+def shardtensor_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """The Dynamo backend: returns ``st.compile`` of the captured graph (one JAX program per call).
+
+    ``torch.compile`` calls it once per captured graph; normally used by name::
+
+        compiled = torch.compile(model, backend="shardtensor")
+
+    ``mode`` is accepted and ignored (XLA picks its own optimisations); ``options`` may hold
+    ``{"full_graph": True}``, which makes anything that needs a value inside the graph an error (as
+    ``st.compile(full_graph=True)``).
+    """
+    from shardtensor.compiler import CompiledFunction
+
+    options = dict(kwargs.get("options") or {})
+    full_graph = bool(options.pop("full_graph", False))
+    if options:
+        raise TypeError(f"the shardtensor backend has no options {sorted(options)} (it knows 'full_graph')")
+    counters.increment("DynamoGraph")
+    name = f"dynamo_graph_{next(_graph_ids)}"
+    # gm.forward, not gm: calling the module would run nn.Module hooks machinery on every call
+    return CompiledFunction(gm.forward, full_graph=full_graph, name=name)
+
+
+# --- what Dynamo traces with ----------------------------------------------------------------------
+class _TracingShardedTensor(ShardedTensor):
+    """The stand-in Dynamo traces the model with: a wrapper around a fake meta tensor (``_meta``).
+
+    It exists only while Dynamo compiles (``__tensor_unflatten__`` makes it). Its ops run torch's meta
+    kernels on the inner tensor and wrap the results again, so Dynamo learns output shapes, dtypes and
+    aliasing without touching shardtensor's storage, lazy graph or JAX.
+    """
+
+    @staticmethod
+    def __new__(cls, meta, ctx=None, size=None, stride=None):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape if size is None else size, strides=meta.stride() if stride is None else stride,
+            storage_offset=meta.storage_offset(), dtype=meta.dtype, device=_st_device(),
+            requires_grad=meta.requires_grad,
+        )
+        r._meta = meta
+        r._ctx = ctx
+        return r
+
+    # the same inner attribute name as a real ShardedTensor's (Dynamo reads it from both)
+    _dynamo_meta = property(lambda self: self._meta)
+
+    def __tensor_flatten__(self):
+        return ["_dynamo_meta"], self._ctx
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        _refuse_aot_autograd()
+        inner_args, inner_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+        out = func(*inner_args, **inner_kwargs)
+        out = pytree.tree_map(_wrap_meta, out)
+        # in-place ops return their input, views alias its storage, as torch's own tensors do
+        from torch.utils._python_dispatch import return_and_correct_aliasing
+
+        return return_and_correct_aliasing(func, args, kwargs, out)
+
+    def __repr__(self, *, tensor_contents=None):
+        return f"_TracingShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, sharding={self._ctx})"
+
+
+def _st_device():
+    from shardtensor import torch_device
+
+    return torch_device.device()
+
+
+def _to_meta(x):
+    if isinstance(x, _TracingShardedTensor):
+        return x._meta
+    if isinstance(x, ShardedTensor):  # a real one reaching tracing code: its metadata is enough
+        return x._dynamo_meta
+    if isinstance(x, torch.Tensor) and x.device.type == _st_device().type:
+        return x.to(_META)  # a fake tensor Dynamo made with a factory (torch.zeros(device=...))
+    if isinstance(x, torch.device) and x.type == _st_device().type:
+        return _META
+    return x
+
+
+def _wrap_meta(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        return _TracingShardedTensor(x)
+    return x  # CPU results (.cpu() inside the graph) stay plain fake CPU tensors
+
+
+def _refuse_aot_autograd():
+    """AOTAutograd flattens subclasses to their inner tensors and compiles for those: for a
+    ShardedTensor that is a meta placeholder, so the program would compute nothing. Say so."""
+    modes = torch._C._TorchDispatchModeKey
+    if torch._C._get_dispatch_mode(modes.PROXY) is not None or torch._C._get_dispatch_mode(
+            modes.FUNCTIONAL) is not None:
+        raise RuntimeError(
+            "ShardedTensor works with torch.compile(backend='shardtensor') only; AOTAutograd-based "
+            "backends (inductor, aot_eager, ...) cannot compile for tensors whose data lives in JAX.")
+
+
+def unflatten(inner_tensors, ctx, outer_size, outer_stride):
+    """``ShardedTensor.__tensor_unflatten__`` (only while Dynamo compiles): the tracing stand-in."""
+    if not _prepared:
+        _prepare_dynamo()
+    return _TracingShardedTensor(inner_tensors["_dynamo_meta"], ctx, outer_size, outer_stride)
+
+
+_prepared = False
+
+
+def _prepare_dynamo():
+    """Once, when Dynamo first meets a ShardedTensor: shardtensor's functions that read or change a
+    tensor's storage cannot run on the tracing stand-ins, so Dynamo must not trace into them. Calling
+    one in a compiled function is a graph break; it then runs on the real tensor between two graphs
+    (``mark_sharding`` on the first graph's computed output reshards it)."""
+    global _prepared
+    _prepared = True
+    from torch._C._dynamo.eval_frame import (
+        _FrameAction,
+        _FrameExecStrategy,
+        set_code_exec_strategy,
+    )
+
+    from shardtensor import annotate
+
+    # torch.compiler.disable would return a wrapper, missing every `st.mark_sharding` bound before;
+    # mark the functions themselves instead: a graph break where they are called
+    # (_torchdynamo_disable), and their frames and everything they call (the lazy graph, JAX) run
+    # untraced (SKIP, SKIP: torch._dynamo.skip would still trace the frames they call)
+    for fn in (annotate.mark_sharding, annotate.clear_sharding, annotate.shard):
+        fn._torchdynamo_disable = True
+        fn._torchdynamo_disable_msg = "shardtensor changes a tensor's sharding between graphs"
+        set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+
+
+# --- registration ---------------------------------------------------------------------------------
+def register() -> None:
+    """Register ``backend="shardtensor"`` with Dynamo now (needed only without the entry point,
+    e.g. when shardtensor is imported from a source tree that was never pip-installed)."""
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME not in registry._COMPILER_FNS:
+        registry.register_backend(shardtensor_backend, name=BACKEND_NAME)
+
+
+def _register_if_dynamo_loaded() -> None:
+    # Dynamo already imported (so importing it costs nothing) and no entry point announced us: add
+    # the name directly. With the entry point, Dynamo registers the backend itself when it loads it.
+    registry = sys.modules.get("torch._dynamo.backends.registry")
+    if registry is not None and BACKEND_NAME not in registry._BACKENDS:
+        register()
+
+
+_register_if_dynamo_loaded()
