@@ -1,0 +1,218 @@
+"""FSDPv2 GPT training step: shardtensor (lazy and ``st.compile``) against the same model in plain JAX,
+and the peak memory per device with and without ``checkpoint_module``.
+
+The model is ``bench/train_vs_jax.py``'s GPT (vocab 1024, 128 tokens, d=256, 4 heads, 4 blocks) and
+its plain-JAX twin, trained with AdamW on batches of 16 sequences on 8 simulated devices, mesh (8, 1)
+``('fsdp', 'model')``:
+
+* shardtensor: ``FSDPv2(model, auto_wrap_policy=transformer_auto_wrap_policy({Block}))`` — every
+  parameter sharded over ``'fsdp'`` on its largest dimension, each block's output on its batch
+  dimension — stepped lazily (one program per step at ``st.step()``) and through ``st.compile``;
+* JAX: the same parameters with the same shardings (``'fsdp'`` on the largest dimension), the batch
+  over ``'fsdp'``, one ``jax.jit`` with donated state.
+
+The three run interleaved in one process (same weights, same batches), so the machine's load affects
+them alike. Printed: median step time and its ratio to JAX, the first step, the losses (they must
+agree), and the collectives of each compiled program. Then the peak bytes per device of one steady
+training step (XLA's ``memory_analysis()`` of the compiled program, measured as
+``bench/fsdp_memory.py`` does and with its ``compiled_step``), for FSDPv2 without and with
+``checkpoint_module`` on each block — with the graph's outputs in shardtensor's order and, as
+fsdp_memory.py's ``--output-order reversed`` experiment, newest first — and for the JAX program.
+
+``--cpu-scheduler memory`` (the default, as in fsdp_memory.py) turns off XLA:CPU's concurrency-
+optimized scheduler for the whole process — timings of all three runs included — so the schedule is
+memory-driven as on TPU/GPU; without it XLA:CPU hoists the recomputation back into the forward pass
+and checkpointing saves nothing on CPU.
+
+Example::
+
+    .venv/bin/python bench/fsdp.py                 # 20 steps
+    .venv/bin/python bench/fsdp.py --steps 8 --cpu-scheduler default
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+import statistics
+import sys
+import time
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run (the first two are warm-up)")
+    p.add_argument("--cpu-scheduler", choices=["memory", "default"], default="memory")
+    p.add_argument("--skip-memory", action="store_true", help="only the step times")
+    args = p.parse_args()
+    if args.steps < 3:
+        p.error("--steps must be at least 3 (two warm-up steps, then timed ones)")
+    return args
+
+
+ARGS = parse()
+os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
+
+# fsdp_memory parses its own command line when imported (and sets XLA_FLAGS for its scheduler
+# option before jax starts): give it just the scheduler option.
+_argv, sys.argv = sys.argv, [sys.argv[0], "--cpu-scheduler", ARGS.cpu_scheduler]
+try:
+    import fsdp_memory  # noqa: E402
+finally:
+    sys.argv = _argv
+import train_vs_jax as tvj  # noqa: E402  (the GPT, its JAX twin, JaxRun, ProgramSpy, collectives)
+
+import jax  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+from shardtensor import lazy  # noqa: E402  (white box, for the output-order experiment only)
+from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
+
+MiB = fsdp_memory.MiB
+
+
+def fsdp_gpt(state_dict, mesh, checkpointed=False):
+    """train_vs_jax's GPT with ``state_dict``, each Block auto-wrapped in FSDPv2 (and checkpointed)."""
+    model = tvj.GPT()
+    model.load_state_dict(state_dict)
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={tvj.Block})
+    wrapper = (lambda m, *a, **kw: FSDPv2(checkpoint_module(m), *a, **kw)) if checkpointed else None
+    return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper)
+
+
+class FsdpRun:
+    """One training step of the FSDPv2 GPT, lazy (``st.step()``) or ``st.compile``d."""
+
+    def __init__(self, state_dict, mesh, compiled, checkpointed=False):
+        self.model = fsdp_gpt(state_dict, mesh, checkpointed)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=tvj.LR, betas=tvj.BETAS, eps=tvj.EPS,
+                                     weight_decay=tvj.WD, capturable=True)
+        self.mesh, self.compiled = mesh, compiled
+        self.step_fn = st.compile(self.record_step) if compiled else self.record_step
+        st.sync()
+
+    def record_step(self, x, y):
+        out = self.model(x)
+        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def shard_batch(self, x, y):
+        return st.shard(x, self.mesh, ("fsdp", None)), st.shard(y, self.mesh, ("fsdp", None))
+
+    def __call__(self, x, y):
+        xs, ys = self.shard_batch(x, y)
+        loss = self.step_fn(xs, ys)
+        if not self.compiled:
+            st.sync()
+        return float(loss.cpu())
+
+
+def peak(analysis) -> dict:
+    """fsdp_memory's accounting of a compiled program's memory_analysis(), in MiB per device."""
+    m = analysis
+    return {"args": m.argument_size_in_bytes / MiB, "out": m.output_size_in_bytes / MiB,
+            "alias": m.alias_size_in_bytes / MiB, "temp": m.temp_size_in_bytes / MiB,
+            "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+                     + m.temp_size_in_bytes) / MiB}
+
+
+@contextlib.contextmanager
+def outputs_newest_first(enable: bool):
+    """fsdp_memory's ``--output-order reversed`` experiment (white box): the lazy graph lists its
+    outputs newest first, which XLA:CPU's scheduler follows."""
+    original = lazy.pending_cells
+    if enable:
+        lazy.pending_cells = lambda: list(reversed(original()))
+    try:
+        yield
+    finally:
+        lazy.pending_cells = original
+
+
+def fsdp_memory_of_step(state_dict, mesh, batches, checkpointed, reverse_outputs):
+    """Peak memory of the second (steady) lazy training step, with fsdp_memory.compiled_step()."""
+    run = FsdpRun(state_dict, mesh, compiled=False, checkpointed=checkpointed)
+    first = run(*batches[0])  # creates AdamW's state
+    with outputs_newest_first(reverse_outputs):
+        pending = run.record_step(*run.shard_batch(*batches[1]))  # recorded, not run yet
+        compiled = fsdp_memory.compiled_step()  # the pending graph, compiled as sync() would
+        st.sync()
+    del pending
+    return peak(compiled.memory_analysis()), first
+
+
+def main():
+    mesh = st.Mesh(range(8), (8, 1), ("fsdp", "model"))
+    jmesh = mesh.get_jax_mesh()
+    torch.manual_seed(0)
+    state = {k: v.detach().clone() for k, v in tvj.GPT().state_dict().items()}
+    batches = tvj.make_batches("gpt", ARGS.steps)
+    print(f"jax {jax.__version__}, torch {torch.__version__}, {len(jax.devices())} {jax.devices()[0].platform} "
+          f"devices; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+    print(f"\n== FSDPv2 GPT (vocab 1024, 128 tokens, d=256, 4 blocks; {sum(v.numel() for v in state.values()):,} "
+          f"parameters), batch 16, mesh (8, 1) ('fsdp', 'model'), AdamW, {ARGS.steps} steps")
+
+    runs = {"lazy": FsdpRun(state, mesh, compiled=False), "compile": FsdpRun(state, mesh, compiled=True),
+            "jax": tvj.JaxRun("gpt", state, jmesh)}
+    times = {k: [] for k in runs}
+    losses = {k: [] for k in runs}
+    spies = {}
+    for i, (x, y) in enumerate(batches):
+        for name, run in runs.items():  # interleaved
+            spy = tvj.ProgramSpy() if name != "jax" and i == 1 else None
+            t0 = time.perf_counter()
+            if spy:
+                with spy:
+                    loss = run(x, y)
+                spies[name] = spy
+            else:
+                loss = run(x, y)
+            times[name].append(time.perf_counter() - t0)
+            losses[name].append(loss)
+    med = {k: statistics.median(v[2:]) for k, v in times.items()}
+    print(f"{'':14s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s}")
+    for name in runs:
+        label = {"lazy": "FSDPv2 lazy", "compile": "FSDPv2 compile", "jax": "jax.jit"}[name]
+        print(f"{label:14s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s")
+    print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
+    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
+                                     for k, l in losses.items() if k != "jax"})
+    x, y = batches[-1]
+    print("collectives (count, per-device result bytes):")
+    print(f"  jax      {tvj.describe(tvj.collectives(runs['jax'].hlo(x, y)))}")
+    for name, spy in spies.items():
+        print(f"  {name:8s} {tvj.describe(tvj.collectives(spy.hlo()))}")
+
+    if ARGS.skip_memory:
+        return 0
+    print(f"\n== peak memory per device of one steady training step (MiB; cpu scheduler: {ARGS.cpu_scheduler})")
+    print(f"{'':34s} {'temp':>7s} {'args':>7s} {'out':>7s} {'alias':>7s} {'peak':>7s} {'1st loss':>9s}")
+    results = {}
+    for reverse in (False, True):
+        for checkpointed in (False, True):
+            r, first = fsdp_memory_of_step(state, mesh, batches, checkpointed, reverse)
+            results[reverse, checkpointed] = r
+            label = ("FSDPv2 + checkpoint_module" if checkpointed else "FSDPv2") + (" (rev)" if reverse else "")
+            print(f"{label:34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
+                  f"{r['peak']:7.2f} {first:9.5f}")
+    jrun = runs["jax"]
+    xb, yb = jrun._batch(x, y)
+    r = peak(jrun.jitted.lower(jrun.params, jrun.m, jrun.v, jrun.count, xb, yb).compile().memory_analysis())
+    print(f"{'jax.jit (no checkpointing)':34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
+          f"{r['peak']:7.2f}")
+    for reverse in (False, True):
+        plain, ckpt = results[reverse, False], results[reverse, True]
+        print(f"checkpoint_module, graph outputs {'newest' if reverse else 'oldest'} first "
+              f"({'fsdp_memory experiment' if reverse else 'as shardtensor runs'}): peak "
+              f"{100 * (ckpt['peak'] / plain['peak'] - 1):+.0f}%, temporaries {100 * (ckpt['temp'] / plain['temp'] - 1):+.0f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
