@@ -1,5 +1,5 @@
 """Lowerings of pooling ops: max/avg pooling (1-3 spatial dims, with their backward), adaptive
-avg/max pooling, im2col/col2im (``F.unfold``/``F.fold``).
+avg/max pooling, fractional max pooling (2-3 dims), im2col/col2im (``F.unfold``/``F.fold``).
 
 Windows are built from strided slices of the padded input (one per kernel offset), so batch- and
 channel-sharded inputs stay local. Max pooling follows torch's CPU kernel exactly: the first maximum
@@ -399,3 +399,78 @@ def col2im(x, output_size, kernel_size, dilation, padding, stride):
     acc = acc_dtype(x.dtype)
     (out,) = jax.linear_transpose(fwd, jax.ShapeDtypeStruct(shape, acc))(x.astype(acc))
     return out.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- fractional max pool
+
+
+def _fractional_starts(sample, n_in, n_out, k):
+    """torch's generate_intervals: window starts (..., n_out) from one uniform sample per plane, in the
+    sample's dtype (float32 arithmetic for float32 input, as torch); the last window ends at the edge."""
+    if n_out > 1:
+        alpha = jnp.asarray(n_in - k, sample.dtype) / jnp.asarray(n_out - 1, sample.dtype)
+        i = jnp.arange(n_out - 1, dtype=sample.dtype)
+        s = sample[..., None]
+        starts = (jnp.trunc((i + s) * alpha) - jnp.trunc(s * alpha)).astype(jnp.int64)
+        return jnp.concatenate([starts, jnp.full(sample.shape + (1,), n_in - k, jnp.int64)], axis=-1)
+    return jnp.full(sample.shape + (n_out,), n_in - k, jnp.int64)
+
+
+def fractional_max_pool(x, kernel_size, output_size, samples, sample_order):
+    """Max over windows of size ``kernel_size`` starting at pseudo-random positions (one draw per plane
+    and spatial dim in ``samples`` (N, C, nsp), used in ``sample_order``). Returns (values, flat indices)."""
+    nsp = len(sample_order)
+    kernel, outs = expand_param(kernel_size, nsp), expand_param(output_size, nsp)
+    batched = x.ndim == nsp + 2
+    xb = x if batched else x[None]
+    in_sizes = xb.shape[2:]
+    for n, k, o in zip(in_sizes, kernel, outs):
+        if o + k - 1 > n or (nsp == 3 and o + k - 1 == n):  # (torch's 3-d check is strict)
+            raise RuntimeError(f"fractional_max_pool{nsp}d(): pool size {k} too large relative to input size {n} "
+                               f"(output size {o})")
+    smp = samples.astype(acc_dtype(samples.dtype)) if samples.dtype != xb.dtype else samples
+    nb, c = xb.shape[:2]
+    starts = [_fractional_starts(smp[:, :, sample_order[d]], in_sizes[d], outs[d], kernel[d]) for d in range(nsp)]
+    # flat input position of every (output position, kernel offset) of each plane: (N, C, *outs, K),
+    # window offsets in row-major order so that the first maximum is torch's
+    idx = jnp.zeros((nb, c) + tuple(outs) + tuple(kernel), jnp.int64)
+    for d in range(nsp):
+        pos = starts[d][..., :, None] + jnp.arange(kernel[d])
+        shape = [nb, c] + [1] * (2 * nsp)
+        shape[2 + d], shape[2 + nsp + d] = outs[d], kernel[d]
+        idx = idx * in_sizes[d] + pos.reshape(shape)
+    idx = idx.reshape((nb, c) + tuple(outs) + (-1,))
+    win = jnp.take_along_axis(xb.reshape(nb, c, -1), idx.reshape(nb, c, -1), axis=2).reshape(idx.shape)
+    val, pick = select_max(win, jnp.ones((), bool))
+    ind = jnp.take_along_axis(idx, pick[..., None], axis=-1)[..., 0]
+    if not batched:
+        val, ind = val[0], ind[0]
+    return val, ind
+
+
+@register(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(x, kernel_size, output_size, random_samples):
+    return fractional_max_pool(x, kernel_size, output_size, random_samples, (1, 0))  # samples are (w, h)
+
+
+@register(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(x, kernel_size, output_size, random_samples):
+    return fractional_max_pool(x, kernel_size, output_size, random_samples, (0, 1, 2))  # samples are (t, h, w)
+
+
+@register(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_plane_grad(grad, x, indices, 2)
+
+
+@register(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_plane_grad(grad, x, indices, 3)
+
+
+# torch 2.13 has no meta kernel for fractional_max_pool3d_backward (the dispatcher takes output shapes
+# from meta kernels): the gradient is shaped like the input.
+_META_LIB = torch.library.Library("aten", "IMPL")
+if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::fractional_max_pool3d_backward", "Meta"):
+    _META_LIB.impl("fractional_max_pool3d_backward", lambda grad, x, kernel_size, output_size, indices: torch.empty_like(x),
+                   "Meta")
