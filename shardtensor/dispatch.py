@@ -404,6 +404,7 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
     for x in flat_targets:
         if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
             raise _device_mismatch(x)
+    args = _with_defaults(func, args, kwargs)  # torch drops trailing arguments equal to their default
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
     if f.functional_by_name:  # e.g. polygamma_(self, n) vs polygamma(n, self)
@@ -448,16 +449,32 @@ def _mutating_op(func, f: OpFacts, args, kwargs):
             ref = _cast(ref, t.dtype)
         views.write(t, ref)
         cells.append(t._cell)
-    if lazy.STATE.eager:
-        lazy.run_cells(cells + rng.pending_cells())
+    returned = []
     if functional_variant:
-        return _wrap_refs(refs[:n_returned], metas[:n_returned])
+        new_cells, returned = _new_tensors(refs[:n_returned], metas[:n_returned])
+        cells += [c for c in new_cells if c is not None]
+    if lazy.STATE.eager:  # one run: a second would find the rng key donated by the first
+        lazy.run_cells(cells + rng.pending_cells())
+    if functional_variant:  # e.g. rrelu_with_noise: writes `noise`, returns one tensor
+        return returned[0] if len(func._schema.returns) == 1 else tuple(returned)
     returns = func._schema.returns
     if not returns:
         return None
     if len(returns) == 1:
         return targets[0]
     return tuple(targets)
+
+
+def _with_defaults(func, args, kwargs):
+    """``args`` with the positional arguments torch left out (equal to their defaults) filled in, so a
+    functional twin whose argument has no default (``bernoulli.p``) gets it."""
+    schema_args = [a for a in func._schema.arguments if not a.kwarg_only]
+    if len(args) >= len(schema_args):
+        return args
+    missing = schema_args[len(args):]
+    if any(a.name in kwargs or not a.has_default_value() for a in missing):
+        return args
+    return tuple(args) + tuple(a.default_value for a in missing)
 
 
 def _is_inplace(func):
@@ -637,6 +654,18 @@ def _det_factors(func, args, kwargs):
     return _record_and_wrap(func, args, kwargs)
 
 
+def _ctc_loss_tensor(func, args, kwargs):
+    """``_ctc_loss.Tensor`` takes the lengths as tensors, and its output shape depends on their values
+    (torch has no meta kernel for it): read them on the host and record ``_ctc_loss.default``."""
+    bound = dict(zip(facts(func).arg_names, args))
+    bound.update(kwargs)
+    lazy.check_execution_allowed("ctc_loss with tensor lengths needs their values")
+    for name in ("input_lengths", "target_lengths"):
+        v = bound[name]
+        bound[name] = (to_cpu(v) if isinstance(v, ShardedTensor) else v).tolist()
+    return _record_and_wrap(aten._ctc_loss.default, (), bound)
+
+
 def _sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.math: attention decomposes into ops we lower
 
@@ -778,6 +807,7 @@ _SPECIAL = {
     aten._fused_sdp_choice.default: _sdp_choice,
     aten._linalg_check_errors.default: _linalg_check_errors,
     aten._linalg_det.default: _det_factors,
+    aten._ctc_loss.Tensor: _ctc_loss_tensor,
     aten._linalg_slogdet.default: _det_factors,
     aten.detach.default: _alias,
     aten.alias.default: _alias,
