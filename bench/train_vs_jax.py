@@ -124,9 +124,13 @@ def jax_gpt(p, idx, heads=4, layers=4):
     return _layer_norm(p, "ln_f", x) @ p["tok.weight"].T
 
 
-def jax_cross_entropy(logits, targets):
+def jax_cross_entropy(logits, targets, ignore_index=-100):
+    """F.cross_entropy's math: the mean over the targets that are not ``ignore_index``."""
     logp = jax.nn.log_softmax(logits.reshape(-1, logits.shape[-1]), axis=-1)
-    return -jnp.take_along_axis(logp, targets.reshape(-1, 1), axis=-1).mean()
+    t = targets.reshape(-1)
+    valid = t != ignore_index
+    picked = jnp.take_along_axis(logp, jnp.where(valid, t, 0)[:, None], axis=-1)[:, 0]
+    return -jnp.sum(jnp.where(valid, picked, 0)) / jnp.sum(valid)
 
 
 def jax_adamw(params, grads, m, v, step):
