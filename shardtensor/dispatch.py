@@ -222,22 +222,41 @@ def _describe(t):
     return tuple(t.shape), t.dtype, t.stride(), t.storage_offset()
 
 
+class _TensorSlot:
+    __slots__ = ("index",)
+
+    def __init__(self, index):
+        self.index = index
+
+
 def _outputs_from_lowering(func, lowering, args, kwargs):
     """Output metadata from the lowering itself (``jax.eval_shape``), for the few ops torch has no
     meta kernel for (geqrf, linalg_lstsq): contiguous results of the shapes and dtypes it returns."""
 
+    tensors = []  # only tensors are traced: ints, bools and floats stay Python values, as in a real call
+
     def abstract(v):
         if isinstance(v, ShardedTensor):
-            return jax.ShapeDtypeStruct(tuple(v.shape), to_jax(v.dtype))
+            tensors.append(jax.ShapeDtypeStruct(tuple(v.shape), to_jax(v.dtype)))
+            return _TensorSlot(len(tensors) - 1)
         if isinstance(v, (list, tuple)):
             return type(v)(abstract(x) for x in v)
         return v
 
+    def fill(v, values):
+        if isinstance(v, _TensorSlot):
+            return values[v.index]
+        if isinstance(v, (list, tuple)):
+            return type(v)(fill(x, values) for x in v)
+        return v
+
     a, k = [abstract(x) for x in args], {n: abstract(v) for n, v in kwargs.items()}
-    if lowering.random:
-        out = jax.eval_shape(lambda key, *xs: lowering.fn(key, *xs, **k), jax.random.key(0), *a)
-    else:
-        out = jax.eval_shape(lambda *xs: lowering.fn(*xs, **k), *a)
+
+    def run(*values):
+        pos, kw = fill(a, values), {n: fill(v, values) for n, v in k.items()}
+        return lowering.fn(jax.random.key(0), *pos, **kw) if lowering.random else lowering.fn(*pos, **kw)
+
+    out = jax.eval_shape(run, *tensors)
     structure = "tuple" if isinstance(out, (tuple, list)) else "one"
     outs = out if isinstance(out, (tuple, list)) else (out,)
     return tuple((tuple(o.shape), to_torch(o.dtype), contiguous_strides(tuple(o.shape)), 0) for o in outs), structure
@@ -248,6 +267,10 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         outs, structure = meta_outputs(func, args, kwargs)
     except NotImplementedError:  # no meta kernel in torch
         outs, structure = _outputs_from_lowering(func, lowering, args, kwargs)
+    if getattr(lowering.fn, "dtypes_from_lowering", False):
+        # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
+        mine, _ = _outputs_from_lowering(func, lowering, args, kwargs)
+        outs = tuple(o if o is None else (o[0], m[1]) + tuple(o[2:]) for o, m in zip(outs, mine))
     expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
     fn, random = lowering.fn, lowering.random
     pos_t, kw_t = template

@@ -161,7 +161,8 @@ def run_single_node(node, cells) -> None:
                     return run_cells(cells)
                 seen[id(a)] = len(arrays)
                 arrays.append(a)
-            sig.append((a.shape, a.dtype, a.sharding))
+            # which distinct array each input is: the program of f(x, x) takes one array, f(x, y) two
+            sig.append((a.shape, a.dtype, a.sharding, seen[id(a)]))
         elif kind is ScalarLeaf:
             k = _scalar_kind(ref.value)
             scalars.setdefault(k, []).append(ref.value)

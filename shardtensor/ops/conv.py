@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from shardtensor.ops._layout import unshard
 from shardtensor.ops.pooling import acc_dtype, expand_param
 from shardtensor.ops.registry import register
 
@@ -43,6 +44,9 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
                 f"Given groups={groups}, weight of size {list(w.shape)}, expected input{list(x.shape)} "
                 f"to have {w.shape[1] * groups} channels, but got {x.shape[1]} channels instead"
             )
+        # a kernel sharded over a spatial dim as well as the input makes XLA's windowed partitioning
+        # wrong (dilated or uneven): keep kernels spatially whole (see ops/_layout.py)
+        w = unshard(w, range(2, w.ndim))
         y = lax.conv_general_dilated(
             x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
             dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
@@ -54,6 +58,7 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cout_g, cin // groups) + k)
     wt = jnp.flip(wt, axis=tuple(range(2, 2 + nsp)))
     pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
+    wt = unshard(wt, range(2, wt.ndim))
     y = lax.conv_general_dilated(
         x, wt, window_strides=(1,) * nsp, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
         dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
@@ -69,10 +74,14 @@ def _bias_shape(nsp):
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
     if x.ndim != w.ndim:
         raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
-    y = conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    # torch's CPU kernels accumulate bf16/f16 in float32 and add the bias before the one rounding.
+    # (The operands are widened too: XLA's partitioner pads a bf16 operand of a float32-result
+    # convolution with a float32 constant and fails its own HLO verifier, jax 0.10.2.)
+    acc = acc_dtype(x.dtype)
+    y = conv(x.astype(acc), w.astype(acc), stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
-        y = (y + bias.reshape(_bias_shape(x.ndim - 2))).astype(y.dtype)
-    return y
+        y = y + bias.astype(acc).reshape(_bias_shape(x.ndim - 2))
+    return y.astype(x.dtype)
 
 
 @register(aten.convolution_backward.default)

@@ -1,5 +1,6 @@
 """Factory ops: full/zeros/ones/empty (empty is zeros), the ``*_like`` and ``new_*`` variants, arange,
-linspace, logspace, eye, scalar_tensor, tril/triu_indices.
+linspace, logspace, eye, scalar_tensor, tril/triu_indices; ``prims.convert_element_type`` (the cast
+torch's reference decompositions call).
 
 The dispatcher passes ``dtype``, ``layout``, ``device``, ``pin_memory`` (and ``memory_format``)
 keywords; only ``dtype`` matters here. A missing dtype is torch's: the default float dtype, int64 for
@@ -125,6 +126,16 @@ def new_empty_strided(self, size, stride, *, dtype=None, **_factory):
 @register(aten.scalar_tensor.default)
 def scalar_tensor(s, *, dtype=None, **_factory):
     return cast(s, dtype_arg(dtype) or default_float())
+
+
+@register(torch.ops.prims.convert_element_type.default)
+def convert_element_type(a, dtype):
+    """``a`` cast to ``dtype`` with torch's rules (what ``_to_copy(a, dtype=dtype)`` does); torch's
+    decompositions (e.g. renorm's for bfloat16) call this prim."""
+    dt = dtype_arg(dtype)
+    if is_complex(dtype_of(a)) and not is_complex(dt):
+        return cast(jnp.real(a), dt)
+    return cast(a, dt)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,10 +12,12 @@ Example::
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
+from shardtensor.ops._layout import mesh_size
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import wrap_dim
 
@@ -64,11 +66,61 @@ def _crop(x, shape):
 
 
 def _lowest(dtype):
+    if dtype == jnp.bool_:
+        return False
     return -jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).min
 
 
 def _highest(dtype):
+    if dtype == jnp.bool_:
+        return True
     return jnp.inf if jnp.issubdtype(dtype, jnp.inexact) else jnp.iinfo(dtype).max
+
+
+# torch on bool tensors: add is logical or, mul is logical and
+_BOOL_MODE = {"add": "max", "mul": "min"}
+_AT_METHOD = {"set": "set", "add": "add", "mul": "multiply", "max": "max", "min": "min"}
+
+
+def write_at(x, where, values, how, **at_kwargs):
+    """``x.at[where]`` combined with ``values`` by ``how`` 'set'/'add'/'mul'/'max'/'min' (torch's meaning
+    for bool); ``at_kwargs`` go to jax's ``.at[]`` method.
+
+    XLA (jax 0.10.2) partitions a scatter whose index dimension is sharded unevenly by padding the
+    indices with a valid position and keeping the padded updates: only 'set' masks them. So the other
+    scatters run on flattened indices padded here to a multiple of the mesh size with out-of-range
+    (dropped) positions: every sharding of that dimension is even, and it stays sharded."""
+    if x.dtype == jnp.bool_:
+        how = _BOOL_MODE.get(how, how)
+    values = jnp.asarray(values).astype(x.dtype)
+    arrays = [k for k, w in enumerate(where) if isinstance(w, (jax.Array, np.ndarray))]
+    n_dev = mesh_size(x, values, *(where[k] for k in arrays))
+    if how != "set" and n_dev and arrays and not any(where[k].dtype == jnp.bool_ for k in arrays):
+        where, values = _padded_scatter_args(x, where, values, arrays, n_dev)
+        at_kwargs.setdefault("mode", "drop")
+    return getattr(x.at[where], _AT_METHOD[how])(values, **at_kwargs)
+
+
+def _padded_scatter_args(x, where, values, arrays, n_dev):
+    """(where, values) with the index arrays broadcast and flattened to one dim of M positions, padded
+    to a multiple of ``n_dev`` (the first index array with the out-of-range x.shape[k])."""
+    batch = jnp.broadcast_shapes(*(where[k].shape for k in arrays))
+    # numpy's rule: adjacent index arrays put the batch dims where they stand, separated ones in front
+    adjacent = arrays == list(range(arrays[0], arrays[0] + len(arrays)))
+    pos = arrays[0] if adjacent else 0
+    windows = [x.shape[k] for k in range(len(where)) if k not in arrays] + list(x.shape[len(where):])
+    values = jnp.broadcast_to(values, tuple(windows[:pos]) + tuple(batch) + tuple(windows[pos:]))
+    m = int(np.prod(batch, dtype=np.int64))
+    pad = -m % n_dev
+    values = values.reshape(tuple(windows[:pos]) + (m,) + tuple(windows[pos:]))
+    if pad:
+        values = jnp.pad(values, [(0, pad) if d == pos else (0, 0) for d in range(values.ndim)])
+    flat = list(where)
+    for j, k in enumerate(arrays):
+        i = jnp.broadcast_to(where[k], batch).reshape(m)
+        i = jnp.where(i < 0, i + x.shape[k], i)  # torch's negative positions, before padding with N
+        flat[k] = jnp.pad(i, (0, pad), constant_values=x.shape[k] if j == 0 else 0) if pad else i
+    return tuple(flat), values
 
 
 def _as_nd(x):
@@ -86,9 +138,7 @@ def index(x, indices):
 
 @register(aten.index_put.default, aten._unsafe_index_put.default)
 def index_put(x, indices, values, accumulate=False):
-    ref = x.at[_index_tuple(indices)]
-    values = values.astype(x.dtype)
-    return ref.add(values) if accumulate else ref.set(values)
+    return write_at(x, _index_tuple(indices), values, "add" if accumulate else "set")
 
 
 @register(aten._index_put_impl.default)
@@ -113,9 +163,8 @@ def take(x, index):
 
 @register(aten.put.default)
 def put(x, index, source, accumulate=False):
-    ref = jnp.reshape(x, (-1,)).at[index.reshape(-1)]
-    src = source.reshape(-1).astype(x.dtype)
-    return (ref.add(src) if accumulate else ref.set(src)).reshape(x.shape)
+    out = write_at(jnp.reshape(x, (-1,)), (index.reshape(-1),), source.reshape(-1), "add" if accumulate else "set")
+    return out.reshape(x.shape)
 
 
 # --------------------------------------------------------------------------------- gather/scatter
@@ -143,10 +192,7 @@ def _scatter_apply(x, dim, index, src, mode):
     if i1.size == 0:
         return x
     src = jnp.broadcast_to(src, ()) if jnp.ndim(src) == 0 else _crop(_as_nd(src), i1.shape)
-    src = jnp.broadcast_to(jnp.asarray(src).astype(x.dtype), i1.shape)
-    ref = x1.at[_scatter_index(i1, d)]
-    out = {"set": ref.set, "add": ref.add, "mul": ref.multiply, "max": ref.max, "min": ref.min}[mode](src)
-    return out.reshape(x.shape)
+    return write_at(x1, _scatter_index(i1, d), src, mode).reshape(x.shape)
 
 
 @register(aten.scatter.src, aten.scatter.value)
@@ -200,6 +246,8 @@ def _reduce_into(x, reduce, include_self, scatter_fn):
 
 @register(aten.scatter_reduce.two)
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
+    if reduce == "mean" and x.dtype == jnp.bool_:
+        raise RuntimeError('"scatter_gather_tensor_cpu_reduce_mean" not implemented for \'Bool\'')
     def fn(base, mode, values):
         return _scatter_apply(base, dim, index, src if values is None else values, mode)
 
@@ -215,10 +263,8 @@ def _index_dim_apply(x, dim, index, source, mode):
     d = wrap_dim(dim, x1.ndim)
     idx = index.reshape(-1)
     want = x1.shape[:d] + (idx.shape[0],) + x1.shape[d + 1:]
-    src = jnp.broadcast_to(jnp.asarray(source).astype(x.dtype).reshape(want if jnp.ndim(source) else ()), want)
-    ref = x1.at[_along(x1.ndim, d, idx)]
-    out = {"set": ref.set, "add": ref.add, "mul": ref.multiply, "max": ref.max, "min": ref.min}[mode](src)
-    return out.reshape(x.shape)
+    src = jnp.asarray(source).reshape(want if jnp.ndim(source) else ())
+    return write_at(x1, _along(x1.ndim, d, idx), src, mode).reshape(x.shape)
 
 
 @register(aten.index_add.default)
@@ -242,6 +288,8 @@ def index_fill(x, dim, index, value):
 
 @register(aten.index_reduce.default)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
+    if x.dtype == jnp.bool_:
+        raise RuntimeError('"index_func_" not implemented for \'Bool\'')
     def fn(base, mode, values):
         src = source if values is None else jnp.broadcast_to(values, ())
         return _index_dim_apply(base, dim, index, src, mode)
@@ -267,7 +315,7 @@ def masked_scatter_backward(grad, mask, sizes):
     n = int(np.prod(sizes))
     m = jnp.broadcast_to(mask, grad.shape).reshape(-1)
     pos = jnp.where(m, jnp.cumsum(m.astype(jnp.int64)) - 1, n)  # unmasked -> out of range -> dropped
-    out = jnp.zeros((n,), grad.dtype).at[pos].add(grad.reshape(-1), mode="drop")
+    out = write_at(jnp.zeros((n,), grad.dtype), (pos,), grad.reshape(-1), "add", mode="drop")
     return out.reshape(tuple(sizes))
 
 
@@ -289,11 +337,11 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
     acc = jnp.float32 if grad.dtype in (jnp.bfloat16, jnp.float16) else grad.dtype
     g = g.astype(acc)
     if scale_grad_by_freq:
-        counts = jnp.zeros((num_weights,), acc).at[idx].add(1)
+        counts = write_at(jnp.zeros((num_weights,), acc), (idx,), 1, "add")
         g = g / counts[idx][:, None]
     if padding_idx >= 0:
         g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), acc), g)
-    return jnp.zeros((num_weights, dim), acc).at[idx].add(g).astype(grad.dtype)
+    return write_at(jnp.zeros((num_weights, dim), acc), (idx,), g, "add").astype(grad.dtype)
 
 
 @register(aten.embedding_renorm.default)

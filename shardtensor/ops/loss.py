@@ -11,6 +11,8 @@ Example::
 """
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import torch
@@ -44,14 +46,34 @@ def _grad_norm(reduction, numel):
 # --------------------------------------------------------------------------------------- nll loss
 
 
+# The one-hot mask of the targets, per target value of the graph being traced: id(target) ->
+# (weak target, mask). nll_loss_forward and nll_loss_backward compare the same targets with the same
+# iota, and XLA partitions the two comparisons apart: with the classes sharded (vocab-sharded
+# logits) each all-gathers the batch-sharded targets. The backward reusing the forward's mask — as
+# JAX's autodiff keeps it as a residual — makes that one all-gather.
+_ONEHOTS: dict = {}
+
+
+def _target_mask(target, nclass, cdim, ndim):
+    key = (id(target), nclass, cdim, ndim)
+    entry = _ONEHOTS.get(key)
+    if entry is not None and entry[0]() is target:
+        return entry[1]
+    classes = jax.lax.broadcasted_iota(target.dtype, tuple(nclass if i == cdim else 1 for i in range(ndim)), cdim)
+    onehot = jnp.expand_dims(target, cdim) == classes
+    trace = getattr(target, "_trace", None)
+    if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
+        _ONEHOTS[key] = (weakref.ref(target, lambda _, k=key, memo=_ONEHOTS: memo.pop(k, None)), onehot)
+    return onehot
+
+
 def _nll_parts(x, target, weight, ignore_index):
     """(one-hot over the class axis, class axis, per-element weight with ignored -> 0, valid mask)."""
     cdim = 0 if x.ndim == 1 else 1
     if target.ndim != x.ndim - 1:
         raise RuntimeError(f"nll_loss: expected target of {x.ndim - 1} dims for input of {x.ndim} dims, got {target.ndim}")
     nclass = x.shape[cdim]
-    classes = jax.lax.broadcasted_iota(target.dtype, tuple(nclass if i == cdim else 1 for i in range(x.ndim)), cdim)
-    onehot = jnp.expand_dims(target, cdim) == classes
+    onehot = _target_mask(target, nclass, cdim, x.ndim)
     valid = target != ignore_index
     acc = acc_dtype(x.dtype)
     if weight is None:

@@ -1,8 +1,10 @@
 """Lowerings of matrix products: mm, bmm, addmm, baddbmm, addbmm, mv, addmv, dot, vdot, addr.
 
-Products keep torch's dtype (bf16 stays bf16, int64 stays int64: ``preferred_element_type`` is the
-input dtype) and float32 runs at ``Precision.HIGHEST`` so results match torch on CPU. ``beta=0``
-ignores ``self`` entirely (its NaN/inf do not propagate), as in torch.
+Products keep torch's dtype (bf16 stays bf16, int64 stays int64 and exact) and float32 runs at
+``Precision.HIGHEST`` so results match torch on CPU. bf16/f16 products accumulate in float32 and
+``beta * self + alpha * prod`` is formed in float32 and rounded once, as torch's CPU kernels do.
+For integer results beta/alpha are truncated to integers first; ``beta=0`` ignores ``self`` entirely
+(its NaN/inf do not propagate), as in torch.
 
 Example::
 
@@ -16,6 +18,7 @@ from jax import lax
 
 from shardtensor.dtypes import to_jax
 from shardtensor.ops.registry import register
+from shardtensor.ops.shape import transposed_source
 
 aten = torch.ops.aten
 
@@ -27,12 +30,32 @@ def _check_same_dtype(name, *xs):
         raise RuntimeError(f"{name}: expected all operands to have the same dtype, got {[str(x.dtype) for x in xs]}")
 
 
-def matmul(a, b, out_dtype=None):
-    """a @ b with torch's result dtype (no int/bf16 widening) at full float32 precision."""
+def _wide(dtype):
+    """Where torch's CPU kernels accumulate a product: float32 for bfloat16/float16, else the dtype."""
+    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
+
+
+def product(a, b, out_dtype=None):
+    """a @ b at full float32 precision, left in the accumulation dtype (float32 for bf16/f16) so a
+    fused ``beta * self + alpha * prod`` rounds once, as torch's addmm/baddbmm do."""
     dtype = a.dtype if out_dtype is None else out_dtype
     if a.dtype == jnp.bool_:
         raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Bool\'')
-    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=dtype).astype(dtype)
+    if a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype:
+        # a 2-D operand that is t(w): contract w itself (see shape.transposed_source), so that a
+        # Linear layer's forward and backward dots read the same (once gathered) weight
+        at, bt = transposed_source(a), transposed_source(b)
+        if at is not None or bt is not None:
+            lhs, lc = (at, 0) if at is not None else (a, 1)
+            rhs, rc = (bt, 1) if bt is not None else (b, 0)
+            return lax.dot_general(lhs, rhs, (((lc,), (rc,)), ((), ())), precision=HIGHEST,
+                                   preferred_element_type=_wide(dtype))
+    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=_wide(dtype))
+
+
+def matmul(a, b, out_dtype=None):
+    """a @ b with torch's result dtype (no int/bf16 widening of the result; one rounding)."""
+    return product(a, b, out_dtype).astype(a.dtype if out_dtype is None else out_dtype)
 
 
 def _scale(v, s):
@@ -42,15 +65,29 @@ def _scale(v, s):
     return v * s
 
 
-def add_scaled(self, prod, beta, alpha):
-    """beta * self + alpha * prod; with beta == 0, self (and its NaN/inf) is ignored, as in torch."""
+def _integral_scalar(s, dtype):
+    """torch casts beta/alpha to an integral result's dtype first (0.6 -> 0), so they never make the
+    sum fractional."""
+    if not jnp.issubdtype(dtype, jnp.integer):
+        return s
+    if isinstance(s, (int, float, bool)):
+        return int(s)
+    return s.astype(dtype)
+
+
+def add_scaled(self, prod, beta, alpha, dtype=None):
+    """beta * self + alpha * prod in ``prod``'s dtype, rounded once to ``dtype`` (default self's);
+    with beta == 0, self (and its NaN/inf) is ignored, as in torch."""
+    dtype = self.dtype if dtype is None else dtype
+    beta, alpha = _integral_scalar(beta, dtype), _integral_scalar(alpha, dtype)
+    self = self.astype(prod.dtype)
     prod = _scale(prod, alpha)
     if isinstance(beta, (int, float, bool)):
         if beta == 0:
-            return jnp.broadcast_to(prod, jnp.broadcast_shapes(self.shape, prod.shape)).astype(prod.dtype)
-        return (_scale(self, beta) + prod).astype(prod.dtype)
+            return jnp.broadcast_to(prod, jnp.broadcast_shapes(self.shape, prod.shape)).astype(dtype)
+        return (_scale(self, beta) + prod).astype(dtype)
     term = jnp.where(beta == 0, jnp.zeros((), self.dtype), self * beta)
-    return (term + prod).astype(prod.dtype)
+    return (term + prod).astype(dtype)
 
 
 def _need(x, ndim, name, what):
@@ -86,12 +123,12 @@ def bmm_dtype(a, b, out_dtype):
 def addmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 2, "addmm", "mat1"), _need(b, 2, "addmm", "mat2")
     _check_same_dtype("addmm", self, a, b)
-    return add_scaled(self, matmul(a, b), beta, alpha)
+    return add_scaled(self, product(a, b), beta, alpha)
 
 
 @register(aten.addmm.dtype)
 def addmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
-    return add_scaled(self.astype(to_jax(out_dtype)), matmul(a, b, to_jax(out_dtype)), beta, alpha)
+    return add_scaled(self, product(a, b, to_jax(out_dtype)), beta, alpha, to_jax(out_dtype))
 
 
 @register(aten._addmm_activation.default)
@@ -108,12 +145,12 @@ def addmm_activation(self, a, b, *, beta=1, alpha=1, use_gelu=False):
 def baddbmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 3, "baddbmm", "batch1"), _need(b, 3, "baddbmm", "batch2")
     _check_same_dtype("baddbmm", self, a, b)
-    return add_scaled(self, matmul(a, b), beta, alpha)
+    return add_scaled(self, product(a, b), beta, alpha)
 
 
 @register(aten.baddbmm.dtype)
 def baddbmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
-    return add_scaled(self.astype(to_jax(out_dtype)), matmul(a, b, to_jax(out_dtype)), beta, alpha)
+    return add_scaled(self, product(a, b, to_jax(out_dtype)), beta, alpha, to_jax(out_dtype))
 
 
 @register(aten.addbmm.default)
@@ -121,8 +158,9 @@ def addbmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 3, "addbmm", "batch1"), _need(b, 3, "addbmm", "batch2")
     _check_same_dtype("addbmm", self, a, b)
     # contract the batch and inner dims in one dot: sum_b a[b] @ b[b]
-    prod = lax.dot_general(a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST, preferred_element_type=a.dtype)
-    return add_scaled(self, prod.astype(a.dtype), beta, alpha)
+    prod = lax.dot_general(a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST,
+                           preferred_element_type=_wide(a.dtype))
+    return add_scaled(self, prod, beta, alpha)
 
 
 @register(aten.mv.default)
@@ -136,7 +174,7 @@ def mv(a, v):
 def addmv(self, a, v, *, beta=1, alpha=1):
     _need(a, 2, "addmv", "mat"), _need(v, 1, "addmv", "vec")
     _check_same_dtype("addmv", self, a, v)
-    return add_scaled(self, matmul(a, v), beta, alpha)
+    return add_scaled(self, product(a, v), beta, alpha)
 
 
 @register(aten.dot.default)
@@ -156,8 +194,44 @@ def vdot(a, b):
 @register(aten.addr.default)
 def addr(self, v1, v2, *, beta=1, alpha=1):
     _need(v1, 1, "addr", "vec1"), _need(v2, 1, "addr", "vec2")
+    if jnp.issubdtype(self.dtype, jnp.integer) or self.dtype == jnp.bool_:
+        for name, s in (("beta", beta), ("alpha", alpha)):
+            if isinstance(s, float) or (hasattr(s, "dtype") and jnp.issubdtype(s.dtype, jnp.inexact)):
+                raise RuntimeError(f"For integral input tensors, argument {name} must not be a floating point number.")
     prod = v1[:, None] * v2[None, :]
     if self.dtype == jnp.bool_:  # torch: beta and alpha act as logical and/or for bool
         out = jnp.logical_and(prod, jnp.asarray(alpha) != 0)
         return jnp.where(jnp.asarray(beta) != 0, jnp.logical_or(out, self), out)
-    return add_scaled(self, prod, beta, alpha)
+    return add_scaled(self, prod, beta, alpha, prod.dtype)
+
+
+def _round_each(x):
+    """``x`` rounded to its own dtype now: XLA would otherwise keep a bf16/f16 product in float32
+    until the end of a fused chain, where torch rounds after every op."""
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        info = jnp.finfo(x.dtype)
+        return lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return x
+
+
+@register(aten.linalg_cross.default)
+def linalg_cross(a, b, *, dim=-1):
+    """The cross product along ``dim`` (of length 3) of broadcast inputs, each product and
+    difference rounded as in torch's CPU kernel."""
+    if a.ndim != b.ndim:
+        raise RuntimeError("linalg.cross: inputs must have the same number of dimensions.")
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"expected scalar type {a.dtype} but found {b.dtype}")
+    if not -a.ndim <= dim < max(a.ndim, 1):
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-a.ndim}, {a.ndim - 1}], but got {dim})")
+    if a.shape[dim] != 3 or b.shape[dim] != 3:
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[dim]} and {b.shape[dim]}")
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
+    a0, a1, a2 = (lax.index_in_dim(a, i, dim, keepdims=False) for i in range(3))
+    b0, b1, b2 = (lax.index_in_dim(b, i, dim, keepdims=False) for i in range(3))
+
+    def term(p, q, r, s):
+        return _round_each(_round_each(p * q) - _round_each(r * s))
+
+    return jnp.stack([term(a1, b2, a2, b1), term(a2, b0, a0, b2), term(a0, b1, a1, b0)], axis=dim)

@@ -267,3 +267,11 @@ def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, ou
     if output_mask[2]:
         gb = jnp.sum(g, axis=(0, 2)).astype(pdt)
     return gx, gw, gb
+
+
+# torch's meta kernels say float32 for the saved statistics of a bf16/f16 norm, its CPU kernels give
+# the input dtype (float32 only with float32 parameters, see _stat_dtype): the dispatcher takes these
+# ops' output dtypes from the lowering.
+for _fn in (native_layer_norm, native_batch_norm, native_batch_norm_legit_functional, native_batch_norm_legit_no_stats,
+            native_batch_norm_legit_no_training, batch_norm_with_update_functional, batch_norm_no_update):
+    _fn.dtypes_from_lowering = True

@@ -314,9 +314,37 @@ def adaptive_avg_pool2d(x, output_size):
     return adaptive_avg_pool(x, _adaptive_out(output_size, 2))
 
 
+def _adaptive_avg_pool3d_half(x, out_sizes):
+    """torch's CPU adaptive_avg_pool3d for bf16/f16 sums each window in the input dtype, rounding after
+    every addition in (d, h, w) order: the same sequence of roundings, one window offset per loop
+    step (an offset past a shorter window adds an exact 0)."""
+    (sd, ed), (sh, eh), (sw, ew) = (_adaptive_ranges(n, o) for n, o in zip(x.shape[-3:], out_sizes))
+    ld, lh, lw = (int((e - s).max()) if len(s) else 0 for s, e in ((sd, ed), (sh, eh), (sw, ew)))
+    zero = jnp.zeros((), x.dtype)
+
+    def axis_positions(start, end, off, n):
+        pos = start + off
+        return jnp.minimum(pos, n - 1), pos < end
+
+    def body(t, acc):
+        (pd, vd), (ph, vh), (pw, vw) = (axis_positions(s, e, off, n) for s, e, off, n in (
+            (sd, ed, t // (lh * lw), x.shape[-3]), (sh, eh, (t // lw) % lh, x.shape[-2]), (sw, ew, t % lw, x.shape[-1])))
+        v = x[..., pd[:, None, None], ph[None, :, None], pw[None, None, :]]
+        ok = vd[:, None, None] & vh[None, :, None] & vw[None, None, :]
+        return (acc.astype(jnp.float32) + jnp.where(ok, v, zero).astype(jnp.float32)).astype(x.dtype)
+
+    total = lax.fori_loop(0, ld * lh * lw, body, jnp.zeros(x.shape[:-3] + tuple(out_sizes), x.dtype))
+    count = ((ed - sd)[:, None, None] * (eh - sh)[None, :, None] * (ew - sw)[None, None, :]).astype(np.float32)
+    count = jnp.asarray(count).astype(x.dtype).astype(jnp.float32)  # torch divides by the count as bf16
+    return (total.astype(jnp.float32) / count).astype(x.dtype)
+
+
 @register(aten._adaptive_avg_pool3d.default)
 def adaptive_avg_pool3d(x, output_size):
-    return adaptive_avg_pool(x, _adaptive_out(output_size, 3))
+    out_sizes = _adaptive_out(output_size, 3)
+    if x.dtype in (jnp.bfloat16, jnp.float16) and x.size and all(out_sizes):
+        return _adaptive_avg_pool3d_half(x, out_sizes)
+    return adaptive_avg_pool(x, out_sizes)
 
 
 def _adaptive_avg_backward(grad, x, nsp):

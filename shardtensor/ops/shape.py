@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import math
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -136,11 +137,42 @@ def alias(x):
     return x
 
 
+# 2-D transposes made by t()/transpose() in the trace being recorded: id(view) -> (view, source),
+# both weakly held. The matmul lowerings contract the source directly instead of its transpose, and
+# t(t(w)) is w itself. That is what keeps a Linear layer's weight gathered once under FSDP: torch
+# runs ``addmm(b, x, t(w))`` forward and ``mm(grad, t(t(w)))`` backward, and XLA partitions the
+# first as a gather of transpose(w) and the second (transposes folded) as a gather of w — the same
+# bytes twice. With the transpose folded into the forward dot, both dots read w and the two
+# all-gathers are one (as in JAX, whose backward reuses the forward's transposed operand).
+_TRANSPOSED: dict = {}
+
+
+def transposed_source(x):
+    """The value ``x`` is the 2-D transpose of (made by t()/transpose() in this trace), else None."""
+    entry = _TRANSPOSED.get(id(x))
+    if entry is None or entry[0]() is not x:
+        return None
+    return entry[1]()
+
+
+def _transpose_2d(x):
+    src = transposed_source(x)
+    if src is not None:  # t(t(w)) is w: no transpose pair for XLA to fold after partitioning
+        return src
+    out = x.T
+    key = id(out)
+    try:
+        _TRANSPOSED[key] = (weakref.ref(out, lambda _, k=key, memo=_TRANSPOSED: memo.pop(k, None)), weakref.ref(x))
+    except TypeError:  # a value that takes no weak reference: simply not folded
+        pass
+    return out
+
+
 @register(*_with_copy(aten.t.default))
 def t(x):
     if x.ndim > 2:
         raise RuntimeError(f"t() expects a tensor with <= 2 dimensions, but self is {x.ndim}D")
-    return x.T if x.ndim == 2 else x
+    return _transpose_2d(x) if x.ndim == 2 else x
 
 
 @register(*_with_copy(aten.transpose.int))
@@ -148,7 +180,10 @@ def transpose(x, dim0, dim1):
     if x.ndim == 0:
         wrap_dim(dim0, 0), wrap_dim(dim1, 0)
         return x
-    return jnp.swapaxes(x, wrap_dim(dim0, x.ndim), wrap_dim(dim1, x.ndim))
+    dim0, dim1 = wrap_dim(dim0, x.ndim), wrap_dim(dim1, x.ndim)
+    if x.ndim == 2 and dim0 != dim1:
+        return _transpose_2d(x)
+    return jnp.swapaxes(x, dim0, dim1)
 
 
 @register(*_with_copy(aten.permute.default))

@@ -1,7 +1,8 @@
 """Sorting-based ops: sort, topk, median, nanmedian, kthvalue, mode, searchsorted, bucketize, isin.
 
-torch orders NaN above every number (last in an ascending sort, first in a descending one); sorts are
-stable here (ties keep their original order), indices are int64. searchsorted / bucketize replay torch's
+torch orders NaN above every number (last in an ascending sort, first in a descending one); indices
+are int64. Equal elements come out in the order torch's CPU kernels leave them (a stable sort for
+stable=True; std::sort / nth_element / quickselect replayed by ops/_cpu_order.py otherwise). searchsorted / bucketize replay torch's
 bisection step by step, so unsorted or NaN-holding boundaries give torch's answers too.
 
 Example::
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from shardtensor.ops import _cpu_order
 from shardtensor.ops._promote import BOOL, INT64, cast, dtype_of, fresh, is_complex, is_float, result_type
 from shardtensor.ops.registry import register
 
@@ -51,14 +53,49 @@ def sort_along(x, axis: int, descending: bool):
     return out[-2], out[-1]
 
 
+def _cpu_ties(x, ax, values, indices, order, fast, ties_matter, always=False):
+    """(values, indices) with equal elements in the order torch's CPU kernel leaves them: ``order``
+    (rows of ranks -> m positions, from ops/_cpu_order.py) replays its algorithm. It runs only when two
+    sorted neighbours named by ``ties_matter`` (a slice) are equal; otherwise the positions ``fast``
+    (a slice of m) of the stable sort are the answer."""
+    v, i = jnp.moveaxis(values, ax, -1), jnp.moveaxis(indices, ax, -1)
+    n, lead = v.shape[-1], v.shape[:-1]
+    v2, i2 = v.reshape(-1, n), i.reshape(-1, n)
+
+    def replay():
+        perm = order(_cpu_order.rank_keys(v2, i2)).astype(INT64)
+        return jnp.take_along_axis(jnp.moveaxis(x, ax, -1).reshape(-1, n), perm, axis=-1), perm
+
+    if always:
+        out_v, perm = replay()
+    else:
+        tie = jnp.any(_cpu_order.neighbours_equal(v)[..., ties_matter])
+        out_v, perm = lax.cond(tie, replay, lambda: (v2[:, fast], i2[:, fast].astype(INT64)))
+    m = perm.shape[-1]
+    return (jnp.moveaxis(out_v.reshape(lead + (m,)), -1, ax), jnp.moveaxis(perm.reshape(lead + (m,)), -1, ax))
+
+
+def unstable_sort(x, axis: int, descending: bool):
+    """torch's sort(stable=False) on CPU: std::sort, whose order of equal elements is replayed; a
+    1-D integer ascending sort of 32768+ elements is fbgemm's radix sort (stable)."""
+    values, idx = sort_along(x, axis, descending)
+    n = x.shape[axis] if x.ndim else 1
+    radix = x.ndim == 1 and n >= 32768 and not descending and jnp.issubdtype(x.dtype, jnp.integer)
+    if n <= 16 or radix:  # std::sort on 16 elements is an insertion sort: stable
+        return values, idx
+    return _cpu_ties(x, axis, values, idx, _cpu_order.sort_order, slice(None), slice(None))
+
+
 @register(aten.sort.default)
 def sort(self, dim=-1, descending=False):
-    return sort_along(self, _axis(dim, self.ndim), descending)
+    return unstable_sort(self, _axis(dim, self.ndim), descending)
 
 
 @register(aten.sort.stable)
 def sort_stable(self, *, stable=None, dim=-1, descending=False):
-    return sort_along(self, _axis(dim, self.ndim), descending)
+    if stable:
+        return sort_along(self, _axis(dim, self.ndim), descending)
+    return unstable_sort(self, _axis(dim, self.ndim), descending)
 
 
 @register(aten.topk.default)
@@ -67,8 +104,15 @@ def topk(self, k, dim=-1, largest=True, sorted=True):
         return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     values, indices = sort_along(self, ax, descending=largest)
-    k = int(k)
-    return lax.slice_in_dim(values, 0, k, axis=ax), lax.slice_in_dim(indices, 0, k, axis=ax)
+    k, n = int(k), self.shape[ax]
+    if k == 0 or n <= 1:
+        return lax.slice_in_dim(values, 0, k, axis=ax), lax.slice_in_dim(indices, 0, k, axis=ax)
+
+    def order(rows):
+        return _cpu_order.topk_order(rows, k, sort_prefix=sorted)
+
+    # unique unless two of the first k + 1 are equal; sorted=False keeps std::nth_element's order
+    return _cpu_ties(self, ax, values, indices, order, slice(0, k), slice(0, k), always=not sorted and k * 64 > n)
 
 
 def _pick(values, indices, pos, ax, keepdim):
@@ -128,7 +172,15 @@ def kthvalue(self, k, dim=-1, keepdim=False):
         return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     values, indices = sort_along(self, ax, descending=False)
-    return _pick(values, indices, int(k) - 1, ax, keepdim)
+    k = int(k)
+    if self.shape[ax] > 1:  # which of equal values: the one torch's quickselect leaves at k - 1
+
+        def order(rows):
+            return _cpu_order.select_order(rows, k - 1)[:, None]
+
+        v, i = _cpu_ties(self, ax, values, indices, order, slice(k - 1, k), slice(max(k - 2, 0), k))
+        return _pick(v, i, 0, ax, keepdim)
+    return _pick(values, indices, k - 1, ax, keepdim)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -175,3 +175,161 @@ def test_embedding_renorm():
     i = torch.tensor([[1, 2], [2, 7]])
     for norm_type in (2.0, 1.0, 3.0, float("inf")):
         check(aten.embedding_renorm.default, w, i, 1.5, norm_type, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------- bool: add is or, mul is and
+def test_bool_scatters_and_index_adds():
+    b = torch.rand(6, 5) > 0.5
+    src = torch.rand(6, 5) > 0.5
+    dup = torch.randint(0, 6, (6, 5))
+    check(aten.scatter_add.default, b, 0, dup, src)
+    check(aten.scatter.reduce, b, 0, dup, src, reduce="add")
+    check(aten.scatter.reduce, b, 0, dup, src, reduce="multiply")
+    for reduce in ("sum", "prod", "amax", "amin"):
+        for include_self in (True, False):
+            check(aten.scatter_reduce.two, b, 0, dup, src, reduce, include_self=include_self)
+    i = torch.tensor([0, 3, 3, 5])
+    check(aten.index_add.default, b, 0, i, torch.rand(4, 5) > 0.5)
+    check(aten.index_put.default, b, [i], torch.rand(4, 5) > 0.5, True)
+    check(aten.index_put.default, b, [i], torch.tensor(True), True)
+    check(aten.put.default, b, torch.tensor([1, 1, 7, 29]), torch.tensor([True, False, True, True]), True)
+
+
+def test_bool_mean_reductions_raise_like_torch():
+    from lowering_testkit import lower, to_jax
+
+    b = torch.rand(6, 5) > 0.5
+    with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
+        lower(aten.scatter_reduce.two)(to_jax(b), 0, to_jax(torch.zeros(2, 5, dtype=torch.int64)), to_jax(b[:2]), "mean")
+    with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
+        lower(aten.index_reduce.default)(to_jax(b), 0, to_jax(torch.tensor([0, 1])), to_jax(b[:2]), "amax")
+
+
+# ------------------------------------------------ uneven shardings (padded storage) of scatter indices
+def _mesh():
+    import shardtensor as st
+
+    return st, st.Mesh(range(8), (4, 2), ("x", "y"))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("sharded", ["index", "src", "self"])
+def test_sharded_uneven_scatter_reduce(reduce, sharded):
+    """XLA pads an unevenly sharded scatter index with 0 (a valid position) and its updates with 0 or
+    the broadcast value; for anything but set / add of real updates that wrote into row 0."""
+    st, mesh = _mesh()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 5, generator=g) - 3  # negative: a stray max(., 0) would show
+    index = torch.randint(1, 10, (5, 5), generator=g)  # row 0 never targeted
+    src = torch.randn(5, 5, generator=g)
+    args = {"self": x, "index": index, "src": src}
+    sh = {k: st.shard(v.clone(), mesh, ("x", None) if k == sharded else (None, None)) for k, v in args.items()}
+    for include_self in (True, False):
+        want = x.scatter_reduce(0, index, src, reduce, include_self=include_self)
+        got = sh["self"].scatter_reduce(0, sh["index"], sh["src"], reduce, include_self=include_self)
+        torch.testing.assert_close(got.cpu(), want)
+
+
+def test_sharded_uneven_index_reduce_and_constant_scatters():
+    st, mesh = _mesh()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(6, 10, generator=g) - 3
+    index = torch.tensor([1, 4, 4, 9, 2])  # 5 entries over 4 devices: padded
+    source = torch.randn(6, 5, generator=g)
+    sx, si, ss = st.shard(x.clone(), mesh, (None, None)), st.shard(index, mesh, ("x",)), st.shard(source, mesh, (None, "x"))
+    for reduce in ("mean", "prod", "amax", "amin"):
+        for include_self in (True, False):
+            want = x.index_reduce(1, index, source, reduce, include_self=include_self)
+            torch.testing.assert_close(sx.index_reduce(1, si, ss, reduce, include_self=include_self).cpu(), want)
+    i2 = torch.randint(1, 6, (5, 3), generator=g)
+    si2 = st.shard(i2, mesh, ("x", None))
+    torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="add").cpu(), x.scatter(0, i2, 2.5, reduce="add"))
+    torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="multiply").cpu(), x.scatter(0, i2, 2.5, reduce="multiply"))
+    xt = x.t().contiguous()
+    acc = st.shard(xt.clone(), mesh, (None, None))
+    acc.index_put_((si,), torch.tensor(1.5), accumulate=True)
+    torch.testing.assert_close(acc.cpu(), xt.index_put((index,), torch.tensor(1.5), accumulate=True))
+    ids = torch.tensor([3, 3, 7, 1, 3])
+    gw = torch.ops.aten.embedding_dense_backward(st.shard(torch.ones(5, 3), mesh, ("x", None)),
+                                                 st.shard(ids, mesh, ("x",)), 10, -1, True)
+    torch.testing.assert_close(gw.cpu(), torch.ops.aten.embedding_dense_backward(torch.ones(5, 3), ids, 10, -1, True))
+
+
+def test_sharded_uneven_index_add_put_and_index_put():
+    """The flattened, padded scatter (write_at) with window dims, separated index arrays, put, bool."""
+    st, mesh = _mesh()
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 7, 5, generator=g)
+    sx = st.shard(x.clone(), mesh, ("x", None, None))  # 6 rows over 4 devices: a window dim, padded
+    i = torch.tensor([6, 0, 6, 3, 2])
+    src = torch.randn(6, 5, 5, generator=g) + 4
+    ssrc = st.shard(src, mesh, (None, "x", None))
+    torch.testing.assert_close(sx.index_add(1, st.shard(i, mesh, ("x",)), ssrc * 2).cpu(), x.index_add(1, i, src * 2))
+    r, c = torch.tensor([[0, 5, 5], [2, 1, 5]]), torch.tensor([4, 0, 4])  # separated by a slice: batch dims in front
+    vals = torch.randn(2, 3, 7, generator=g)
+    got = torch.ops.aten.index_put(sx, [st.shard(r, mesh, (None, "x")), None, st.shard(c, mesh, ("x",))],
+                                   st.shard(vals, mesh, (None, "x", None)) + 1, True)
+    torch.testing.assert_close(got.cpu(), torch.ops.aten.index_put(x, [r, None, c], vals + 1, True))
+    flat = torch.tensor([0, 209, 17, 17, -3])
+    sp = torch.randn(5, generator=g)
+    torch.testing.assert_close(sx.put(st.shard(flat, mesh, ("x",)), st.shard(sp, mesh, ("x",)) - 2, accumulate=True).cpu(),
+                               x.put(flat, sp - 2, accumulate=True))
+    b = torch.rand(6, 5, generator=g) > 0.5
+    bi, bs = torch.randint(0, 6, (5, 5), generator=g), torch.rand(5, 5, generator=g) > 0.5
+    sb = st.shard(b.clone(), mesh, (None, "x"))
+    for reduce in ("sum", "prod", "amax", "amin"):
+        got = sb.scatter_reduce(0, st.shard(bi, mesh, ("x", None)), st.shard(bs, mesh, ("x", None)), reduce)
+        torch.testing.assert_close(got.cpu(), b.scatter_reduce(0, bi, bs, reduce))
+
+
+# ------------------------------------- sort / topk / kthvalue indices: torch CPU's order of equal elements
+def _tied(shape, dtype, g):
+    x = torch.randint(0, 3, shape, generator=g)
+    if dtype == torch.bool:
+        return x > 0
+    x = x.to(dtype)
+    if dtype.is_floating_point:
+        x[torch.rand(shape, generator=g) < 0.05] = float("nan")
+        x[torch.rand(shape, generator=g) < 0.05] = -0.0
+    return x
+
+
+def _torch_supports(fn):
+    try:
+        fn()
+        return True
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool])
+def test_sort_topk_kthvalue_ties_like_torch_cpu(dtype):
+    """Unstable sort is libstdc++'s std::sort, topk std::nth_element + std::sort (or std::partial_sort
+    when k * 64 <= n), kthvalue ATen's quickselect: their order of equal elements is replayed
+    (ops/_cpu_order.py), indices exactly."""
+    g = torch.Generator().manual_seed(0)
+    for n in (17, 300):
+        x = _tied((3, n), dtype, g)
+        check(aten.sort.default, x, 1, False)
+        check(aten.sort.stable, x, stable=False, dim=1, descending=True)
+        check(aten.sort.stable, x, stable=True, dim=1, descending=False)
+        for k, largest, sorted_ in [(1, True, True), (3, False, True), (n // 2, True, False), (n // 2, False, True)]:
+            if _torch_supports(lambda: torch.topk(x, k, 1, largest)):
+                check(aten.topk.default, x, k, 1, largest, sorted_)
+        for k in (1, n // 2):
+            if _torch_supports(lambda: torch.kthvalue(x, k, 1)):
+                check(aten.kthvalue.default, x, k, 1)
+
+
+def test_sharded_sort_topk_kthvalue_ties():
+    st, mesh = _mesh()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-9, 9, (5, 10, 5), generator=g)  # the OpInfo sample shape, many ties
+    sx = st.shard(x, mesh, (None, None, "x"))  # 5 over 4 devices: uneven as well
+    for got, want in [(torch.topk(sx, 3), torch.topk(x, 3)), (torch.topk(sx, 3, 1), torch.topk(x, 3, 1)),
+                      (torch.kthvalue(sx, 2), torch.kthvalue(x, 2)), (torch.kthvalue(sx, 4, 1), torch.kthvalue(x, 4, 1)),
+                      (torch.sort(sx, 1), torch.sort(x, 1)), (torch.sort(sx.bfloat16(), 1), torch.sort(x.bfloat16(), 1))]:
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
+    big = torch.randint(0, 50, (2, 3000), generator=g).bfloat16()
+    torch.testing.assert_close(torch.argsort(st.shard(big, mesh, ("y", None)), dim=1).cpu(), torch.argsort(big, dim=1))

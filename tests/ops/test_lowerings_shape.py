@@ -216,3 +216,16 @@ def test_tril_triu():
     for d in (0, 1, -2, 5):
         check(aten.tril.default, X, d)
         check(aten.triu.default, r(4, 3, dtype=torch.bool), d)
+
+
+def test_prims_convert_element_type():
+    """torch's reference decompositions (renorm's for bf16) call this prim: torch's cast rules."""
+    import shardtensor.ops.creation  # noqa: F401  (registers it)
+
+    prim = torch.ops.prims.convert_element_type.default
+    x = torch.tensor([1.7, -2.5, 0.0, 3.0])
+    for dtype in (torch.int64, torch.bfloat16, torch.float64, torch.bool):
+        assert_same(call(lower(prim), [to_jax(x), dtype], {}), prim(x, dtype))
+    z = torch.tensor([1 + 2j, -3j])
+    assert_same(call(lower(prim), [to_jax(z), torch.float32], {}), prim(z, torch.float32))
+

@@ -1,0 +1,56 @@
+"""Sharding facts and hints for lowerings, without knowing the mesh they will run on.
+
+A lowering is a function of jax values; inside a graph the values carry the (abstract) mesh of their
+inputs, so a lowering can still read the mesh size or ask for a dimension to be unsharded. Both serve
+only to avoid places where XLA's SPMD partitioner (jax 0.10.2) gives wrong results, never for speed:
+
+* a scatter whose index dimension is sharded unevenly: the partitioner pads the indices with a valid
+  position and keeps the padded updates (garbage, or the broadcast value), so they are combined into
+  the operand ('set' alone is masked). ``ops/indexing.write_at`` pads the flattened index dimension to
+  a multiple of the mesh size itself (with dropped positions), so every sharding of it is even;
+* a convolution whose kernel is sharded over a spatial dimension as well as the input (dilated, or a
+  dimension that does not divide): the windowed partitioning computes wrong sums; kernels are kept
+  spatially whole (``unshard``).
+
+Outside a mesh (concrete arrays, a graph on one device) these do nothing.
+
+Example::
+
+    n = mesh_size(index)                   # 8 inside a graph over a (4, 2) mesh, else None
+    w = unshard(w, dims=range(2, w.ndim))  # spatial dims unsharded, O/I left to XLA
+"""
+from __future__ import annotations
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _mesh(x):
+    try:
+        mesh = jax.typeof(x).sharding.mesh
+    except (AttributeError, TypeError):
+        return None
+    return mesh if mesh.axis_names else None
+
+
+def mesh_size(*values):
+    """Devices in the mesh the first of ``values`` that has one lives on (None: no mesh)."""
+    for v in values:
+        mesh = _mesh(v) if isinstance(v, jax.Array) else None
+        if mesh is not None:
+            return mesh.size
+    return None
+
+
+def unshard(x, dims=None):
+    """``x`` constrained to be unsharded along ``dims`` (all dims when None); the other dims are left
+    to XLA's sharding propagation."""
+    if not hasattr(x, "ndim") or x.ndim == 0:
+        return x
+    mesh = _mesh(x)
+    if mesh is None:
+        return x
+    dims = set(range(x.ndim)) if dims is None else {d % x.ndim for d in dims}
+    spec = P(*(None if d in dims else P.UNCONSTRAINED for d in range(x.ndim)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
