@@ -581,12 +581,13 @@ def to_cpu(t: ShardedTensor) -> torch.Tensor:
     from shardtensor.tensor import numpy_to_torch
 
     a = materialize(t)
-    if a.is_fully_addressable:
-        host = np.asarray(a)
-    else:
-        from jax.experimental import multihost_utils
+    with counters.timed("TransferFromDeviceTime"):
+        if a.is_fully_addressable:
+            host = np.asarray(a)
+        else:
+            from jax.experimental import multihost_utils
 
-        host = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+            host = np.asarray(multihost_utils.process_allgather(a, tiled=True))
     counters.increment("TransferFromDevice")
     host = host[tuple(slice(0, n) for n in t.shape)]
     return numpy_to_torch(host)

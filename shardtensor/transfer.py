@@ -30,7 +30,8 @@ def upload(host: np.ndarray, mesh, spec):
     counters.increment("TransferToDevice")
     # np.array copies: on the CPU platform jax may otherwise alias the torch tensor's memory, and a
     # later in-place change of the CPU tensor would show through
-    return jax.make_array_from_callback(padded, sharding, lambda index: np.array(host[index], copy=True))
+    with counters.timed("TransferToDeviceTime"):
+        return jax.make_array_from_callback(padded, sharding, lambda index: np.array(host[index], copy=True))
 
 
 def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:

@@ -165,3 +165,12 @@ def test_eager_mode_records_no_lazy_tracing():
     assert st.metric_data("LazyTracing") is None
     assert st.metric_data("ExecuteTime")[0] >= 2
     torch.testing.assert_close(y.cpu(), torch.full((8, 4), 4.0))
+
+
+def test_transfer_timers_record_uploads_and_readbacks():
+    st.clear_all()
+    x = st.shard(torch.randn(8, 4), st.Mesh(range(8), (4, 2), ("x", "y")), ("x", None))
+    x.cpu()
+    for name in ("TransferToDeviceTime", "TransferFromDeviceTime"):
+        samples, total, data = st.metric_data(name)
+        assert samples >= 1 and total > 0 and data, name
