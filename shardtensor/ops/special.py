@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from shardtensor.ops._promote import FLOAT32, FLOAT64, cast, float_type, opmath, to_compute
-from shardtensor.ops.elementwise import unary_float
+from shardtensor.ops._promote import FLOAT32, FLOAT64, cast, float_type, opmath
+from shardtensor.ops.elementwise import _binary_float, unary_float
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -52,17 +52,6 @@ def _chbevl(t, coeffs):
         p, q = q, a
         a = t * q - p + c
     return 0.5 * (a - p)
-
-
-def _binary_float(fn):
-    """A two-tensor op computed in floating point (ints promote to the default float)."""
-
-    def lowering(self, other):
-        rt = float_type(self, other)
-        ct = opmath(rt)
-        return cast(fn(to_compute(self, rt, ct), to_compute(other, rt, ct)), rt)
-
-    return lowering
 
 
 # ----------------------------------------------------------------------------------------------
