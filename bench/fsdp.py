@@ -14,25 +14,18 @@ its plain-JAX twin, trained with AdamW on batches of 16 sequences on 8 simulated
 The three run interleaved in one process (same weights, same batches), so the machine's load affects
 them alike. Printed: median step time and its ratio to JAX, the first step, the losses (they must
 agree), and the collectives of each compiled program. Then the peak bytes per device of one steady
-training step (XLA's ``memory_analysis()`` of the compiled program, measured as
-``bench/fsdp_memory.py`` does and with its ``compiled_step``), for FSDPv2 without and with
-``checkpoint_module`` on each block — with the graph's outputs in shardtensor's order and, as
-fsdp_memory.py's ``--output-order reversed`` experiment, newest first — and for the JAX program.
-
-``--cpu-scheduler memory`` (the default, as in fsdp_memory.py) turns off XLA:CPU's concurrency-
-optimized scheduler for the whole process — timings of all three runs included — so the schedule is
-memory-driven as on TPU/GPU; without it XLA:CPU hoists the recomputation back into the forward pass
-and checkpointing saves nothing on CPU.
+training step (XLA's ``memory_analysis()`` of the compiled program, read as ``bench/fsdp_memory.py``
+does), for FSDPv2 without and with ``checkpoint_module`` on each block, and for the JAX program
+without and with ``jax.checkpoint`` on each block.
 
 Example::
 
     .venv/bin/python bench/fsdp.py                 # 20 steps
-    .venv/bin/python bench/fsdp.py --steps 8 --cpu-scheduler default
+    .venv/bin/python bench/fsdp.py --steps 8 --skip-memory
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import statistics
@@ -43,7 +36,6 @@ import time
 def parse():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (the first two are warm-up)")
-    p.add_argument("--cpu-scheduler", choices=["memory", "default"], default="memory")
     p.add_argument("--skip-memory", action="store_true", help="only the step times")
     args = p.parse_args()
     if args.steps < 3:
@@ -54,13 +46,7 @@ def parse():
 ARGS = parse()
 os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 
-# fsdp_memory parses its own command line when imported (and sets XLA_FLAGS for its scheduler
-# option before jax starts): give it just the scheduler option.
-_argv, sys.argv = sys.argv, [sys.argv[0], "--cpu-scheduler", ARGS.cpu_scheduler]
-try:
-    import fsdp_memory  # noqa: E402
-finally:
-    sys.argv = _argv
+import fsdp_memory  # noqa: E402  (compiled_step, memory_mib)
 import train_vs_jax as tvj  # noqa: E402  (the GPT, its JAX twin, JaxRun, ProgramSpy, collectives)
 
 import jax  # noqa: E402
@@ -68,11 +54,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import shardtensor as st  # noqa: E402
-from shardtensor import lazy  # noqa: E402  (white box, for the output-order experiment only)
 from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
-
-MiB = fsdp_memory.MiB
-
 
 def fsdp_gpt(state_dict, mesh, checkpointed=False):
     """train_vs_jax's GPT with ``state_dict``, each Block auto-wrapped in FSDPv2 (and checkpointed)."""
@@ -113,38 +95,15 @@ class FsdpRun:
         return float(loss.cpu())
 
 
-def peak(analysis) -> dict:
-    """fsdp_memory's accounting of a compiled program's memory_analysis(), in MiB per device."""
-    m = analysis
-    return {"args": m.argument_size_in_bytes / MiB, "out": m.output_size_in_bytes / MiB,
-            "alias": m.alias_size_in_bytes / MiB, "temp": m.temp_size_in_bytes / MiB,
-            "peak": (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-                     + m.temp_size_in_bytes) / MiB}
-
-
-@contextlib.contextmanager
-def outputs_newest_first(enable: bool):
-    """fsdp_memory's ``--output-order reversed`` experiment (white box): the lazy graph lists its
-    outputs newest first, which XLA:CPU's scheduler follows."""
-    original = lazy.pending_cells
-    if enable:
-        lazy.pending_cells = lambda: list(reversed(original()))
-    try:
-        yield
-    finally:
-        lazy.pending_cells = original
-
-
-def fsdp_memory_of_step(state_dict, mesh, batches, checkpointed, reverse_outputs):
-    """Peak memory of the second (steady) lazy training step, with fsdp_memory.compiled_step()."""
+def memory_of_step(state_dict, mesh, batches, checkpointed):
+    """Memory (MiB per device) of the second (steady) lazy training step, and the first loss."""
     run = FsdpRun(state_dict, mesh, compiled=False, checkpointed=checkpointed)
     first = run(*batches[0])  # creates AdamW's state
-    with outputs_newest_first(reverse_outputs):
-        pending = run.record_step(*run.shard_batch(*batches[1]))  # recorded, not run yet
-        compiled = fsdp_memory.compiled_step()  # the pending graph, compiled as sync() would
-        st.sync()
+    pending = run.record_step(*run.shard_batch(*batches[1]))  # recorded, not run yet
+    memory = fsdp_memory.memory_mib(fsdp_memory.compiled_step())  # the pending graph, as sync() compiles it
+    st.sync()
     del pending
-    return peak(compiled.memory_analysis()), first
+    return memory, first
 
 
 def main():
@@ -191,26 +150,26 @@ def main():
 
     if ARGS.skip_memory:
         return 0
-    print(f"\n== peak memory per device of one steady training step (MiB; cpu scheduler: {ARGS.cpu_scheduler})")
+    print("\n== peak memory per device of one steady training step (MiB)")
     print(f"{'':34s} {'temp':>7s} {'args':>7s} {'out':>7s} {'alias':>7s} {'peak':>7s} {'1st loss':>9s}")
-    results = {}
-    for reverse in (False, True):
-        for checkpointed in (False, True):
-            r, first = fsdp_memory_of_step(state, mesh, batches, checkpointed, reverse)
-            results[reverse, checkpointed] = r
-            label = ("FSDPv2 + checkpoint_module" if checkpointed else "FSDPv2") + (" (rev)" if reverse else "")
-            print(f"{label:34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
-                  f"{r['peak']:7.2f} {first:9.5f}")
-    jrun = runs["jax"]
-    xb, yb = jrun._batch(x, y)
-    r = peak(jrun.jitted.lower(jrun.params, jrun.m, jrun.v, jrun.count, xb, yb).compile().memory_analysis())
-    print(f"{'jax.jit (no checkpointing)':34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
-          f"{r['peak']:7.2f}")
-    for reverse in (False, True):
-        plain, ckpt = results[reverse, False], results[reverse, True]
-        print(f"checkpoint_module, graph outputs {'newest' if reverse else 'oldest'} first "
-              f"({'fsdp_memory experiment' if reverse else 'as shardtensor runs'}): peak "
-              f"{100 * (ckpt['peak'] / plain['peak'] - 1):+.0f}%, temporaries {100 * (ckpt['temp'] / plain['temp'] - 1):+.0f}%")
+    rows = {}
+    for checkpointed in (False, True):
+        r, first = memory_of_step(state, mesh, batches, checkpointed)
+        rows["FSDPv2 + checkpoint_module" if checkpointed else "FSDPv2"] = r
+        first_loss = f"{first:9.5f}"
+    for remat in (False, True):
+        jrun = tvj.JaxRun("gpt", state, jmesh, remat=remat)
+        xb, yb = jrun._batch(x, y)
+        compiled = jrun.jitted.lower(jrun.params, jrun.m, jrun.v, jrun.count, xb, yb).compile()
+        rows["jax.jit + jax.checkpoint" if remat else "jax.jit"] = fsdp_memory.memory_mib(compiled)
+    for label, r in rows.items():
+        print(f"{label:34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
+              f"{r['peak']:7.2f} {first_loss if label.startswith('FSDPv2') else '':>9s}")
+    for ours, theirs in (("FSDPv2", "jax.jit"), ("FSDPv2 + checkpoint_module", "jax.jit + jax.checkpoint")):
+        print(f"{ours}: peak {rows[ours]['peak'] / rows[theirs]['peak']:.2f}x {theirs}'s")
+    for a, b in (("FSDPv2", "FSDPv2 + checkpoint_module"), ("jax.jit", "jax.jit + jax.checkpoint")):
+        print(f"checkpointing, {a}: peak {100 * (rows[b]['peak'] / rows[a]['peak'] - 1):+.0f}%, "
+              f"temporaries {100 * (rows[b]['temp'] / rows[a]['temp'] - 1):+.0f}%")
     return 0
 
 

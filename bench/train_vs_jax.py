@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -108,19 +109,24 @@ def jax_mlp(p, x, layers=4):
     return x
 
 
-def jax_gpt(p, idx, heads=4, layers=4):
-    x = p["tok.weight"][idx] + p["pos"][: idx.shape[1]]
+def jax_block(p, pre, x, heads):
     b, t, d = x.shape
     mask = jnp.tril(jnp.ones((t, t), bool))
+    q, k, v = jnp.split(_linear(p, pre + "qkv", _layer_norm(p, pre + "ln1", x)), 3, axis=-1)
+    q, k, v = (z.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3) for z in (q, k, v))
+    s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads), -jnp.inf)
+    y = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
+    x = x + _linear(p, pre + "proj", y)
+    h = jax.nn.gelu(_linear(p, pre + "up", _layer_norm(p, pre + "ln2", x)), approximate=False)
+    return x + _linear(p, pre + "down", h)
+
+
+def jax_gpt(p, idx, heads=4, layers=4, remat=False):
+    """The GPT; ``remat`` wraps each block in ``jax.checkpoint`` (JAX's gradient checkpointing)."""
+    block = jax.checkpoint(jax_block, static_argnums=(1, 3)) if remat else jax_block
+    x = p["tok.weight"][idx] + p["pos"][: idx.shape[1]]
     for i in range(layers):
-        pre = f"blocks.{i}."
-        q, k, v = jnp.split(_linear(p, pre + "qkv", _layer_norm(p, pre + "ln1", x)), 3, axis=-1)
-        q, k, v = (z.reshape(b, t, heads, d // heads).transpose(0, 2, 1, 3) for z in (q, k, v))
-        s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads), -jnp.inf)
-        y = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
-        x = x + _linear(p, pre + "proj", y)
-        h = jax.nn.gelu(_linear(p, pre + "up", _layer_norm(p, pre + "ln2", x)), approximate=False)
-        x = x + _linear(p, pre + "down", h)
+        x = block(p, f"blocks.{i}.", x, heads)
     return _layer_norm(p, "ln_f", x) @ p["tok.weight"].T
 
 
@@ -245,14 +251,14 @@ class ShardtensorRun:
 
 
 class JaxRun:
-    def __init__(self, kind, state_dict, jmesh):
+    def __init__(self, kind, state_dict, jmesh, remat=False):
         shard = lambda a: jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))  # noqa: E731
         self.params = {k: shard(jnp.asarray(v.numpy())) for k, v in state_dict.items()}
         self.m = {k: jnp.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: jnp.zeros_like(v) for k, v in self.params.items()}
         self.count = jnp.zeros((), jnp.float32)
         self.jmesh = jmesh
-        forward = jax_mlp if kind == "mlp" else jax_gpt
+        forward = jax_mlp if kind == "mlp" else functools.partial(jax_gpt, remat=remat)
 
         def step(params, m, v, count, x, y):
             loss, grads = jax.value_and_grad(lambda p: jax_cross_entropy(forward(p, x), y))(params)

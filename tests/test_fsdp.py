@@ -564,6 +564,75 @@ def test_optimization_barrier_op():
     torch.testing.assert_close(sa.grad.cpu(), torch.full((8, 4), 3.0))
     ca, = optimization_barrier([a])  # CPU tensors: a copy
     torch.testing.assert_close(ca, a)
+    # `after` adds a data dependency but changes no value: -0.0, inf and nan included, ints untouched
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.5, -2.0, 3.0])
+    grad = st.shard(torch.tensor([float("nan"), float("inf")] + [1.0] * 6), mesh, ("fsdp",))
+    out, ints = optimization_barrier([st.shard(special, mesh, ("fsdp",)), b.to(st.device())], after=[grad])
+    got = out.cpu()
+    torch.testing.assert_close(got, special, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(special))
+    torch.testing.assert_close(ints.cpu(), b)
+
+
+def _stack(blocks=4, d=32):
+    torch.manual_seed(0)
+    return nn.Sequential(*[Block(d) for _ in range(blocks)])
+
+
+def _peak_bytes_of_step(model, x):
+    """White box: XLA's memory_analysis() of the pending lazy graph of one SGD step."""
+    from shardtensor import lazy
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    ex = lazy.Execution.prepare(lazy.pending_cells())
+    prog = ex.executable.program
+    donated = [ex.arrays[i] for i in prog.donated]
+    kept = [ex.arrays[i] for i in prog.kept]
+    vecs = {k: lazy._device_scalars(v, prog.mesh) for k, v in ex.scalars.items()}
+    m = ex.executable.lower(donated, kept, vecs).compile().memory_analysis()
+    st.sync()
+    return m.temp_size_in_bytes, loss.item()
+
+
+def test_checkpoint_module_lowers_peak_memory():
+    """The memory saving shows in the compiled step itself: each block recomputes only once backward
+    reaches it and its weight gradients are computed before the next block recomputes, so on XLA:CPU
+    (which drops barriers before scheduling) the temporaries of a 6-block step fall by more than 40%
+    (without the data dependencies on the gradients: not at all, 1.00x).
+    The losses are the same."""
+    mesh = fsdp_mesh()
+    x = st.shard(torch.randn(64, 64, 32, generator=torch.Generator().manual_seed(1)), mesh, ("fsdp", None, None))
+    results = {}
+    for ckpt in (False, True):
+        wrapper = (lambda m, *a, **kw: FSDPv2(checkpoint_module(m), *a, **kw)) if ckpt else None
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+        model = FSDPv2(_stack(blocks=6), mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper)
+        results[ckpt] = _peak_bytes_of_step(model, x)
+    (plain, loss), (checkpointed, ckpt_loss) = results[False], results[True]
+    assert checkpointed < 0.6 * plain, (plain, checkpointed)
+    assert ckpt_loss == pytest.approx(loss, rel=1e-6)
+
+
+def test_checkpoint_module_keeps_no_gradient_after_backward():
+    """The parameter gradients a recomputation waits for are dropped when backward ends: nothing of
+    one step is kept for (or made an output of) the next."""
+    from shardtensor.fsdp import checkpoint
+
+    mesh = fsdp_mesh()
+    model = nn.Sequential(*[FSDPv2(checkpoint_module(b), mesh=mesh) for b in _stack(blocks=2)])
+    x = st.shard(torch.randn(16, 32), mesh, ("fsdp", None)).requires_grad_()
+    model(x).sum().backward()
+    assert checkpoint._RECENT.grads == []
+    ref = _stack(blocks=2)
+    xr = x.detach().cpu().requires_grad_()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), xr.grad)
+    for p, p_ref in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad)
 
 
 # --- training -----------------------------------------------------------------------------------------
