@@ -171,7 +171,8 @@ collectives = collectives_in_hlo
 
 def describe(c: dict) -> str:
     parts = [f"{k} {n} ({b / 1e6:.2f} MB)" for k, (n, b) in c.items() if n]
-    return ", ".join(parts) or "none"
+    total = f"; in all {sum(n for n, _ in c.values())} ({sum(b for _, b in c.values()) / 1e6:.2f} MB)"
+    return ", ".join(parts) + total if parts else "none"
 
 
 class ProgramSpy:
@@ -267,13 +268,17 @@ class JaxRun:
 
         self.step = step
         self.jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3))
-        self.trace_seconds = None
+        self.trace_seconds = []
 
-    def _time_trace(self, xb, yb):
+    def time_trace(self, x, y):
+        """Times JAX's trace of one step: a fresh jit (no trace cache hit), not run. Called beside
+        shardtensor's recording of the same step (outside the timed step), so that the machine's load
+        affects both alike."""
+        xb, yb = self._batch(x, y)
         fresh = jax.jit(lambda *args: self.step(*args), donate_argnums=(0, 1, 2, 3))
         t0 = time.perf_counter()
         fresh.trace(self.params, self.m, self.v, self.count, xb, yb)
-        return time.perf_counter() - t0
+        self.trace_seconds.append(time.perf_counter() - t0)
 
     def _batch(self, x, y):
         put = lambda a: jax.device_put(a.numpy(), NamedSharding(  # noqa: E731
@@ -282,8 +287,6 @@ class JaxRun:
 
     def __call__(self, x, y):
         xb, yb = self._batch(x, y)
-        if self.trace_seconds is None:  # a warm trace: the best of three fresh jits (none hits a cache)
-            self.trace_seconds = min(self._time_trace(xb, yb) for _ in range(4))
         self.params, self.m, self.v, self.count, loss = self.jitted(self.params, self.m, self.v, self.count, xb, yb)
         return float(loss)
 
@@ -316,19 +319,17 @@ def bench(kind, steps):
                 loss = run(x, y)
             times[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
+            if name == "jax":
+                run.time_trace(x, y)
     med = {k: statistics.median(v[2:]) for k, v in times.items()}
     print(f"\n== {kind}: {steps} steps, 8 devices, FSDP-style ('fsdp' axis of 8), AdamW")
     print(f"{'':10s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s} {'tracing/step':>13s}")
     for name in runs:
-        if name == "jax":
-            tracing = runs["jax"].trace_seconds
-        elif name == "lazy":
-            tracing = statistics.median(runs["lazy"].trace_seconds[2:])
-        else:
-            tracing = float("nan")
+        tracing = statistics.median(runs[name].trace_seconds[2:]) if name != "compile" else float("nan")
         print(f"{name:10s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s "
               f"{tracing * 1e3:11.1f}ms")
-    print(f"tracing: lazy records {statistics.median(runs['lazy'].trace_seconds[2:]) / runs['jax'].trace_seconds:.2f}x"
+    trace_ratio = statistics.median(runs["lazy"].trace_seconds[2:]) / statistics.median(runs["jax"].trace_seconds[2:])
+    print(f"tracing: lazy records {trace_ratio:.2f}x"
           " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
           f"traces (CompileReplay={st.counter_value('CompileReplay')})")
     print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
