@@ -24,7 +24,6 @@ module, and backward runs the module's forward again to get them back. Two thing
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 
 import torch
@@ -148,12 +147,13 @@ class _Recomputation:
             return forward(*inputs, **kwargs)
 
 
-class _RecentParameterGradients(threading.local):
+class _RecentParameterGradients:
     """Gradients of checkpointed modules' parameters produced since the last recomputation began.
 
     The next recomputation waits for them, so a module's weight gradients are computed before the
     module below it recomputes its activations, and not all together at the end of backward (which
-    XLA:CPU's scheduler otherwise does, keeping every recomputed activation alive)."""
+    XLA:CPU's scheduler otherwise does, keeping every recomputed activation alive). One for the
+    process: the hooks run on autograd's device thread, the forward on the caller's."""
 
     def __init__(self):
         self.grads = []
