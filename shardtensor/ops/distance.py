@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from shardtensor.ops.indexing import write_at
 from shardtensor.ops.pooling import acc_dtype
 from shardtensor.ops.registry import register
 
@@ -139,5 +140,6 @@ def pdist_backward(grad, x, p, pdist):
     xf = x.astype(acc)
     # pair k = (i, j) with i < j: d/dx_i = f(x_i - x_j), d/dx_j = -f(x_i - x_j)
     g = _norm_grad(jnp.take(xf, i, axis=0) - jnp.take(xf, j, axis=0), pdist.astype(acc), grad.astype(acc), p)
-    out = jnp.zeros_like(xf).at[i].add(g).at[j].add(-g)
+    # (write_at: the pairs' dimension may be sharded unevenly, where XLA's own scatter adds padding)
+    out = write_at(write_at(jnp.zeros_like(xf), (i,), g, "add"), (j,), -g, "add")
     return out.astype(x.dtype)

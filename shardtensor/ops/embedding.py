@@ -3,8 +3,8 @@ bags given by offsets, per-sample weights, padding_idx) with its dense and per-s
 and ``segment_reduce`` (``torch._segment_reduce``: sum / mean / max / min / prod over segments given by
 lengths or offsets) with its backward.
 
-Both compute the segment of every element with ``searchsorted`` and reduce with ``jax.ops.segment_*``
-(scatters into a static number of segments), so the shapes stay static whatever the offsets hold.
+Both compute the segment of every element with ``searchsorted`` and reduce with scatters into a static
+number of segments (``_segment``), so the shapes stay static whatever the offsets hold.
 
 ``_embedding_bag`` returns ``(output, offset2bag, bag_size, max_indices)`` shaped as torch's meta kernel
 (the layout torch uses off-CPU): offset2bag has one entry per index, bag_size one per offset, and
@@ -21,12 +21,21 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from shardtensor.ops.indexing import _highest, _lowest, write_at
 from shardtensor.ops.pooling import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
 
 SUM, MEAN, MAX = 0, 1, 2
+
+
+def _segment(how, data, ids, n):
+    """``jax.ops.segment_{sum,prod,max,min}(data, ids, n)`` for how 'add'/'mul'/'max'/'min'. Through
+    write_at: the elements' dimension may be sharded unevenly, where XLA's own scatter adds padding."""
+    empty = {"add": 0, "mul": 1, "max": _lowest(data.dtype), "min": _highest(data.dtype)}[how]
+    out = jnp.full((n,) + data.shape[1:], empty, data.dtype)
+    return write_at(out, (ids,), data, how)
 
 
 # ---------------------------------------------------------------------------------- embedding bag
@@ -50,10 +59,10 @@ def _first_max(rows, keep, bag, n_bags, positions):
     big = jnp.iinfo(jnp.int64).max
     nan = jnp.isnan(rows)
     ok = keep[:, None] & ~nan
-    top = jax.ops.segment_max(jnp.where(ok, rows, low), bag, n_bags)
+    top = _segment("max", jnp.where(ok, rows, low), bag, n_bags)
     hit = ok & (rows == top[bag])
-    first = jax.ops.segment_min(jnp.where(hit, positions[:, None], big), bag, n_bags)
-    start = jax.ops.segment_min(jnp.where(keep, positions, big), bag, n_bags)  # the bag's first element
+    first = _segment("min", jnp.where(hit, positions[:, None], big), bag, n_bags)
+    start = _segment("min", jnp.where(keep, positions, big), bag, n_bags)  # the bag's first element
     starts_nan = jnp.take_along_axis(nan, jnp.clip(start, 0, rows.shape[0] - 1)[:, None], axis=0)
     starts_nan = starts_nan & (start < big)[:, None]
     # (a bag of NaNs only: its first element)
@@ -71,7 +80,7 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
     acc = acc_dtype(weight.dtype)
     bag, n_bags = _bags(indices, offsets, include_last_offset)
     keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
-    counts = jax.ops.segment_sum(keep.astype(jnp.int64), bag, n_bags)
+    counts = _segment("add", keep.astype(jnp.int64), bag, n_bags)
     bag_size = jnp.zeros(offsets.shape, jnp.int64).at[:n_bags].set(counts)
     rows = jnp.take(weight, indices, axis=0).astype(acc)
     d = weight.shape[1]
@@ -85,7 +94,7 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
         return out.astype(weight.dtype), bag, bag_size, max_idx.astype(indices.dtype)
     if per_sample_weights is not None:
         rows = rows * per_sample_weights.astype(acc)[:, None]
-    out = jax.ops.segment_sum(jnp.where(keep[:, None], rows, jnp.zeros((), acc)), bag, n_bags)
+    out = _segment("add", jnp.where(keep[:, None], rows, jnp.zeros((), acc)), bag, n_bags)
     if mode == MEAN:
         out = out / jnp.maximum(counts, 1).astype(acc)[:, None]
     elif mode != SUM:
@@ -107,7 +116,7 @@ def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_in
         valid = (bag_size[: g.shape[0]] > 0)[:, None]
         rows = jnp.where(valid, maximum_indices, 0)
         cols = jnp.broadcast_to(jnp.arange(g.shape[1]), rows.shape)
-        out = jnp.zeros((n, g.shape[1]), acc).at[rows, cols].add(jnp.where(valid, g, jnp.zeros((), acc)))
+        out = write_at(jnp.zeros((n, g.shape[1]), acc), (rows, cols), jnp.where(valid, g, jnp.zeros((), acc)), "add")
     else:
         contrib = jnp.take(g, offset2bag, axis=0)
         if mode == MEAN:
@@ -115,11 +124,11 @@ def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_in
         if per_sample_weights is not None:
             contrib = contrib * per_sample_weights.astype(acc)[:, None]
         if scale_grad_by_freq:
-            freq = jnp.zeros((n,), acc).at[indices].add(1)
+            freq = write_at(jnp.zeros((n,), acc), (indices,), 1, "add")
             contrib = contrib / freq[indices][:, None]
         if padding_idx >= 0:
             contrib = jnp.where((indices != padding_idx)[:, None], contrib, jnp.zeros((), acc))
-        out = jnp.zeros((n, g.shape[1]), acc).at[indices].add(contrib)
+        out = write_at(jnp.zeros((n, g.shape[1]), acc), (indices,), contrib, "add")
     if padding_idx >= 0:
         out = out.at[padding_idx].set(0)
     return out.astype(grad.dtype)
@@ -186,17 +195,16 @@ def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, ax
     ids = _flat_ids(seg, s)
     nseg = outer * (s + 1)
     init = None if initial is None else jnp.asarray(initial, acc)
-    nan = jax.ops.segment_max(jnp.isnan(flat).astype(jnp.int32), ids, nseg) > 0
+    nan = _segment("max", jnp.isnan(flat).astype(jnp.int32), ids, nseg) > 0
     if reduce in ("sum", "mean"):
-        out = jax.ops.segment_sum(flat, ids, nseg)
+        out = _segment("add", flat, ids, nseg)
         out = out if init is None else init + out
     elif reduce == "prod":
-        out = jax.ops.segment_prod(flat, ids, nseg)
+        out = _segment("mul", flat, ids, nseg)
         out = out if init is None else init * out
     elif reduce in ("max", "min"):
-        seg_fn, pick, fill = ((jax.ops.segment_max, jnp.maximum, -jnp.inf) if reduce == "max"
-                              else (jax.ops.segment_min, jnp.minimum, jnp.inf))
-        out = seg_fn(jnp.where(jnp.isnan(flat), jnp.asarray(fill, acc), flat), ids, nseg)
+        how, pick, fill = ("max", jnp.maximum, -jnp.inf) if reduce == "max" else ("min", jnp.minimum, jnp.inf)
+        out = _segment(how, jnp.where(jnp.isnan(flat), jnp.asarray(fill, acc), flat), ids, nseg)
         out = out if init is None else pick(init, out)
         out = jnp.where(nan, jnp.asarray(jnp.nan, acc), out)  # a NaN in the segment wins
     else:
@@ -228,7 +236,7 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     zero = jnp.zeros((), acc)
     if reduce in ("max", "min"):
         hit = live & (jnp.isnan(xv) | (xv == out))
-        counter = per_element(jax.ops.segment_sum(hit.reshape((-1,) + inner).astype(acc), ids, nseg)
+        counter = per_element(_segment("add", hit.reshape((-1,) + inner).astype(acc), ids, nseg)
                               .reshape((outer, s + 1) + inner)[:, :s])
         gi = jnp.where(hit, g, zero)
         # torch averages over tied extrema, but only the positive gradients
@@ -241,11 +249,11 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     elif reduce == "prod":
         flat = xv.reshape((-1,) + inner)
         is_zero, is_nan = flat == 0, jnp.isnan(flat)
-        regular = jax.ops.segment_prod(jnp.where(is_zero | is_nan, jnp.ones((), acc), flat), ids, nseg)
+        regular = _segment("mul", jnp.where(is_zero | is_nan, jnp.ones((), acc), flat), ids, nseg)
         if initial is not None:
             regular = regular * jnp.asarray(initial, acc)
-        n_zero = jax.ops.segment_sum(is_zero.astype(jnp.int64), ids, nseg)
-        n_nan = jax.ops.segment_sum(is_nan.astype(jnp.int64), ids, nseg)
+        n_zero = _segment("add", is_zero.astype(jnp.int64), ids, nseg)
+        n_nan = _segment("add", is_nan.astype(jnp.int64), ids, nseg)
         unflat = lambda v: per_element(v.reshape((outer, s + 1) + inner)[:, :s])  # noqa: E731
         regular, n_zero, n_nan = unflat(regular), unflat(n_zero), unflat(n_nan)
         special = (xv == 0) | jnp.isnan(xv)
