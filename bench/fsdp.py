@@ -7,11 +7,12 @@ its plain-JAX twin, trained with AdamW on batches of 16 sequences on 8 simulated
 
 * shardtensor: ``FSDPv2(model, auto_wrap_policy=transformer_auto_wrap_policy({Block}))`` — every
   parameter sharded over ``'fsdp'`` on its largest dimension, each block's output on its batch
-  dimension — stepped lazily (one program per step at ``st.step()``) and through ``st.compile``;
+  dimension — stepped lazily (one program per step at ``st.step()``) and through ``st.compile``,
+  and lazily with ``checkpoint_module`` on each block (what recomputing costs);
 * JAX: the same parameters with the same shardings (``'fsdp'`` on the largest dimension), the batch
   over ``'fsdp'``, one ``jax.jit`` with donated state.
 
-The three run interleaved in one process (same weights, same batches), so the machine's load affects
+The four run interleaved in one process (same weights, same batches), so the machine's load affects
 them alike. Printed: median step time and its ratio to JAX, the first step, the losses (they must
 agree), and the collectives of each compiled program. Then the peak bytes per device of one steady
 training step (XLA's ``memory_analysis()`` of the compiled program, read as ``bench/fsdp_memory.py``
@@ -118,6 +119,7 @@ def main():
           f"parameters), batch 16, mesh (8, 1) ('fsdp', 'model'), AdamW, {ARGS.steps} steps")
 
     runs = {"lazy": FsdpRun(state, mesh, compiled=False), "compile": FsdpRun(state, mesh, compiled=True),
+            "ckpt": FsdpRun(state, mesh, compiled=False, checkpointed=True),  # the cost of recomputing
             "jax": tvj.JaxRun("gpt", state, jmesh)}
     times = {k: [] for k in runs}
     losses = {k: [] for k in runs}
@@ -135,10 +137,11 @@ def main():
             times[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
     med = {k: statistics.median(v[2:]) for k, v in times.items()}
-    print(f"{'':14s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s}")
+    print(f"{'':26s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s}")
     for name in runs:
-        label = {"lazy": "FSDPv2 lazy", "compile": "FSDPv2 compile", "jax": "jax.jit"}[name]
-        print(f"{label:14s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s")
+        label = {"lazy": "FSDPv2 lazy", "compile": "FSDPv2 compile", "ckpt": "FSDPv2 lazy + checkpoint",
+                 "jax": "jax.jit"}[name]
+        print(f"{label:26s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s")
     print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
     print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
                                      for k, l in losses.items() if k != "jax"})

@@ -6,13 +6,14 @@ gradient is the identity. On CPU tensors it is a copy. ``checkpoint_module`` pas
 parameters of a recomputation through it, so the recomputed forward is a different computation to
 XLA and is not merged back into the original forward.
 
-``after`` orders the outputs after other values (the gradients that start a recomputation). A
-barrier alone does not do that everywhere: XLA:GPU/TPU keep barriers until the schedule is made,
-but XLA:CPU removes them before scheduling, and its scheduler then runs a recomputation as early as
-its inputs allow — in the forward pass, which keeps every recomputed activation alive. So each
-floating-point output also gets a true data dependency on ``after``: it adds ``-0.0`` computed from
-them (``-(|s| * 0)`` with ``s`` a finite sum of ``after``). Adding ``-0.0`` leaves every value
-(``-0.0``, inf and NaN included) exactly as it was, and XLA cannot fold a float ``* 0`` away.
+``after`` orders the outputs after other values (the gradients that start a recomputation): they
+go through the barrier too, so its outputs exist only once ``after`` does. XLA:GPU/TPU keep barriers
+until the schedule is made, but XLA:CPU removes them before scheduling, and its scheduler then runs
+a recomputation as early as its inputs allow — in the forward pass, which keeps every recomputed
+activation alive. So on CPU each floating-point output also gets a true data dependency on
+``after``: it adds ``-0.0`` computed from them (``-(|s| * 0)`` with ``s`` a finite sum of
+``after``; each sum of a sharded value costs a scalar all-reduce). Adding ``-0.0`` leaves every
+value (``-0.0``, inf and NaN included) exactly as it was, and XLA cannot fold a float ``* 0`` away.
 
 Example::
 
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from shardtensor import runtime
 from shardtensor.ops.registry import register
 
 
@@ -52,7 +54,7 @@ _barrier.register_autograd(_barrier_backward, setup_context=_barrier_setup_conte
 @register(torch.ops.shardtensor.optimization_barrier.default)
 def _barrier_lowering(tensors, after):
     values = jax.lax.optimization_barrier((tuple(tensors), tuple(after)))[0]
-    if not after:
+    if not after or runtime.platform() != "cpu":  # elsewhere the barrier itself orders the schedule
         return tuple(values)
     s = sum(jnp.sum(a, dtype=jnp.float32) for a in after)
     minus_zero = -(jnp.abs(jnp.where(jnp.isfinite(s), s, 0.0)) * 0.0)
