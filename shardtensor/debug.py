@@ -167,7 +167,7 @@ def array_sharding(array, ndim: int) -> tuple[str, Mesh | None, sh.PartitionSpec
         return "{replicated}", None, None
     parsed = parse_sharding_string(str(s._to_xla_hlo_sharding(ndim)))
     # HLO's ids are positions in the sharding's device assignment, not device ids
-    assignment = [d.id for d in s._device_assignment]
+    assignment = [runtime.device_id(d) for d in s._device_assignment]
     parsed = ParsedSharding(parsed.kind, parsed.tile_dims, parsed.replicas,
                             tuple(assignment[i] for i in parsed.devices))
     return _v1_string(parsed), None, None

@@ -27,7 +27,7 @@ import torch
 from jax import export as jax_export
 from torch.utils import _pytree as pytree
 
-from shardtensor import lazy
+from shardtensor import lazy, runtime
 from shardtensor.mesh import Mesh
 from shardtensor.storage import Cell
 from shardtensor.tensor import ShardedTensor
@@ -236,7 +236,7 @@ def _check_no_side_effects(first_serial, out_flat):
 
 
 def _mesh_meta(jax_mesh):
-    return {"device_ids": [int(d.id) for d in np.asarray(jax_mesh.devices).reshape(-1)],
+    return {"device_ids": [runtime.device_id(d) for d in np.asarray(jax_mesh.devices).reshape(-1)],
             "shape": [int(n) for n in jax_mesh.devices.shape], "axis_names": list(jax_mesh.axis_names)}
 
 

@@ -100,8 +100,7 @@ class Mesh:
             from jax.sharding import AxisType
             from jax.sharding import Mesh as JaxMesh
 
-            by_id = {d.id: d for d in runtime.jax_devices()}
-            devices = np.array([by_id[i] for i in self.device_ids], dtype=object)
+            devices = np.array([runtime.jax_devices()[i] for i in self.device_ids], dtype=object)
             # Auto, not jax.make_mesh's explicit default: explicit axes reject some matmuls.
             self._jax_mesh = JaxMesh(
                 devices.reshape(self.mesh_shape),
@@ -167,7 +166,7 @@ def mesh_for_jax_mesh(jax_mesh) -> Mesh:
     """
     found = _BY_JAX_MESH.get(jax_mesh)
     if found is None:
-        ids = np.vectorize(lambda d: d.id)(jax_mesh.devices).reshape(-1)
+        ids = np.vectorize(runtime.device_id)(jax_mesh.devices).reshape(-1)
         names = tuple(jax_mesh.axis_names)
         found = Mesh(ids, tuple(jax_mesh.devices.shape), names)
         _BY_JAX_MESH[jax_mesh] = found

@@ -169,6 +169,23 @@ def _global_devices() -> tuple:
     return devices
 
 
+@functools.cache
+def _ids() -> dict:
+    return {d.id: i for i, d in enumerate(_global_devices())}
+
+
+def device_id(device) -> int:
+    """A JAX device's global id in shardtensor (and PyTorch/XLA): its position among all devices of
+    every process ordered by JAX's id. It equals JAX's ``device.id`` wherever those run 0..N-1 (one
+    process, TPU); multi-process CPU numbers each process's devices from ``2048 * process_index``.
+
+    Example::
+
+        rt.device_id(rt.jax_devices()[3])   # 3
+    """
+    return _ids()[device.id]
+
+
 def jax_devices() -> list:
     """All global JAX devices (every process), ordered by device id.
 
@@ -223,8 +240,8 @@ def device_type() -> str:
 
 def _device_attributes(device) -> dict:
     attributes = {
-        "name": f"{device.platform.upper()}:{device.id}",
-        "id": device.id,
+        "name": f"{device.platform.upper()}:{device_id(device)}",
+        "id": device_id(device),
         "platform": device.platform,
         "device_kind": device.device_kind,
         "process_index": device.process_index,

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from shardtensor import metrics as counters
+from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import to_jax, to_torch
 from shardtensor.storage import Cell
@@ -106,9 +107,9 @@ class ShardedTensor(torch.Tensor):
         by_id = {p.device_id: p for p in sh.placements(self.shape, mesh, spec)}
         shards = []
         for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
-            p = by_id[s.device.id]
+            p = by_id[runtime.device_id(s.device)]
             data = _jax_to_torch(np.asarray(s.data))
-            shards.append(Shard(data, p.indices, f"{s.device.platform.upper()}:{s.device.id}", p.replica_id))
+            shards.append(Shard(data, p.indices, f"{s.device.platform.upper()}:{p.device_id}", p.replica_id))
         counters.increment("TransferFromDevice")
         return shards
 

@@ -1,0 +1,54 @@
+"""One process of the two-process job of tests/test_multihost.py: ``python _multihost_worker.py PORT
+PROCESS_ID``, with SHARDTENSOR_CPU_DEVICES=4. Prints one line ``REPORT <json>`` of what it saw; the test
+compares it with eager torch (computed there from the same seeds)."""
+import json
+import sys
+
+import shardtensor.runtime as rt
+
+port, pid = sys.argv[1], int(sys.argv[2])
+rt.initialize_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+from shardtensor.fsdp import FSDPv2  # noqa: E402
+
+report = {"ids": [a["id"] for a in rt.global_runtime_device_attributes()],
+          "names": [a["name"] for a in rt.global_runtime_device_attributes()],
+          "owners": [a["process_index"] for a in rt.global_runtime_device_attributes()]}
+mesh = st.Mesh(range(8), (8,), ("fsdp",))
+g = torch.Generator().manual_seed(0)
+X = torch.randn(16, 6, generator=g)  # the same global tensor in both processes
+W = torch.randn(6, 3, generator=g)
+Y = torch.randint(0, 3, (16,), generator=g)
+
+xs = st.shard(X, mesh, ("fsdp", None))
+report["matmul_sum"] = (xs @ W.to(st.device())).sum().item()
+report["doubled"] = (xs * 2).cpu().tolist()  # a sharded result read back: every process gets it all
+report["uneven_plus_one"] = (st.shard(X[:13], mesh, ("fsdp", None)) + 1).cpu().tolist()
+report["local_shards"] = [(s.device, s.indices[0].start, s.indices[0].stop) for s in xs.local_shards]
+
+# MpDeviceLoader with minibatch: each process feeds its half of the global batch of 16
+spec = st.ShardingSpec(mesh, ("fsdp", None), minibatch=True)
+(batch,) = list(st.MpDeviceLoader([X[8 * pid:8 * (pid + 1)]], st.device(), input_sharding=spec))
+report["minibatch_shape"] = list(batch.shape)
+report["minibatch"] = batch.cpu().tolist()
+
+# FSDPv2 training, 3 SGD steps
+torch.manual_seed(0)
+model = FSDPv2(torch.nn.Linear(6, 3), mesh=mesh)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+losses = []
+st.clear_counters()
+for _ in range(3):
+    loss = F.cross_entropy(model(xs), st.shard(Y, mesh, ("fsdp",)))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    st.step()
+    losses.append(loss.item())
+report["losses"] = losses
+report["compiles"] = st.counter_value("UncachedCompile")
+print("REPORT", json.dumps(report))
