@@ -442,3 +442,15 @@ def test_training_loop_fed_by_the_loader_matches_eager_pytorch():
                                rtol=1e-4, atol=1e-5)
     for (name, p_ref), p_dev in zip(ref.named_parameters(), dev.parameters()):
         torch.testing.assert_close(p_dev.cpu(), p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_loader_uploads_are_counted_and_timed():
+    """Uploads on the loader's threads count as PyTorch/XLA's do: TransferToDevice and
+    TransferToDeviceTime, one per tensor."""
+    mesh = st.Mesh(range(8), (8,), ("fsdp",))
+    batches = [(torch.randn(8, 4), torch.randn(8)) for _ in range(3)]
+    st.clear_all()
+    for _ in st.MpDeviceLoader(batches, st.device(), input_sharding=st.ShardingSpec(mesh, ("fsdp", None))):
+        pass
+    assert st.counter_value("TransferToDevice") == 6
+    assert st.metric_data("TransferToDeviceTime")[0] == 6

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import torch
 
+from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.mesh import get_1d_mesh, get_global_mesh
@@ -166,7 +167,8 @@ def upload(host: np.ndarray, mesh, spec, global_shape, local_tiles=None):
         # a copy: on CPU jax may otherwise alias the loader's memory, which it may reuse
         return np.array(host[index], copy=True)
 
-    return jax.make_array_from_callback(padded, jax_sharding(mesh, spec, len(padded)), shard_of)
+    with counters.timed("TransferToDeviceTime"):  # (wrap_upload counts it, on the recording thread)
+        return jax.make_array_from_callback(padded, jax_sharding(mesh, spec, len(padded)), shard_of)
 
 
 def wrap_batch(uploaded):
