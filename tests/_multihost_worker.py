@@ -51,4 +51,18 @@ for _ in range(3):
     losses.append(loss.item())
 report["losses"] = losses
 report["compiles"] = st.counter_value("UncachedCompile")
+
+
+@st.compile
+def compiled_step(x, y):
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+st.clear_counters()
+report["compiled_losses"] = [compiled_step(xs, st.shard(Y, mesh, ("fsdp",))).item() for _ in range(4)]
+report["replays"] = st.counter_value("CompileReplay")
 print("REPORT", json.dumps(report))
