@@ -42,10 +42,13 @@ Example::
     y = compiled(st.shard(torch.randn(8, 16), mesh, ("data", None)))   # one program per call
 
 Importing this module does not import ``torch._dynamo`` (about 3 s); the backend name is registered
-through the ``torch_dynamo_backends`` entry point, which Dynamo reads when a name is first looked up.
+when Dynamo's backend registry is imported (and is also announced through the
+``torch_dynamo_backends`` entry point).
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import itertools
 import sys
 
@@ -205,12 +208,35 @@ def register() -> None:
         registry.register_backend(shardtensor_backend, name=BACKEND_NAME)
 
 
-def _register_if_dynamo_loaded() -> None:
-    # Dynamo already imported (so importing it costs nothing) and no entry point announced us: add
-    # the name directly. With the entry point, Dynamo registers the backend itself when it loads it.
-    registry = sys.modules.get("torch._dynamo.backends.registry")
-    if registry is not None and BACKEND_NAME not in registry._BACKENDS:
+class _RegisterWhenDynamoLoads(importlib.abc.MetaPathFinder):
+    """Registers the name right after Dynamo's backend registry is imported, so that it is there
+    even when Dynamo cannot see the entry point (shardtensor run from a source tree on PYTHONPATH
+    without being pip-installed, or a stale ``*.egg-info`` shadowing the installed metadata)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _REGISTRY:
+            return None
+        sys.meta_path.remove(self)  # one shot; find the real spec without us
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            run_module = spec.loader.exec_module
+
+            def exec_module(module):
+                run_module(module)
+                register()
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+_REGISTRY = "torch._dynamo.backends.registry"
+
+
+def _register_when_dynamo_loads() -> None:
+    if _REGISTRY in sys.modules:  # Dynamo already imported (so registering now costs nothing)
         register()
+    elif not any(isinstance(f, _RegisterWhenDynamoLoads) for f in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenDynamoLoads())
 
 
-_register_if_dynamo_loaded()
+_register_when_dynamo_loads()

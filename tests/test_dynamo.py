@@ -3,6 +3,7 @@ parameters and inputs without graph breaks, each captured graph runs as one JAX 
 training match eager torch on CPU, graph breaks still give the right answer, and a new input sharding
 (same shape) recompiles."""
 import subprocess
+import textwrap
 import sys
 
 import pytest
@@ -52,6 +53,21 @@ def test_backend_is_registered_by_name():
     # registering costs no torch._dynamo import (about 3 s) at `import shardtensor`
     code = "import sys, shardtensor; assert 'torch._dynamo' not in sys.modules, 'dynamo imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_name_works_without_the_entry_point():
+    """Run from a source tree that was never pip-installed (or with stale metadata shadowing the
+    installed one), Dynamo sees no entry point: the name is registered when Dynamo loads."""
+    code = textwrap.dedent("""
+        import importlib.metadata as md
+        import torch, shardtensor as st
+        seen = md.entry_points
+        md.entry_points = lambda **kw: md.EntryPoints([]) if kw.get("group") == "torch_dynamo_backends" else seen(**kw)
+        f = torch.compile(lambda x: (x * 2).sum(), backend="shardtensor")
+        print(f(torch.ones(8, 4).to(st.device())).item())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("64.0"), out.stderr[-3000:]
 
 
 def test_sharded_tensor_is_traceable_only_while_compiling():
