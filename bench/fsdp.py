@@ -52,7 +52,6 @@ import train_vs_jax as tvj  # noqa: E402  (the GPT, its JAX twin, JaxRun, Progra
 
 import jax  # noqa: E402
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
@@ -66,39 +65,14 @@ def fsdp_gpt(state_dict, mesh, checkpointed=False):
     return FSDPv2(model, mesh=mesh, auto_wrap_policy=policy, auto_wrapper_callable=wrapper)
 
 
-class FsdpRun:
-    """One training step of the FSDPv2 GPT, lazy (``st.step()``) or ``st.compile``d."""
-
-    def __init__(self, state_dict, mesh, compiled, checkpointed=False):
-        self.model = fsdp_gpt(state_dict, mesh, checkpointed)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=tvj.LR, betas=tvj.BETAS, eps=tvj.EPS,
-                                     weight_decay=tvj.WD, capturable=True)
-        self.mesh, self.compiled = mesh, compiled
-        self.step_fn = st.compile(self.record_step) if compiled else self.record_step
-        st.sync()
-
-    def record_step(self, x, y):
-        out = self.model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    def shard_batch(self, x, y):
-        return st.shard(x, self.mesh, ("fsdp", None)), st.shard(y, self.mesh, ("fsdp", None))
-
-    def __call__(self, x, y):
-        xs, ys = self.shard_batch(x, y)
-        loss = self.step_fn(xs, ys)
-        if not self.compiled:
-            st.sync()
-        return float(loss.cpu())
+def fsdp_run(state_dict, mesh, compiled, checkpointed=False):
+    """train_vs_jax's training step (lazy or ``st.compile``d) on the FSDPv2 GPT."""
+    return tvj.ShardtensorRun("gpt", state_dict, mesh, compiled, model=fsdp_gpt(state_dict, mesh, checkpointed))
 
 
 def memory_of_step(state_dict, mesh, batches, checkpointed):
     """Memory (MiB per device) of the second (steady) lazy training step, and the first loss."""
-    run = FsdpRun(state_dict, mesh, compiled=False, checkpointed=checkpointed)
+    run = fsdp_run(state_dict, mesh, compiled=False, checkpointed=checkpointed)
     first = run(*batches[0])  # creates AdamW's state
     pending = run.record_step(*run.shard_batch(*batches[1]))  # recorded, not run yet
     memory = fsdp_memory.memory_mib(fsdp_memory.compiled_step())  # the pending graph, as sync() compiles it
@@ -118,8 +92,8 @@ def main():
     print(f"\n== FSDPv2 GPT (vocab 1024, 128 tokens, d=256, 4 blocks; {sum(v.numel() for v in state.values()):,} "
           f"parameters), batch 16, mesh (8, 1) ('fsdp', 'model'), AdamW, {ARGS.steps} steps")
 
-    runs = {"lazy": FsdpRun(state, mesh, compiled=False), "compile": FsdpRun(state, mesh, compiled=True),
-            "ckpt": FsdpRun(state, mesh, compiled=False, checkpointed=True),  # the cost of recomputing
+    runs = {"lazy": fsdp_run(state, mesh, compiled=False), "compile": fsdp_run(state, mesh, compiled=True),
+            "ckpt": fsdp_run(state, mesh, compiled=False, checkpointed=True),  # the cost of recomputing
             "jax": tvj.JaxRun("gpt", state, jmesh)}
     times = {k: [] for k in runs}
     losses = {k: [] for k in runs}

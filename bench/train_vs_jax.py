@@ -220,19 +220,24 @@ def make_batches(kind, n, seed=0):
 
 
 class ShardtensorRun:
-    def __init__(self, kind, state_dict, mesh, compiled):
-        self.model = (MLP() if kind == "mlp" else GPT()).to(st.device())
-        self.model.load_state_dict(state_dict)
-        for p in self.model.parameters():
-            st.mark_sharding(p, mesh, fsdp_spec(tuple(p.shape)))
+    """One training step, lazy (``st.step()``) or ``st.compile``d. ``model``: one already on the
+    devices and sharded (bench/fsdp.py's FSDPv2 GPT); else the MLP or GPT, FSDP-style."""
+
+    def __init__(self, kind, state_dict, mesh, compiled, model=None):
+        if model is None:
+            model = (MLP() if kind == "mlp" else GPT()).to(st.device())
+            model.load_state_dict(state_dict)
+            for p in model.parameters():
+                st.mark_sharding(p, mesh, fsdp_spec(tuple(p.shape)))
+        self.model = model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                                      capturable=True)
         self.mesh, self.kind, self.compiled = mesh, kind, compiled
         self.trace_seconds = []
-        self.step_fn = st.compile(self._step) if compiled else self._step
+        self.step_fn = st.compile(self.record_step) if compiled else self.record_step
         st.sync()
 
-    def _step(self, x, y):
+    def record_step(self, x, y):
         out = self.model(x)
         loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
         loss.backward()
@@ -240,9 +245,12 @@ class ShardtensorRun:
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
+    def shard_batch(self, x, y):
+        """The batch split over 'fsdp' on its first dimension."""
+        return tuple(st.shard(t, self.mesh, ("fsdp",) + (None,) * (t.dim() - 1)) for t in (x, y))
+
     def __call__(self, x, y):
-        batch_spec = ("fsdp",) + (None,) * (x.dim() - 1)
-        xs, ys = st.shard(x, self.mesh, batch_spec), st.shard(y, self.mesh, ("fsdp",) + (None,) * (y.dim() - 1))
+        xs, ys = self.shard_batch(x, y)
         t0 = time.perf_counter()
         loss = self.step_fn(xs, ys)
         if not self.compiled:

@@ -523,8 +523,8 @@ def test_checkpoint_module_keeps_dropout_masks():
     assert grads[0][0].abs().sum() > 0
 
 
-def _lowered_step_text():
-    """White box: the StableHLO of the pending lazy graph (shardtensor has no public accessor)."""
+def _lowered_step():
+    """White box: the pending lazy graph, lowered (shardtensor has no public accessor)."""
     from shardtensor import lazy
 
     ex = lazy.Execution.prepare(lazy.pending_cells())
@@ -532,7 +532,11 @@ def _lowered_step_text():
     donated = [ex.arrays[i] for i in prog.donated]
     kept = [ex.arrays[i] for i in prog.kept]
     vecs = {k: lazy._device_scalars(v, prog.mesh) for k, v in ex.scalars.items()}
-    return ex.executable.lower(donated, kept, vecs).as_text()
+    return ex.executable.lower(donated, kept, vecs)
+
+
+def _lowered_step_text():
+    return _lowered_step().as_text()
 
 
 def test_recomputation_sits_behind_an_optimization_barrier():
@@ -581,19 +585,12 @@ def _stack(blocks=4, d=32):
 
 def _peak_bytes_of_step(model, x):
     """White box: XLA's memory_analysis() of the pending lazy graph of one SGD step."""
-    from shardtensor import lazy
-
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss = model(x).pow(2).mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
-    ex = lazy.Execution.prepare(lazy.pending_cells())
-    prog = ex.executable.program
-    donated = [ex.arrays[i] for i in prog.donated]
-    kept = [ex.arrays[i] for i in prog.kept]
-    vecs = {k: lazy._device_scalars(v, prog.mesh) for k, v in ex.scalars.items()}
-    m = ex.executable.lower(donated, kept, vecs).compile().memory_analysis()
+    m = _lowered_step().compile().memory_analysis()
     st.sync()
     return m.temp_size_in_bytes, loss.item()
 
