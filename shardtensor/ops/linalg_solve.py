@@ -139,21 +139,23 @@ def _perm_sign(piv, dtype):
     return jnp.where(odd == 1, -1, 1).astype(dtype)
 
 
+def _checked_lu(name, A):
+    """(lu, pivots, diagonal of U) of a float square A, factored as torch does for det/slogdet."""
+    _check_float(name, A)
+    _check_square(name, A)
+    lu, piv, _, _ = _lu_factor(jnp.swapaxes(A, -1, -2) if _use_A_T(A) else A)
+    return lu, piv, jnp.diagonal(lu, axis1=-2, axis2=-1)
+
+
 @register(aten._linalg_det.default)
 def linalg_det(A):
-    _check_float("linalg.det", A)
-    _check_square("linalg.det", A)
-    lu, piv, _, _ = _lu_factor(jnp.swapaxes(A, -1, -2) if _use_A_T(A) else A)
-    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    lu, piv, diag = _checked_lu("linalg.det", A)
     return (jnp.prod(diag, axis=-1) * _perm_sign(piv, A.dtype)).astype(A.dtype), lu, piv
 
 
 @register(aten._linalg_slogdet.default)
 def linalg_slogdet(A):
-    _check_float("linalg.slogdet", A)
-    _check_square("linalg.slogdet", A)
-    lu, piv, _, _ = _lu_factor(jnp.swapaxes(A, -1, -2) if _use_A_T(A) else A)
-    diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
+    lu, piv, diag = _checked_lu("linalg.slogdet", A)
     absd = jnp.abs(diag)
     unit = diag / jnp.where(absd == 0, 1, absd).astype(A.dtype)  # sgn: 0 stays 0
     sign = jnp.prod(unit, axis=-1) * _perm_sign(piv, A.dtype)
