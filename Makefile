@@ -44,7 +44,7 @@ demo: $(STAMP)
 	$(PY) -m shardtensor.demo $(DEMO_ARGS)
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS) tests
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
