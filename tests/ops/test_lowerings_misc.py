@@ -226,7 +226,7 @@ def test_histc_histogram(dtype):
     odd = torch.tensor([1.0, 2, NAN, 3, -INF, INF, 0.5, 4.0, 0.0], dtype=dtype)
     edge_points = torch.linspace(-3, 7, 1001, dtype=dtype)  # many values on or next to bin edges
     with Batch() as b:
-        for bins in (1, 3, 10, 13, 100):
+        for bins in (1, 13, 100):  # one bin, a bin width that is no round number, many narrow bins
             b.check(aten.histc.default, x, bins)
             b.check(aten.histc.default, x, bins, -1, 1)
             b.check(aten.histc.default, odd, bins, 0, 4)
