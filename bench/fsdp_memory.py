@@ -8,7 +8,7 @@ the temporaries (activations, gathered weights, gradients). The step is then run
 both variants compared.
 
 shardtensor has no public accessor for the compiled program of the pending graph, so
-``compiled_step`` below reaches into ``shardtensor.lazy`` (white box, benchmark only).
+``compiled_step`` below lowers the pending graph with ``shardtensor.graph.capture`` (white box, benchmark only).
 
 Example::
 
@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import shardtensor as st  # noqa: E402
-from shardtensor import lazy  # noqa: E402  (white box: the compiled program of the pending graph)
+from shardtensor.graph import state  # noqa: E402
+from shardtensor.graph.capture import lower  # noqa: E402  (white box: the compiled program of the pending graph)
 from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
 
 MiB = 2 ** 20
@@ -63,12 +64,7 @@ class Net(nn.Module):
 
 def compiled_step():
     """The pending lazy graph, compiled as jax would compile it at sync()."""
-    execution = lazy.Execution.prepare(lazy.pending_cells())
-    fn, program = execution.executable, execution.executable.program
-    donated = [execution.arrays[i] for i in program.donated]
-    kept = [execution.arrays[i] for i in program.kept]
-    vecs = {k: lazy._device_scalars(v, program.mesh) for k, v in execution.scalars.items()}
-    return fn.lower(donated, kept, vecs).compile()
+    return lower(state.pending_cells(), donate=True).compile()
 
 
 def memory_mib(compiled) -> dict:

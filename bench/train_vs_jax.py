@@ -35,7 +35,7 @@ import torch.nn.functional as F  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as JP  # noqa: E402
 
 import shardtensor as st  # noqa: E402
-from shardtensor import lazy  # noqa: E402
+from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 from shardtensor.explain import collectives_in_hlo  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -180,7 +180,7 @@ class ProgramSpy:
 
     def __init__(self):
         self.largest = None
-        self._orig = lazy.call_executable
+        self._orig = execute.call_executable
 
     def __enter__(self):
         def spy(fn, arrays, scalars, wait=False):
@@ -191,11 +191,11 @@ class ProgramSpy:
                 self.largest = (size, fn, avals, vecs)
             return self._orig(fn, arrays, scalars, wait)
 
-        lazy.call_executable = spy
+        execute.call_executable = spy
         return self
 
     def __exit__(self, *exc):
-        lazy.call_executable = self._orig
+        execute.call_executable = self._orig
 
     def hlo(self) -> str:
         _, fn, avals, vecs = self.largest

@@ -13,24 +13,24 @@ from shardtensor.runtime import (  # noqa: F401  (configures jax before anything
 from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
 from shardtensor import ops  # noqa: F401  (fills the lowering table)
+from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
+from shardtensor.graph.rng import manual_seed  # noqa: F401
+from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
 from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
-from shardtensor.torch_device import device, devices  # noqa: F401
+from shardtensor.tensor.device import device, devices  # noqa: F401
+from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
-from shardtensor.lazy import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
-from shardtensor.rng import manual_seed  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor.metrics import (  # noqa: F401
     metrics_report, short_metrics_report, metric_data, metric_names, clear_metrics, clear_all,
 )
 from shardtensor.runtime import initialize_cache  # noqa: F401
-from shardtensor.compile_debug import RecompilationWarning  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
 from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
-from shardtensor import dispatch as _dispatch  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 
 P = PartitionSpec

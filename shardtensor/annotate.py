@@ -5,14 +5,16 @@ import jax
 import numpy as np
 import torch
 
-from shardtensor import lazy, views
 from shardtensor import metrics as counters
 from shardtensor import sharding as sh
-from shardtensor.dtypes import to_torch
+from shardtensor.dtypes import to_torch, torch_to_numpy
+from shardtensor.graph import views
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Node, Pending
+from shardtensor.graph.state import STATE, set_concrete, set_pending
 from shardtensor.mesh import Mesh
-from shardtensor.storage import Node, Pending
-from shardtensor.tensor import ShardedTensor, torch_to_numpy
-from shardtensor.transfer import cell_from_host, jax_sharding
+from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.upload import cell_from_host
 
 
 def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
@@ -33,7 +35,7 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
         else:
             with torch.no_grad():
                 out = t.detach().clone()
-            out._cell.mesh = out._cell.spec = None  # the clone's annotation is replaced below
+            out._cell.sharding = None  # the clone's annotation is replaced below
             return mark_sharding(out, mesh, partition_spec)
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
@@ -84,14 +86,14 @@ def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec) -> ShardedTensor
                 f"{sh.sharding_string(cell.mesh, cell.spec, t.dim())}. Call st.clear_sharding(t) before "
                 "marking it with another spec."
             )
-    sharding = jax_sharding(mesh, spec, t.dim())
+    sharding = sh.named_sharding(mesh, spec, t.dim())
     ref = views.read(t)
     node = Node(lambda x: (jax.lax.with_sharding_constraint(x, sharding),), ("constraint", sharding), (ref,))
-    cell.mesh, cell.spec = mesh, spec
+    cell.sharding = sh.ShardingSpec(mesh, spec)
     was_pending = cell.is_pending()
-    lazy.set_pending(cell, Pending(node, 0))
-    if not was_pending and not lazy.STATE.tracing:
-        lazy.run_cells([cell])  # a computed tensor: move its data now
+    set_pending(cell, Pending(node, 0))
+    if not was_pending and not STATE.tracing:
+        run_cells([cell])  # a computed tensor: move its data now
     return t
 
 
@@ -108,8 +110,8 @@ def clear_sharding(t: ShardedTensor) -> ShardedTensor:
     if cell.spec is not None and not cell.is_pending():
         array = cell.value
         if tuple(array.shape) != tuple(cell.shape):  # drop the padding: it belonged to the old spec
-            lazy.set_concrete(cell, array[tuple(slice(0, n) for n in cell.shape)], owned=True)
-    cell.mesh = cell.spec = None
+            set_concrete(cell, array[tuple(slice(0, n) for n in cell.shape)], owned=True)
+    cell.sharding = None
     return t
 
 

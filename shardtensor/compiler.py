@@ -17,9 +17,13 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardtensor import compile_debug, lazy
 from shardtensor import metrics as counters
-from shardtensor.storage import Cell
+from shardtensor.graph import execute, recompile
+from shardtensor.graph.capture import capture
+from shardtensor.graph.execute import Execution, assign_outputs, run_cells
+from shardtensor.graph.ir import Cell
+from shardtensor.graph.program import to_mesh
+from shardtensor.graph.state import check_execution_allowed, pending_cells
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -58,8 +62,8 @@ class CompiledFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
-        lazy.check_execution_allowed(f"compiled function {self.name} called inside another")
-        lazy.run_cells(lazy.pending_cells())  # PyTorch/XLA syncs pending work on entry too
+        check_execution_allowed(f"compiled function {self.name} called inside another")
+        run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
         flat, spec = pytree.tree_flatten((args, kwargs))
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
@@ -72,25 +76,20 @@ class CompiledFunction:
 
     def _trace(self, signature, flat, args, kwargs):
         counters.increment("CompileTrace")
-        first_serial = Cell._next_serial
         monitor = _HostStateMonitor()
-        previous = (lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken)
-        lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.trace_broken = False, True, None
+        guard = None
         if self.full_graph:
-            lazy.STATE.execution_guard = (
-                f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
-                "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
-                "full_graph=False.")
-        try:
-            with monitor:
-                out = self.fn(*args, **kwargs)
-            broken = lazy.STATE.trace_broken or monitor.reason
-        finally:
-            lazy.STATE.eager, lazy.STATE.tracing, lazy.STATE.execution_guard, lazy.STATE.trace_broken = previous
-        cells = lazy.pending_cells()
-        with compile_debug.naming(flat, self.name):
-            execution = lazy.Execution.prepare(cells) if cells else None
-        trace = _Trace(execution, flat, out, first_serial, broken)
+            guard = (f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
+                     "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
+                     "full_graph=False.")
+        with capture(tracing=True, guard=guard) as seen, monitor:
+            out = self.fn(*args, **kwargs)
+        broken = seen.broken or monitor.reason
+        cells = seen.pending()  # nothing else is pending: the call started with a sync
+        arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
+        with recompile.naming(arguments, self.name):
+            execution = Execution.prepare(cells) if cells else None
+        trace = _Trace(execution, flat, out, seen.first_serial, broken)
         if execution is not None:
             execution.run()
         last = self._last_trace.get(signature)
@@ -98,8 +97,8 @@ class CompiledFunction:
         if trace.broken is None and last is not None and last == trace.fingerprint:
             self._frozen[signature] = trace.freeze()
             counters.increment("CompileFrozen")
-        elif trace.broken is not None and compile_debug.enabled():
-            compile_debug.emit(f"{self.name}: re-running Python each call: {trace.broken}")
+        elif trace.broken is not None and recompile.enabled():
+            recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
         return out
 
 
@@ -216,25 +215,25 @@ class _Frozen:
                 continue
             if cell.is_pending() or (i in self.donated and not cell.owned):
                 return _STALE
-            arrays.append(lazy.to_mesh(cell.value, self.executable.program.mesh))
+            arrays.append(to_mesh(cell.value, self.executable.program.mesh))
         program = self.executable.program
         for a, sig in zip(arrays, self.leaf_sigs):
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
                 return _STALE
         counters.increment("CompileReplay")
-        outs = lazy.call_executable(self.executable, arrays, self.scalars)
+        outs = execute.call_executable(self.executable, arrays, self.scalars)
         cells, results = [], list(self.out_flat)
         for (kind, ident, ref), out in zip(self.targets, outs):
             if kind == "arg":
                 cell = flat[ident]._cell
             elif kind == "ret":
                 old = self.out_flat[ident]
-                cell = Cell(None, old.shape, old.dtype, old._cell.mesh, old._cell.spec)
+                cell = Cell(None, old.shape, old.dtype, old._cell.sharding)
                 results[ident] = ShardedTensor(cell)
             else:
                 cell = ref()
             cells.append(cell)
-        lazy.assign_outputs(program, cells, outs)
+        assign_outputs(program, cells, outs)
         for c in cells:
             if c is not None:
                 c.version += 1

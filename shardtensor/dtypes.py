@@ -47,3 +47,31 @@ def to_torch(dtype) -> torch.dtype:
         return _JAX_TO_TORCH[np.dtype(dtype)]
     except KeyError:
         raise TypeError(f"no torch dtype for jax dtype {dtype}") from None
+
+
+# --- torch <-> numpy for every dtype (numpy lacks bfloat16 and float8: go through same-width ints) ---
+_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
+            torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A numpy array with the exact dtype of a CPU tensor (ml_dtypes for bfloat16/float8).
+
+    Example: ``torch_to_numpy(torch.ones(2, dtype=torch.bfloat16)).dtype == jnp.bfloat16``.
+    """
+    t = t.detach().contiguous()
+    if t.dtype in _BITCAST:
+        return t.view(_BITCAST[t.dtype]).numpy().view(to_jax(t.dtype))
+    return t.numpy()
+
+
+def numpy_to_torch(a) -> torch.Tensor:
+    """A torch CPU tensor (a copy) from a numpy or jax array, exact dtype.
+
+    Example: ``numpy_to_torch(np.zeros(2, np.float32))`` is ``tensor([0., 0.])``.
+    """
+    a = np.asarray(a)
+    dtype = to_torch(a.dtype)
+    if dtype in _BITCAST:
+        return torch.from_numpy(np.array(a, copy=True).view(to_jax(_BITCAST[dtype]))).view(dtype)
+    return torch.from_numpy(np.array(a, copy=True))

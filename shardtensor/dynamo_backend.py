@@ -55,8 +55,12 @@ import sys
 import torch
 from torch.utils import _pytree as pytree
 
+from shardtensor import annotate
 from shardtensor import metrics as counters
+from shardtensor.compiler import CompiledFunction
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor import device as torch_device
+from shardtensor.tensor.sharded import set_dynamo_unflatten
 
 BACKEND_NAME = "shardtensor"
 _META = torch.device("meta")
@@ -74,8 +78,6 @@ def shardtensor_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
     ``{"full_graph": True}``, which makes anything that needs a value inside the graph an error (as
     ``st.compile(full_graph=True)``).
     """
-    from shardtensor.compiler import CompiledFunction
-
     options = dict(kwargs.get("options") or {})
     full_graph = bool(options.pop("full_graph", False))
     if options:
@@ -129,8 +131,6 @@ class _TracingShardedTensor(ShardedTensor):
 
 
 def _st_device():
-    from shardtensor import torch_device
-
     return torch_device.device()
 
 
@@ -186,8 +186,6 @@ def _prepare_dynamo():
         set_code_exec_strategy,
     )
 
-    from shardtensor import annotate
-
     # torch.compiler.disable would return a wrapper, missing every `st.mark_sharding` bound before;
     # mark the functions themselves instead: a graph break where they are called
     # (_torchdynamo_disable), and their frames and everything they call (the lazy graph, JAX) run
@@ -240,3 +238,4 @@ def _register_when_dynamo_loads() -> None:
 
 
 _register_when_dynamo_loads()
+set_dynamo_unflatten(unflatten)

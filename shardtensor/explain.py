@@ -23,21 +23,21 @@ Example::
 from __future__ import annotations
 
 import html
+import itertools
 import math
 import re
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import jax
 import torch
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as JaxSpec
 from torch.utils import _pytree as pytree
 
-from shardtensor import debug, lazy, runtime, views
+from shardtensor import debug, runtime
 from shardtensor import sharding as sh
+from shardtensor.graph import views
+from shardtensor.graph.capture import capture, lower
+from shardtensor.graph.ir import Cell, Pending
 from shardtensor.mesh import Mesh, mesh_for_jax_mesh
-from shardtensor.storage import Cell, Pending
 from shardtensor.tensor import ShardedTensor
 
 COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -288,20 +288,13 @@ def explain(t_or_fn, *args, **kwargs) -> Explanation:
 
 
 def _explain_call(fn, args, kwargs) -> Explanation:
-    before = {c.serial: c.version for c in lazy.pending_cells()}
-    first_serial = Cell._next_serial
-    previous = lazy.STATE.eager
-    lazy.STATE.eager = False  # record, whatever mode the caller is in
-    try:
+    with capture() as seen:  # record, whatever mode the caller is in
         out = fn(*args, **kwargs)
-    finally:
-        lazy.STATE.eager = previous
     returned = [(f"output {i}", x) for i, x in enumerate(pytree.tree_leaves(out)) if isinstance(x, ShardedTensor)]
     returned_cells = {id(x._cell) for _, x in returned}  # a returned view's base is no side effect
     # what the call left pending: values it updated in place and new values still alive
-    effects = [("updated in place" if c.serial < first_serial else "new pending value", c)
-               for c in lazy.pending_cells()
-               if id(c) not in returned_cells and before.get(c.serial) != c.version]
+    effects = [("new pending value" if seen.is_new(c) else "updated in place", c)
+               for c in seen.pending() if id(c) not in returned_cells]
     if not returned and not effects:
         raise ValueError(f"st.explain: calling {getattr(fn, '__name__', fn)!r} recorded nothing on the devices "
                          "(it returned no ShardedTensor and changed none); pass tensors on st.device()")
@@ -344,18 +337,11 @@ def _explain(tensors: list, effect_cells: list) -> Explanation:
 
 def _compile(cells):
     """(output shardings, compiled HLO text, Mesh) of the program computing ``cells``, not run."""
-    program, arrays, scalars = lazy._Program.build(cells, donate=False)
-    program.leaf_cells = None  # keep no cells alive through the program
-    # The same graph compiled earlier is in the cache: its jit finds the executable again. Otherwise
-    # a jit of our own, outside the cache, so sync() later counts (and caches) its compile as usual.
-    fn = lazy._EXECUTABLES.get(program.key) or program.make_executable()
-    program = fn.program
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
-    # scalars travel as vectors replicated over the mesh (see lazy._device_scalars); no upload here
-    replicated = NamedSharding(program.mesh, JaxSpec())
-    vectors = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in scalars.items()}
-    compiled = fn.lower([avals[i] for i in program.donated], [avals[i] for i in program.kept], vectors).compile()
-    return list(compiled.output_shardings), compiled.as_text(), mesh_for_jax_mesh(program.mesh)
+    lowered = lower(cells)
+    # the same graph compiled earlier is in the cache: its jit finds the executable again; otherwise
+    # one outside the cache, so sync() later counts (and caches) its compile as usual
+    compiled = lowered.compile()
+    return list(compiled.output_shardings), compiled.as_text(), mesh_for_jax_mesh(lowered.mesh)
 
 
 def _output_sharding(cell, compiled_sharding, mesh: Mesh):
@@ -372,8 +358,6 @@ def _output_sharding(cell, compiled_sharding, mesh: Mesh):
 def _find_spec(string: str, mesh: Mesh, ndim: int):
     """A spec over ``mesh`` giving the same placement as ``string``, or None (tried exhaustively:
     each mesh axis of size > 1 either unused or on one dimension, in every order)."""
-    import itertools
-
     try:
         target = _placement_key(debug.parse_sharding_string(string, mesh.size()))
     except ValueError:

@@ -27,11 +27,17 @@ import torch
 from jax import export as jax_export
 from torch.utils import _pytree as pytree
 
-from shardtensor import lazy, runtime
+from shardtensor import runtime
+from shardtensor.dtypes import torch_to_numpy
+from shardtensor.graph.capture import capture, lower
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Cell
+from shardtensor.graph.program import to_mesh
+from shardtensor.graph.state import check_execution_allowed, pending_cells
 from shardtensor.mesh import Mesh
-from shardtensor.storage import Cell
+from shardtensor.sharding import ShardingSpec
 from shardtensor.tensor import ShardedTensor
-from shardtensor.transfer import cell_from_host, torch_to_numpy
+from shardtensor.tensor.upload import cell_from_host
 
 _FORMAT = "shardtensor-export"
 _VERSION = 1
@@ -52,31 +58,26 @@ def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
         exported = st.export(lambda a, b: a @ b, st.shard(a, mesh, ("x", None)), b_sharded)
         exported.mlir_text(); blob = exported.serialize()
     """
-    lazy.check_execution_allowed("st.export")
-    lazy.run_cells(lazy.pending_cells())
+    check_execution_allowed("st.export")
+    run_cells(pending_cells())
     flat_args, in_tree = pytree.tree_flatten((example_args, example_kwargs))
     for i, a in enumerate(flat_args):
         if isinstance(a, torch.Tensor) and not isinstance(a, ShardedTensor):
             raise ExportError(
                 f"st.export: argument {i} is a {a.device} tensor; pass ShardedTensors (st.shard(t, mesh, spec)) "
                 "so the program knows each input's sharding")
-    first_serial = Cell._next_serial
-    previous = lazy.STATE.eager
-    lazy.STATE.eager = False
-    try:
+    with capture() as seen:
         out = fn(*example_args, **example_kwargs)
         out_flat, out_tree = pytree.tree_flatten(out)
         # a returned view, argument or parameter is not a node of its own: give it one
         out_flat = [_as_own_value(x) for x in out_flat]
-    finally:
-        lazy.STATE.eager = previous
-    _check_no_side_effects(first_serial, out_flat)
+    _check_no_side_effects(seen, out_flat)
     out_cells = [x._cell for x in out_flat if isinstance(x, ShardedTensor)]
     if not out_cells:
         raise ExportError("st.export: the function returns no tensor computed on the devices")
-    program, arrays, scalars = lazy._Program.build(out_cells, donate=False)
-    leaf_cells, program.leaf_cells = program.leaf_cells, None
-    jitted = _with_output_shardings(program, arrays, scalars)
+    lowered = lower(out_cells)
+    program, arrays, scalars, leaf_cells = lowered.program, lowered.arrays, lowered.scalars, lowered.leaf_cells
+    jitted = _with_output_shardings(lowered)
     arg_of_cell = {id(a._cell): i for i, a in enumerate(flat_args) if isinstance(a, ShardedTensor)}
     inputs, constants = [], []
     for k, (array, cell) in enumerate(zip(arrays, leaf_cells)):
@@ -164,7 +165,7 @@ class ExportedProgram:
         flat, tree = pytree.tree_flatten((args, kwargs))
         if pytree.treespec_dumps(tree) != self._meta["in_tree"]:
             raise TypeError("the arguments do not have the structure of the exported example arguments")
-        lazy.run_cells(lazy.pending_cells())
+        run_cells(pending_cells())
         leaves = [None] * self._meta["n_leaves"]
         for k, array in zip(self._meta["constants"], self._constants()):
             leaves[k] = array
@@ -206,13 +207,14 @@ class ExportedProgram:
                                   dtype)
             return cell.value
         array = value._concrete_array()
-        return lazy.to_mesh(array, mesh.get_jax_mesh())
+        return to_mesh(array, mesh.get_jax_mesh())
 
 
-def _with_output_shardings(program, arrays, scalars):
+def _with_output_shardings(lowered):
     """The program jitted with every output's sharding explicit: the user's annotation where there is
     one, else the layout XLA's propagation chose (so the exported text states it)."""
-    chosen = program.make_executable().lower([], arrays, scalars).compile().output_shardings
+    program = lowered.program
+    chosen = program.make_executable().lower(*lowered.abstract_arguments()).compile().output_shardings
     program.outputs = [(code, pad, sharding if sharding is not None else chosen[i])
                        for i, (code, pad, sharding) in enumerate(program.outputs)]
     return program.make_executable()
@@ -225,9 +227,9 @@ def _as_own_value(x):
     return x
 
 
-def _check_no_side_effects(first_serial, out_flat):
+def _check_no_side_effects(seen, out_flat):
     returned = {id(x._cell) for x in out_flat if isinstance(x, ShardedTensor)}
-    updated = [c for c in lazy.pending_cells() if c.serial < first_serial and id(c) not in returned]
+    updated = [c for c in seen.updated() if id(c) not in returned]
     if updated:
         raise ExportError(
             f"st.export: the function updates {len(updated)} existing tensor(s) in place (for example an "
@@ -261,7 +263,8 @@ def _wrap_output(array, spec, mesh):
     shape, dtype = tuple(spec["shape"]), _dtype(spec["dtype"])
     part = tuple(spec["spec"]) if spec["spec"] is not None else None
     # an annotated output is stored as (mesh, spec), padded where uneven, like any ShardedTensor
-    return ShardedTensor(Cell(array, shape, dtype, mesh=mesh if part else None, spec=part, owned=True))
+    sharding = ShardingSpec(mesh, part) if part else None
+    return ShardedTensor(Cell(array, shape, dtype, sharding, owned=True))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -19,7 +19,9 @@ from collections import OrderedDict, defaultdict
 
 import numpy as np
 
-from shardtensor import runtime
+from shardtensor import runtime  # (configures jax before it is imported)
+from jax.sharding import AxisType  # noqa: E402,I001
+from jax.sharding import Mesh as JaxMesh  # noqa: E402
 
 
 class MeshError(AssertionError, ValueError):
@@ -97,9 +99,6 @@ class Mesh:
             # Mesh('x': 4, 'y': 2, axis_types=(Auto, Auto))
         """
         if self._jax_mesh is None:
-            from jax.sharding import AxisType
-            from jax.sharding import Mesh as JaxMesh
-
             devices = np.array([runtime.jax_devices()[i] for i in self.device_ids], dtype=object)
             # Auto, not jax.make_mesh's explicit default: explicit axes reject some matmuls.
             self._jax_mesh = JaxMesh(
@@ -256,6 +255,22 @@ def get_global_mesh() -> Mesh | None:
     Example: ``set_global_mesh(m); get_global_mesh() is m``.
     """
     return _global_mesh
+
+
+_all_devices_mesh: Mesh | None = None
+
+
+def default_mesh() -> Mesh:
+    """The mesh replicated tensors live on: the global mesh if set, else a 1-D mesh of all devices.
+
+    Example: ``default_mesh().size() == global_runtime_device_count()`` with no global mesh set.
+    """
+    global _all_devices_mesh
+    if _global_mesh is not None:
+        return _global_mesh
+    if _all_devices_mesh is None:
+        _all_devices_mesh = get_1d_mesh()
+    return _all_devices_mesh
 
 
 # --------------------------------------------------------------------------- HybridMesh

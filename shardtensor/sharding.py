@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 from enum import IntEnum
 
+import jax
 import numpy as np
 
-from shardtensor.mesh import Mesh, jax_axis_names
+from shardtensor import runtime
+from shardtensor.mesh import Mesh, jax_axis_names, mesh_for_jax_mesh
 
 _SPEC_HELP = (
     "A partition spec has one entry per tensor dimension: None (replicate it), a mesh axis "
@@ -438,8 +441,6 @@ def to_jax_spec(mesh: Mesh, spec, ndim: int):
 
         to_jax_spec(Mesh(range(8), (4, 2)), ((1, 0), None), 2)   # PartitionSpec(('1', '0'), None)
     """
-    from jax.sharding import PartitionSpec as JaxPartitionSpec
-
     spec = _canonical_spec(spec)
     per_dim = normalize_spec(mesh, spec, ndim)
     names = jax_axis_names(mesh)
@@ -451,4 +452,155 @@ def to_jax_spec(mesh: Mesh, spec, ndim: int):
             entries.append(tuple(names[a] for a in axes))
         else:
             entries.append(names[axes[0]])
-    return JaxPartitionSpec(*entries)
+    return jax.sharding.PartitionSpec(*entries)
+
+
+def named_sharding(mesh: Mesh, spec, ndim: int) -> jax.sharding.NamedSharding:
+    """The jax NamedSharding of (mesh, spec) for a tensor of rank ``ndim``.
+
+    Example: ``named_sharding(mesh, ('x', None), 2).spec == jax.P('x', None)``.
+    """
+    return jax.sharding.NamedSharding(mesh.get_jax_mesh(), to_jax_spec(mesh, spec, ndim))
+
+
+# --------------------------------------------------------------------------- reading shardings back
+
+
+@dataclass(frozen=True)
+class ParsedSharding:
+    """A sharding string taken apart.
+
+    ``kind`` is ``'replicated'``, ``'maximal'`` (one device holds everything) or ``'tiled'``;
+    ``tile_dims`` are the shard counts of the tensor's dimensions (the replica dimension of
+    ``last_tile_dim_replicate`` excluded); ``replicas`` the size of each replica group;
+    ``devices`` the device ids row-major over ``tile_dims + (replicas,)``.
+    """
+
+    kind: str
+    tile_dims: tuple[int, ...]
+    replicas: int
+    devices: tuple[int, ...]
+
+    def device_grid(self) -> np.ndarray:
+        """Device ids as an array of shape ``tile_dims + (replicas,)``."""
+        return np.array(self.devices, dtype=np.int64).reshape(self.tile_dims + (self.replicas,))
+
+
+_TILED = re.compile(
+    r"\{devices=\[(?P<dims>\d+(?:,\d+)*)\]"
+    r"(?:(?P<ids>\d+(?:,\d+)*)|<=\[(?P<iota>\d+(?:,\d+)*)\](?:T\((?P<perm>\d+(?:,\d+)*)\))?)"
+    r"(?P<suffix>(?:\s+last_tile_dim_replicate|\s+last_tile_dims=\{replicated\})?)\}"
+)
+_MAXIMAL = re.compile(r"\{maximal device=(\d+)\}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(n) for n in text.split(",")]
+
+
+def parse_sharding_string(sharding: str, device_count: int | None = None) -> ParsedSharding:
+    """Parse an HLO sharding string, in V1 (explicit ids) or V2 (iota) form.
+
+    ``''`` (no sharding) and ``'{replicated}'`` mean every one of ``device_count`` devices (default:
+    all devices of the runtime) holds everything. Anything else that is not a tiling or
+    ``{maximal device=N}`` raises ValueError.
+
+    Example::
+
+        parse_sharding_string('{devices=[4,1,2]<=[8] last_tile_dim_replicate}').tile_dims   # (4, 1)
+    """
+    if not isinstance(sharding, str):
+        raise TypeError(f"a sharding string is a str, got {type(sharding).__name__}")
+    text = sharding.strip()
+    if text in ("", "{replicated}"):
+        n = runtime.global_runtime_device_count() if device_count is None else device_count
+        return ParsedSharding("replicated", (), n, tuple(range(n)))
+    m = _MAXIMAL.fullmatch(text)
+    if m:
+        return ParsedSharding("maximal", (), 1, (int(m.group(1)),))
+    m = _TILED.fullmatch(text)
+    if not m:
+        raise ValueError(
+            f"sharding {sharding!r} is not organized as expected: expected '{{replicated}}', "
+            "'{devices=[d0,d1,...]id,id,... (last_tile_dim_replicate)}' or its iota form "
+            "'{devices=[...]<=[...]}' (manual and tuple shardings cannot be shown)")
+    dims = _ints(m.group("dims"))
+    total = math.prod(dims)
+    if m.group("ids") is not None:
+        devices = _ints(m.group("ids"))
+    else:
+        # V2: the ids are arange reshaped to the iota dims, transposed, flattened
+        iota = _ints(m.group("iota"))
+        perm = _ints(m.group("perm")) if m.group("perm") else list(range(len(iota)))
+        if math.prod(iota) != total or sorted(perm) != list(range(len(iota))):
+            raise ValueError(f"sharding {sharding!r}: its iota {iota} T{tuple(perm)} does not fill the tile "
+                             f"dims {dims}")
+        devices = np.arange(total).reshape(iota).transpose(perm).reshape(-1).tolist()
+    if len(devices) != total or len(set(devices)) != total:
+        raise ValueError(f"sharding {sharding!r}: tile dims {dims} need {total} distinct device ids, "
+                         f"got {len(devices)} ids ({len(set(devices))} distinct)")
+    replicas = dims.pop() if m.group("suffix").strip() else 1
+    return ParsedSharding("tiled", tuple(dims), replicas, tuple(devices))
+
+
+def _v1_string(parsed: ParsedSharding) -> str:
+    """PyTorch/XLA's V1 form of a parsed sharding (explicit device ids)."""
+    if parsed.kind == "replicated":
+        return "{replicated}"
+    if parsed.kind == "maximal":
+        return f"{{maximal device={parsed.devices[0]}}}"
+    dims = parsed.tile_dims + ((parsed.replicas,) if parsed.replicas > 1 else ())
+    suffix = " last_tile_dim_replicate" if parsed.replicas > 1 else ""
+    return f"{{devices=[{','.join(map(str, dims))}]{','.join(map(str, parsed.devices))}{suffix}}}"
+
+
+def spec_of_named_sharding(mesh: Mesh, jax_spec, ndim: int) -> PartitionSpec:
+    """A jax PartitionSpec over ``mesh.get_jax_mesh()`` as shardtensor's, over the mesh's own axes.
+
+    Axis names stay names on a named mesh; on an unnamed one (jax calls its axes ``'0'``, ``'1'``)
+    they become indices.
+
+    Example::
+
+        spec_of_named_sharding(Mesh(range(8), (4, 2)), jax.P('1', None), 2)   # PartitionSpec(1, None)
+    """
+    names = jax_axis_names(mesh)
+
+    def axis(name):
+        return name if mesh.axis_names is not None else names.index(name)
+
+    entries = []
+    for entry in list(jax_spec)[:ndim] + [None] * (ndim - len(jax_spec)):
+        if isinstance(entry, tuple):
+            entries.append(tuple(axis(n) for n in entry) if len(entry) > 1 else axis(entry[0]))
+        elif isinstance(entry, str):
+            entries.append(axis(entry))
+        else:
+            entries.append(None)  # None, or jax's UNCONSTRAINED: not split by this spec
+    return PartitionSpec(*entries)
+
+
+def array_sharding(array, ndim: int) -> tuple[str, Mesh | None, PartitionSpec | None]:
+    """(PyTorch/XLA sharding string, Mesh, spec) of a jax array or a compiled output's sharding.
+
+    ``array`` is a ``jax.Array`` or a ``jax.sharding.Sharding``. The mesh and spec are None when the
+    sharding is not over a mesh.
+
+    Example::
+
+        array_sharding(jax.device_put(x, NamedSharding(m.get_jax_mesh(), P('x'))), 1)
+        # ('{devices=[8]0,1,2,3,4,5,6,7}', m, PartitionSpec('x'))
+    """
+    s = array if isinstance(array, jax.sharding.Sharding) else array.sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+        mesh = mesh_for_jax_mesh(s.mesh)
+        spec = spec_of_named_sharding(mesh, s.spec, ndim)
+        return sharding_string(mesh, spec, ndim), mesh, spec
+    if s.is_fully_replicated:
+        return "{replicated}", None, None
+    parsed = parse_sharding_string(str(s._to_xla_hlo_sharding(ndim)))
+    # HLO's ids are positions in the sharding's device assignment, not device ids
+    assignment = [runtime.device_id(d) for d in s._device_assignment]
+    parsed = ParsedSharding(parsed.kind, parsed.tile_dims, parsed.replicas,
+                            tuple(assignment[i] for i in parsed.devices))
+    return _v1_string(parsed), None, None

@@ -294,23 +294,21 @@ def assert_sharding_kept(dev, mesh, specs):
 # --- isolation ------------------------------------------------------------------------------------
 def reset_state():
     """Leave no pending work and lazy mode on (tests share one process)."""
-    from shardtensor import lazy
+    from shardtensor.graph import state
 
-    if lazy.STATE.eager:
+    if state.STATE.eager:
         st.eager_mode(False)
-    lazy.STATE.tracing = False
-    lazy.STATE.execution_guard = None
+    state.STATE.tracing = False
+    state.STATE.execution_guard = None
     try:
         st.sync()
     except Exception:
-        lazy._PENDING.clear()
+        state.forget_pending()
 
 
 def fresh_executable_cache():
     """Forget compiled programs, so that the UncachedCompile counter counts this test's programs only
     (programs are cached process-wide: an earlier test may already have compiled the same one)."""
-    from shardtensor import lazy
+    from shardtensor.graph import execute
 
-    cache = getattr(lazy, "_EXECUTABLES", None)
-    if cache is not None:
-        cache.clear()
+    execute._EXECUTABLES.clear()

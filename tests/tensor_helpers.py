@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor import lazy
+from shardtensor.graph import state
 
 MESHES = {
     "8": st.Mesh(range(8), (8,), ("x",)),
@@ -45,7 +45,7 @@ def isolate_lazy_graph():
     try:
         st.sync()
     except Exception:
-        lazy._PENDING.clear()
+        state.forget_pending()
 
 
 def check_cover(x, t):

@@ -159,7 +159,8 @@ def test_without_the_cpp_guard_op_and_tensor_hook_errors_still_reach_user():
 
     code = textwrap.dedent("""
         import torch, shardtensor as st
-        from shardtensor import torch_device, dispatch
+        from shardtensor import dispatch
+        from shardtensor.tensor import device as torch_device
         assert not torch_device.CPP_GUARD
         x = torch.randn(8, 4).to(st.device()).requires_grad_()
         h = x * 2
@@ -169,7 +170,7 @@ def test_without_the_cpp_guard_op_and_tensor_hook_errors_still_reach_user():
         except KeyError as e:
             print("hook:", e)
         y = x.exp().sum()
-        dispatch._SPECIAL[torch.ops.aten.mul.Tensor] = lambda f, a, k: (_ for _ in ()).throw(ValueError("op failed"))
+        dispatch.SPECIAL[torch.ops.aten.mul.Tensor] = lambda f, a, k: (_ for _ in ()).throw(ValueError("op failed"))
         try:
             y.backward()
         except ValueError as e:

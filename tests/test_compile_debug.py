@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor import compile_debug
+from shardtensor.graph import recompile as compile_debug
 from _training_helpers import mesh_4x2, reset_state
 
 

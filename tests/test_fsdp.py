@@ -525,14 +525,11 @@ def test_checkpoint_module_keeps_dropout_masks():
 
 def _lowered_step():
     """White box: the pending lazy graph, lowered (shardtensor has no public accessor)."""
-    from shardtensor import lazy
+    from shardtensor.graph import state
+    from shardtensor.graph.capture import lower
 
-    ex = lazy.Execution.prepare(lazy.pending_cells())
-    prog = ex.executable.program
-    donated = [ex.arrays[i] for i in prog.donated]
-    kept = [ex.arrays[i] for i in prog.kept]
-    vecs = {k: lazy._device_scalars(v, prog.mesh) for k, v in ex.scalars.items()}
-    return ex.executable.lower(donated, kept, vecs)
+    lowered = lower(state.pending_cells(), donate=True)
+    return lowered.jitted().lower(*lowered.abstract_arguments())
 
 
 def _lowered_step_text():

@@ -12,7 +12,7 @@ import torch
 from torch.testing import assert_close
 
 import shardtensor as st
-from shardtensor import torch_device
+from shardtensor.tensor import device as torch_device
 from tensor_helpers import MESH_42, MESHES, isolate_lazy_graph, mode, modes
 
 

@@ -22,8 +22,10 @@ from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.mesh import get_1d_mesh, get_global_mesh
 from shardtensor.sharding import ShardingSpec
-from shardtensor.tensor import ShardedTensor, torch_to_numpy
-from shardtensor.transfer import jax_sharding, wrap_upload
+from shardtensor.dtypes import torch_to_numpy
+from shardtensor.sharding import named_sharding
+from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.upload import wrap_upload
 
 
 class Uploaded:
@@ -168,7 +170,7 @@ def upload(host: np.ndarray, mesh, spec, global_shape, local_tiles=None):
         return np.array(host[index], copy=True)
 
     with counters.timed("TransferToDeviceTime"):  # (wrap_upload counts it, on the recording thread)
-        return jax.make_array_from_callback(padded, jax_sharding(mesh, spec, len(padded)), shard_of)
+        return jax.make_array_from_callback(padded, named_sharding(mesh, spec, len(padded)), shard_of)
 
 
 def wrap_batch(uploaded):

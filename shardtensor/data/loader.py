@@ -24,8 +24,8 @@ import weakref
 import torch
 
 from shardtensor.data.batches import Layouts, wrap_batch
-from shardtensor.lazy import sync
-from shardtensor.torch_device import device as st_device
+from shardtensor.graph import sync
+from shardtensor.tensor.device import device as st_device
 
 _POLL = 0.05  # seconds between checks of the stop flag while a thread waits on a queue
 _JOIN_TIMEOUT = 2.0  # how long a restart or close() waits for the previous threads

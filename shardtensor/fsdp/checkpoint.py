@@ -32,7 +32,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _pytree as pytree
 
 import shardtensor as st
-from shardtensor.fsdp.barrier import optimization_barrier
+from shardtensor.ops.barrier import optimization_barrier
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:

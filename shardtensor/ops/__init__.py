@@ -25,4 +25,5 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     special,
     complex,
     histogram,
+    barrier,
 )

@@ -175,6 +175,15 @@ def opmath(dt) -> np.dtype:
     return dt
 
 
+def acc_dtype(dt) -> np.dtype:
+    """The dtype torch's CPU kernels accumulate sums and products in: ``opmath``'s (float32 for
+    half types). The one rule every lowering uses.
+
+    Example: ``acc_dtype(jnp.bfloat16) == jnp.float32``.
+    """
+    return opmath(dt)
+
+
 def cast(x, dt):
     """``x`` (jax value or Python number) as a strongly typed jax value of dtype ``dt``."""
     dt = np.dtype(dt)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -92,7 +92,7 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     out = _mm((p / safe).astype(v.dtype) if v.dtype != acc else p / safe, v, acc)
     out = jnp.where(empty, jnp.zeros((), acc), out).astype(q.dtype)
     lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(safe))[..., 0]
-    return out, lse.astype(jnp.float32 if q.dtype in (jnp.bfloat16, jnp.float16) else q.dtype)
+    return out, lse.astype(acc_dtype(q.dtype))
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)

@@ -16,7 +16,8 @@ import torch
 from jax import lax
 
 from shardtensor.ops._layout import unshard
-from shardtensor.ops.pooling import acc_dtype, expand_param
+from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.pooling import expand_param
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

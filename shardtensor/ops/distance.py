@@ -20,7 +20,7 @@ import torch
 from jax import lax
 
 from shardtensor.ops.indexing import write_at
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

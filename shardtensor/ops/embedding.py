@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from shardtensor.ops.indexing import _highest, _lowest, write_at
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

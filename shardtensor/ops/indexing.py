@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from shardtensor.ops._layout import mesh_size
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import wrap_dim
 
@@ -334,7 +335,7 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
     idx = indices.reshape(-1)
     dim = grad.shape[-1]
     g = grad.reshape(-1, dim)
-    acc = jnp.float32 if grad.dtype in (jnp.bfloat16, jnp.float16) else grad.dtype
+    acc = acc_dtype(grad.dtype)
     g = g.astype(acc)
     if scale_grad_by_freq:
         counts = write_at(jnp.zeros((num_weights,), acc), (idx,), 1, "add")
@@ -348,7 +349,7 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
 def embedding_renorm(weight, indices, max_norm, norm_type):
     """Rows named by ``indices`` whose ``norm_type``-norm exceeds max_norm are scaled to max_norm
     (torch: scale = max_norm / (norm + 1e-7)); the functional form of ``embedding_renorm_``."""
-    acc = jnp.float32 if weight.dtype in (jnp.bfloat16, jnp.float16) else weight.dtype
+    acc = acc_dtype(weight.dtype)
     w = weight.astype(acc)
     if norm_type == 2:
         norm = jnp.sqrt(jnp.sum(w * w, axis=1))
@@ -361,3 +362,13 @@ def embedding_renorm(weight, indices, max_norm, norm_type):
     used = jnp.zeros((weight.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
     scale = jnp.where(used & (norm > max_norm), max_norm / (norm + 1e-7), jnp.ones((), acc))
     return (w * scale[:, None]).astype(weight.dtype)
+
+
+@register(aten.nonzero_static.default)
+def nonzero_static(x, *, size, fill_value=-1):
+    """``nonzero`` padded (with ``fill_value`` rows) or cut to ``size`` rows: a fixed shape, so no host
+    round trip (unlike ``nonzero``)."""
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    idx = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(idx, axis=1).astype(jnp.int64)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import torch
 
 from shardtensor.dtypes import to_jax as to_jax_dtype
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

@@ -12,11 +12,13 @@ Example::
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
 
 from shardtensor.dtypes import to_jax
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import transposed_source
 
@@ -29,10 +31,6 @@ def _check_same_dtype(name, *xs):
     if len({x.dtype for x in xs}) != 1:
         raise RuntimeError(f"{name}: expected all operands to have the same dtype, got {[str(x.dtype) for x in xs]}")
 
-
-def _wide(dtype):
-    """Where torch's CPU kernels accumulate a product: float32 for bfloat16/float16, else the dtype."""
-    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
 def product(a, b, out_dtype=None):
@@ -49,8 +47,8 @@ def product(a, b, out_dtype=None):
             lhs, lc = (at, 0) if at is not None else (a, 1)
             rhs, rc = (bt, 1) if bt is not None else (b, 0)
             return lax.dot_general(lhs, rhs, (((lc,), (rc,)), ((), ())), precision=HIGHEST,
-                                   preferred_element_type=_wide(dtype))
-    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=_wide(dtype))
+                                   preferred_element_type=acc_dtype(dtype))
+    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc_dtype(dtype))
 
 
 def matmul(a, b, out_dtype=None):
@@ -135,8 +133,6 @@ def addmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
 def addmm_activation(self, a, b, *, beta=1, alpha=1, use_gelu=False):
     y = addmm(self, a, b, beta=beta, alpha=alpha)
     if use_gelu:
-        import jax
-
         return jax.nn.gelu(y, approximate=False).astype(y.dtype)
     return jnp.maximum(y, jnp.zeros((), y.dtype))
 
@@ -159,7 +155,7 @@ def addbmm(self, a, b, *, beta=1, alpha=1):
     _check_same_dtype("addbmm", self, a, b)
     # contract the batch and inner dims in one dot: sum_b a[b] @ b[b]
     prod = lax.dot_general(a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST,
-                           preferred_element_type=_wide(a.dtype))
+                           preferred_element_type=acc_dtype(a.dtype))
     return add_scaled(self, prod, beta, alpha)
 
 

@@ -3,7 +3,9 @@ their backward ops.
 
 Statistics are computed in float32 for half/bfloat16 inputs (torch's CPU accumulation type). Saved
 statistics have the input dtype, except when a half input meets float32 parameters (torch's "mixed
-type" batch/layer norm): then they are float32.
+type" batch/layer norm): then they are float32. torch's meta kernels say float32 for every half
+input, so these ops are registered with ``dtypes_from_lowering``: the dispatcher takes their result
+dtypes from the lowering.
 
 Running statistics. ``aten.native_batch_norm`` (what ``nn.BatchNorm*d`` reaches in training) updates
 ``running_mean``/``running_var`` in place although its schema does not say so. Its lowering returns
@@ -22,7 +24,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -45,7 +47,7 @@ def _bshape(x, axis=1):
 # -------------------------------------------------------------------------------------- layer norm
 
 
-@register(aten.native_layer_norm.default)
+@register(aten.native_layer_norm.default, dtypes_from_lowering=True)
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     axis = x.ndim - len(normalized_shape)
     if tuple(x.shape[axis:]) != tuple(normalized_shape):
@@ -148,24 +150,24 @@ def batch_norm_forward(x, weight, bias, running_mean, running_var, training, mom
     return out, empty, empty, running_mean, running_var
 
 
-@register(aten.native_batch_norm.default)
+@register(aten.native_batch_norm.default, dtypes_from_lowering=True)
 def native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
     # NOTE: in training torch also updates running_mean/var in place: see batch_norm_update_stats
     return batch_norm_forward(x, weight, bias, running_mean, running_var, training, momentum, eps)[:3]
 
 
-@register(aten._native_batch_norm_legit_functional.default)
+@register(aten._native_batch_norm_legit_functional.default, dtypes_from_lowering=True)
 def native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, training, momentum, eps):
     out, m, s, new_m, new_v = batch_norm_forward(x, weight, bias, running_mean, running_var, training, momentum, eps)
     return out, m, s, new_m, new_v
 
 
-@register(aten._native_batch_norm_legit.no_stats)
+@register(aten._native_batch_norm_legit.no_stats, dtypes_from_lowering=True)
 def native_batch_norm_legit_no_stats(x, weight, bias, training, momentum, eps):
     return batch_norm_forward(x, weight, bias, None, None, True, momentum, eps)[:3]
 
 
-@register(aten._native_batch_norm_legit_no_training.default)
+@register(aten._native_batch_norm_legit_no_training.default, dtypes_from_lowering=True)
 def native_batch_norm_legit_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
     return batch_norm_forward(x, weight, bias, running_mean, running_var, False, momentum, eps)[:3]
 
@@ -174,13 +176,13 @@ def _reserve():
     return jnp.zeros((0,), jnp.uint8)
 
 
-@register(aten._batch_norm_with_update_functional.default)
+@register(aten._batch_norm_with_update_functional.default, dtypes_from_lowering=True)
 def batch_norm_with_update_functional(x, weight, bias, running_mean, running_var, momentum, eps):
     out, m, s, new_m, new_v = batch_norm_forward(x, weight, bias, running_mean, running_var, True, momentum, eps)
     return out, m, s, _reserve(), new_m, new_v
 
 
-@register(aten._batch_norm_no_update.default)
+@register(aten._batch_norm_no_update.default, dtypes_from_lowering=True)
 def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, eps):
     training = running_mean is None or running_var is None
     out, m, s, _, _ = batch_norm_forward(x, weight, bias, running_mean, running_var, training, momentum, eps)
@@ -267,11 +269,3 @@ def native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, ou
     if output_mask[2]:
         gb = jnp.sum(g, axis=(0, 2)).astype(pdt)
     return gx, gw, gb
-
-
-# torch's meta kernels say float32 for the saved statistics of a bf16/f16 norm, its CPU kernels give
-# the input dtype (float32 only with float32 parameters, see _stat_dtype): the dispatcher takes these
-# ops' output dtypes from the lowering.
-for _fn in (native_layer_norm, native_batch_norm, native_batch_norm_legit_functional, native_batch_norm_legit_no_stats,
-            native_batch_norm_legit_no_training, batch_norm_with_update_functional, batch_norm_no_update):
-    _fn.dtypes_from_lowering = True

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -38,10 +39,6 @@ def expand_param(v, n, default=None):
     v = tuple(v)
     return v * n if len(v) == 1 else v
 
-
-def acc_dtype(dtype):
-    """The dtype torch accumulates in on CPU: float32 for half types."""
-    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
 def lowest(dtype):

@@ -30,13 +30,23 @@ class Lowering:
     fn: Callable
     static_scalars: bool = False  # Scalar args are Python numbers baked into the program
     random: bool = False  # fn(key, *args, **kwargs): gets a fresh jax PRNG key first
+    # torch's CPU kernel gives other result dtypes than its meta kernel: take them from the lowering
+    dtypes_from_lowering: bool = False
+    platforms: tuple = ()  # (platform name, fn) pairs: a variant of fn for that PJRT platform
+
+    def for_platform(self, platform: str) -> Callable:
+        """The function to run on ``platform`` ('cpu', 'cuda', 'tpu'): its variant, else ``fn``."""
+        return dict(self.platforms).get(platform, self.fn)
 
 
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
 
 
-def register(*ops, static_scalars: bool = False, random: bool = False):
+def register(*ops, static_scalars: bool = False, random: bool = False, dtypes_from_lowering: bool = False,
+             platform: str | None = None):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
+
+    ``platform="cpu"`` registers a variant for that platform of an op registered before.
 
     Example::
 
@@ -49,9 +59,16 @@ def register(*ops, static_scalars: bool = False, random: bool = False):
         for op in ops:
             if not isinstance(op, torch._ops.OpOverload):
                 raise TypeError(f"register() takes aten overloads such as aten.add.Tensor, got {op!r}")
+            if platform is not None:
+                if op not in _TABLE:
+                    raise ValueError(f"{op}: register its lowering before a variant for {platform}")
+                entry = _TABLE[op]
+                _TABLE[op] = dataclasses.replace(entry, platforms=entry.platforms + ((platform, fn),))
+                continue
             if op in _TABLE:
                 raise ValueError(f"{op} has two lowerings")
-            _TABLE[op] = Lowering(fn, static_scalars=static_scalars, random=random)
+            _TABLE[op] = Lowering(fn, static_scalars=static_scalars, random=random,
+                                  dtypes_from_lowering=dtypes_from_lowering)
         return fn
 
     return deco

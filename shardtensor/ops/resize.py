@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

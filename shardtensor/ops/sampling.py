@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from shardtensor.ops.pooling import acc_dtype
+from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from shardtensor import runtime
 from shardtensor.ops.registry import register
 
 
@@ -53,8 +52,14 @@ _barrier.register_autograd(_barrier_backward, setup_context=_barrier_setup_conte
 
 @register(torch.ops.shardtensor.optimization_barrier.default)
 def _barrier_lowering(tensors, after):
+    # on GPU and TPU the barrier itself orders the schedule
+    return tuple(jax.lax.optimization_barrier((tuple(tensors), tuple(after)))[0])
+
+
+@register(torch.ops.shardtensor.optimization_barrier.default, platform="cpu")
+def _barrier_lowering_cpu(tensors, after):
     values = jax.lax.optimization_barrier((tuple(tensors), tuple(after)))[0]
-    if not after or runtime.platform() != "cpu":  # elsewhere the barrier itself orders the schedule
+    if not after:
         return tuple(values)
     s = sum(jnp.sum(a, dtype=jnp.float32) for a in after)
     minus_zero = -(jnp.abs(jnp.where(jnp.isfinite(s), s, 0.0)) * 0.0)

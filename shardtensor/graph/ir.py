@@ -1,12 +1,15 @@
-"""The storage model: a Cell holds one value; lazy values are references into a graph of Nodes.
+"""The graph's IR: a Cell holds one value; pending values are references into a graph of Nodes.
 
 A Cell's value is a concrete ``jax.Array`` (stored padded when its sharding does not divide a
-dimension), a ``Pending`` reference to an output of a recorded ``Node``, or a jax tracer. Several
-tensors may share one Cell (views, ``detach()``, ``.data``); in-place ops replace the Cell's value.
+dimension), a ``Pending`` reference to an output of a recorded ``Node``, or ``Failed`` when the graph
+that was to compute it failed. Several tensors may share one Cell (views, ``detach()``, ``.data``);
+in-place ops replace the Cell's value.
 """
 from __future__ import annotations
 
 import weakref
+
+from shardtensor.sharding import ShardingSpec
 
 
 class Node:
@@ -69,20 +72,20 @@ class Failed:
 class Cell:
     """Storage of one logical tensor value shared by a base tensor and its views.
 
-    ``mesh``/``spec`` are the sharding the user asked for (None: let XLA choose); ``owned`` says the
-    array belongs to this cell alone, so a graph that overwrites the cell may donate it.
+    ``sharding`` is the layout the user asked for (a ``ShardingSpec``; None: let XLA choose);
+    ``owned`` says the array belongs to this cell alone, so a graph that overwrites the cell may
+    donate it.
     """
 
-    __slots__ = ("value", "shape", "dtype", "mesh", "spec", "version", "owned", "_leaf", "serial",
+    __slots__ = ("value", "shape", "dtype", "sharding", "version", "owned", "_leaf", "serial",
                  "layout", "root", "__weakref__")
     _next_serial = 0
 
-    def __init__(self, value, shape, dtype, mesh=None, spec=None, owned=False):
+    def __init__(self, value, shape, dtype, sharding: ShardingSpec | None = None, owned=False):
         self.value = value
         self.shape = tuple(shape)
         self.dtype = dtype  # torch dtype
-        self.mesh = mesh
-        self.spec = spec  # normalised partition spec (tuple), or None
+        self.sharding = sharding
         self.version = 0
         self.owned = owned
         self._leaf = None
@@ -92,6 +95,16 @@ class Cell:
         self.root = None
         self.serial = Cell._next_serial  # creation order: compile() tells old cells from new ones
         Cell._next_serial += 1
+
+    @property
+    def mesh(self):
+        """The mesh of the user's sharding, or None."""
+        return None if self.sharding is None else self.sharding.mesh
+
+    @property
+    def spec(self):
+        """The partition spec of the user's sharding (a tuple), or None."""
+        return None if self.sharding is None else self.sharding.partition_spec
 
     def is_pending(self) -> bool:
         return isinstance(self.value, Pending)

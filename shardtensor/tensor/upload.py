@@ -1,23 +1,18 @@
-"""Moving values between the host and the devices: uploads sharded (each device receives only its
-own shard, stored padded where the sharding does not divide), and wrapping concrete jax arrays.
+"""Uploads: host values onto the devices, sharded (each device receives only its own shard, stored
+padded where the sharding does not divide), as the storage cells of new ShardedTensors.
 """
 from __future__ import annotations
 
 import jax
 import numpy as np
 import torch
-from jax.sharding import NamedSharding
 
 from shardtensor import metrics as counters
 from shardtensor import sharding as sh
-from shardtensor.storage import Cell
-from shardtensor.tensor import ShardedTensor, torch_to_numpy, numpy_to_torch  # noqa: F401
-from shardtensor.dtypes import to_torch
-
-
-def jax_sharding(mesh, spec, ndim) -> NamedSharding:
-    """The jax NamedSharding of (mesh, spec) for a tensor of rank ``ndim``."""
-    return NamedSharding(mesh.get_jax_mesh(), sh.to_jax_spec(mesh, spec, ndim))
+from shardtensor.dtypes import torch_to_numpy
+from shardtensor.graph.ir import Cell
+from shardtensor.mesh import default_mesh
+from shardtensor.tensor.sharded import ShardedTensor
 
 
 def upload(host: np.ndarray, mesh, spec):
@@ -26,7 +21,7 @@ def upload(host: np.ndarray, mesh, spec):
     padded = tuple(sh.padded_shape(shape, mesh, spec))
     if padded != shape:
         host = np.pad(host, [(0, p - n) for n, p in zip(shape, padded)])
-    sharding = jax_sharding(mesh, spec, len(shape))
+    sharding = sh.named_sharding(mesh, spec, len(shape))
     counters.increment("TransferToDevice")
     # np.array copies: on the CPU platform jax may otherwise alias the torch tensor's memory, and a
     # later in-place change of the CPU tensor would show through
@@ -40,24 +35,17 @@ def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
     if spec is None:
         array = upload(host, mesh, (None,) * len(shape))
         return Cell(array, shape, dtype, owned=True)
-    return Cell(upload(host, mesh, spec), shape, dtype, mesh=mesh, spec=tuple(spec), owned=True)
+    return Cell(upload(host, mesh, spec), shape, dtype, sh.ShardingSpec(mesh, spec), owned=True)
 
 
 def upload_like(t: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
     """The CPU tensor ``t`` uploaded with the layout of ``like`` (for ``dst.copy_(cpu_tensor)``)."""
-    from shardtensor import torch_device as device
-
     cell = like._cell
     if cell.spec is not None and not like._chain:
         mesh, spec = cell.mesh, cell.spec
     else:
-        mesh, spec = device.default_mesh(), None
+        mesh, spec = default_mesh(), None
     return ShardedTensor(cell_from_host(torch_to_numpy(t.contiguous()), mesh, spec, t.dtype))
-
-
-def wrap_array(array) -> ShardedTensor:
-    """A ShardedTensor over a concrete jax array (its layout is the one the array has)."""
-    return ShardedTensor(Cell(array, tuple(array.shape), to_torch(array.dtype), owned=False))
 
 
 def wrap_upload(array, shape, dtype, mesh=None, spec=None) -> ShardedTensor:
@@ -68,6 +56,5 @@ def wrap_upload(array, shape, dtype, mesh=None, spec=None) -> ShardedTensor:
     any thread; this is how ``MpDeviceLoader`` hands over batches its threads uploaded.
     """
     counters.increment("TransferToDevice")
-    spec = None if spec is None else tuple(spec)
-    return ShardedTensor(Cell(array, tuple(shape), dtype, mesh=mesh if spec is not None else None, spec=spec,
-                              owned=True))
+    sharding = None if spec is None else sh.ShardingSpec(mesh, spec)
+    return ShardedTensor(Cell(array, tuple(shape), dtype, sharding, owned=True))

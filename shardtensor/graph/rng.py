@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
-from shardtensor import lazy
-from shardtensor.storage import Cell
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Cell
+from shardtensor.graph.state import set_concrete, set_pending
+from shardtensor.mesh import default_mesh
 
 _CELL: Cell | None = None
 
@@ -21,8 +24,6 @@ _CELL: Cell | None = None
 def _cell() -> Cell:
     global _CELL
     if _CELL is None:
-        import torch
-
         manual_seed(torch.initial_seed())
     return _CELL
 
@@ -36,16 +37,14 @@ def manual_seed(seed: int) -> None:
         st.manual_seed(1234)
     """
     global _CELL
-    from shardtensor import torch_device as device
-
-    sharding = NamedSharding(device.default_mesh().get_jax_mesh(), JaxSpec())
+    sharding = NamedSharding(default_mesh().get_jax_mesh(), JaxSpec())
     if _CELL is not None and hasattr(_CELL.value, "sharding"):
         sharding = _CELL.value.sharding  # keep the layout, so compiled programs stay valid
     key = jax.device_put(jax.random.PRNGKey(int(seed) % (2**63)), sharding)
     if _CELL is None:
         _CELL = Cell(key, (2,), None, owned=True)
     else:
-        lazy.set_concrete(_CELL, key, owned=True)
+        set_concrete(_CELL, key, owned=True)
 
 
 def current():
@@ -56,7 +55,7 @@ def current():
 
 def advance(ref) -> None:
     """The key after a draw."""
-    lazy.set_pending(_cell(), ref)
+    set_pending(_cell(), ref)
 
 
 def pending_cells() -> list:
@@ -68,14 +67,14 @@ def set_state(state: np.ndarray) -> None:
     """Restore a key saved by ``get_state`` (keeping the current layout)."""
     cell = _cell()
     if cell.is_pending():
-        lazy.run_cells([cell])
+        run_cells([cell])
     key = jax.device_put(np.asarray(state, dtype=np.uint32).reshape(2), cell.value.sharding)
-    lazy.set_concrete(cell, key, owned=True)
+    set_concrete(cell, key, owned=True)
 
 
 def get_state() -> np.ndarray:
     """The current key as numpy (for checkpoints)."""
     cell = _cell()
     if cell.is_pending():
-        lazy.run_cells([cell])
+        run_cells([cell])
     return np.asarray(cell.value)

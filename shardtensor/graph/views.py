@@ -17,9 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from shardtensor import lazy
-from shardtensor.storage import Failed, Leaf, Node, Pending
-from shardtensor.tensor import contiguous_strides
+from torch._prims_common import make_contiguous_strides_for
+
+from shardtensor.graph.ir import Failed, Leaf, Node, Pending
+from shardtensor.graph.state import STATE, set_pending
 
 aten = torch.ops.aten
 
@@ -126,12 +127,16 @@ def _positions(shape, strides, offset):
 
 def cell_storage(cell):
     """(root strides, root offset, storage size in elements) of a Cell's value as torch storage."""
-    strides, offset = cell.root or (contiguous_strides(cell.shape), 0)
+    strides, offset = cell.root or (_contiguous_strides(cell.shape), 0)
     return strides, offset, storage_extent(cell.shape, strides, offset)
 
 
+def _contiguous_strides(shape):
+    return tuple(make_contiguous_strides_for(shape, row_major=True))
+
+
 def _is_contiguous(shape, strides) -> bool:
-    expected = contiguous_strides(shape)
+    expected = _contiguous_strides(shape)
     return all(n == 1 or s == e for n, s, e in zip(shape, strides, expected))
 
 
@@ -260,12 +265,12 @@ def read(t):
     if not t._chain:
         return base_ref(cell)
     cached = t._vcache
-    if cached is not None and cached[0] == lazy.STATE.epoch and cached[1] == cell.version and cached[2] is cell.value:
+    if cached is not None and cached[0] == STATE.epoch and cached[1] == cell.version and cached[2] is cell.value:
         return cached[3]
     ref = base_ref(cell)
     for step in t._chain:
         ref = apply(step, ref)
-    t._vcache = (lazy.STATE.epoch, cell.version, cell.value, ref)
+    t._vcache = (STATE.epoch, cell.version, cell.value, ref)
     return ref
 
 
@@ -293,4 +298,4 @@ def write(t, ref) -> None:
             parts.append(apply(step, parts[-1]))
         for step, part in zip(reversed(t._chain), reversed(parts)):
             ref = scatter(step, part, ref)
-    lazy.set_pending(cell, ref)
+    set_pending(cell, ref)

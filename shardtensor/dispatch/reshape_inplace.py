@@ -18,10 +18,18 @@ from __future__ import annotations
 
 import torch
 
-from shardtensor import dispatch, lazy, views
 from shardtensor import sharding as sh
-from shardtensor.storage import Cell
-from shardtensor.tensor import ShardedTensor, contiguous_strides
+from shardtensor.dispatch.meta import as_meta
+from shardtensor.dispatch.record import device_mismatch, zeros
+from shardtensor.dispatch.table import special
+from shardtensor.dispatch.view_ops import view_op
+from shardtensor.graph import views
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Cell
+from shardtensor.graph.state import STATE, set_pending
+from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor import device as torch_device
+from shardtensor.tensor.geometry import contiguous_strides, meta_like
 
 aten = torch.ops.aten
 
@@ -34,8 +42,6 @@ _INPLACE_VIEWS = {
 
 def _retarget(func, t, cell, chain, shape, strides, offset, storage_of=None, fresh_storage=False):
     """Make ``t`` show ``chain`` of ``cell`` with this torch geometry."""
-    from shardtensor import torch_device
-
     ext = torch_device.EXT
     if ext is None:
         raise RuntimeError(
@@ -47,8 +53,8 @@ def _retarget(func, t, cell, chain, shape, strides, offset, storage_of=None, fre
         chain = ()  # back to the cell's own layout (t_() twice, unsqueeze_ then squeeze_)
     elif len(chain) > 8:  # repeated in-place view ops: one storage step says the same
         chain = (views.storage_step(cell, shape, strides, offset),)
-    if cell is not t._cell and lazy.STATE.tracing:  # a replay could not move t to another cell
-        lazy.STATE.trace_broken = lazy.STATE.trace_broken or f"{func} gave a tensor new storage"
+    if cell is not t._cell and STATE.tracing:  # a replay could not move t to another cell
+        STATE.trace_broken = STATE.trace_broken or f"{func} gave a tensor new storage"
     if storage_of is not None:
         ext.share_storage(t, storage_of)
     if fresh_storage:
@@ -62,7 +68,7 @@ def _retarget(func, t, cell, chain, shape, strides, offset, storage_of=None, fre
 
 def _inplace_view(func, args, kwargs):
     t = args[0]
-    v = dispatch._view_op(_INPLACE_VIEWS[func], args, kwargs)
+    v = view_op(_INPLACE_VIEWS[func], args, kwargs)
     assert v._cell is t._cell, func  # a view, not a copy
     return _retarget(func, t, v._cell, v._chain, v.shape, v.stride(), v.storage_offset())
 
@@ -77,8 +83,8 @@ def _storage_meta(t):
 
 def _geometry_after(func, args, kwargs):
     """Run ``func`` on meta tensors (torch's checks and errors): the geometry of its result."""
-    margs = [_storage_meta(args[0])] + [dispatch._meta(a) for a in args[1:]]
-    mkw = {k: dispatch._meta(v) for k, v in kwargs.items()}
+    margs = [_storage_meta(args[0])] + [as_meta(a) for a in args[1:]]
+    mkw = {k: as_meta(v) for k, v in kwargs.items()}
     with torch._C._DisableTorchDispatch():
         m = func(*margs, **mkw)  # self for the in-place ops, the view for as_strided
     return tuple(m.shape), m.stride(), m.storage_offset()
@@ -128,12 +134,12 @@ def resize_to(func, t, shape, strides, offset):
     if old.spec is not None:
         keep = not t._chain and len(old.spec) == len(cell_shape) and all(
             n >= k for n, k in zip(cell_shape, sh.shard_counts(old.mesh, old.spec, len(cell_shape))))
-        cell.mesh, cell.spec = old.mesh, (old.spec if keep else (None,) * len(cell_shape))
-    lazy.set_pending(cell, ref)
+        cell.sharding = old.sharding if keep else sh.ShardingSpec(old.mesh, (None,) * len(cell_shape))
+    set_pending(cell, ref)
     chain = () if cell_shape == shape else (views.storage_step(cell, shape, strides, offset),)
     _retarget(func, t, cell, chain, shape, strides, offset, fresh_storage=True)
-    if lazy.STATE.eager:
-        lazy.run_cells([cell])
+    if STATE.eager:
+        run_cells([cell])
     return t
 
 
@@ -147,19 +153,18 @@ def _set(func, args, kwargs):
             f"{func}: shardtensor tensors keep no data in their torch storage, so set_ with a Storage "
             "(or with source, storage_offset, size, stride) is not supported; use "
             "t.set_(source.as_strided(size, stride, storage_offset)) instead")
-    margs = [dispatch.meta_like(a) if isinstance(a, ShardedTensor) else a for a in args]
+    margs = [meta_like(a) if isinstance(a, ShardedTensor) else a for a in args]
     with torch._C._DisableTorchDispatch():
         func(*margs, **kwargs)  # torch's checks (same dtype, ...)
     if func is aten.set_.default:  # an empty storage of its own
-        return _retarget(func, t, dispatch.zeros((0,), t.dtype)._cell, (), (0,), (1,), 0, fresh_storage=True)
+        return _retarget(func, t, zeros((0,), t.dtype)._cell, (), (0,), (1,), 0, fresh_storage=True)
     src = args[1]
     if not isinstance(src, ShardedTensor):
-        raise dispatch._device_mismatch(src)
+        raise device_mismatch(src)
     return _retarget(func, t, src._cell, src._chain, src.shape, src.stride(), src.storage_offset(), storage_of=src)
 
 
-HANDLERS = {op: _inplace_view for op in _INPLACE_VIEWS}
-HANDLERS.update({aten.as_strided.default: _as_strided, aten.as_strided_.default: _as_strided,
-                 aten.resize_.default: _resize, aten.resize_as_.default: _resize,
-                 aten._resize_output_.default: _resize})
-HANDLERS.update({getattr(aten.set_, o): _set for o in aten.set_.overloads()})
+special(*_INPLACE_VIEWS)(_inplace_view)
+special(aten.as_strided.default, aten.as_strided_.default)(_as_strided)
+special(aten.resize_.default, aten.resize_as_.default, aten._resize_output_.default)(_resize)
+special(*(getattr(aten.set_, o) for o in aten.set_.overloads()))(_set)

@@ -1,30 +1,54 @@
 """ShardedTensor: a torch tensor whose value lives in JAX, sharded over a mesh.
 
 Each ShardedTensor points at a storage ``Cell`` and, for views, a chain of view ops from the Cell's
-value to its own. Conversion to and from torch CPU tensors, numpy and jax arrays lives here too.
+value to its own. What ``__torch_dispatch__`` does with an op is the dispatch layer's: it fills the
+op-handler slot (``set_op_handler``) when imported.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
-import jax
 import numpy as np
 import torch
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
-from shardtensor.dtypes import to_jax, to_torch
-from shardtensor.storage import Cell
+from shardtensor.dtypes import numpy_to_torch
+from shardtensor.graph.ir import Cell
+from shardtensor.mesh import default_mesh
+from shardtensor.tensor import backward_errors, readback
+from shardtensor.tensor import device as torch_device
+from shardtensor.tensor.geometry import contiguous_strides, meta_like
+
+_HANDLER = None  # what __torch_dispatch__ calls: (func, args, kwargs) -> result; set by the dispatch layer
+_DYNAMO_UNFLATTEN = None  # Dynamo's __tensor_unflatten__, set by shardtensor.dynamo_backend
 
 
-def contiguous_strides(shape):
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= max(n, 1)
-    return tuple(reversed(strides))
+def set_op_handler(handler) -> None:
+    """Install the function that handles every aten op on a ShardedTensor (the dispatch layer's).
+
+    Example: ``set_op_handler(dispatch.handle)``.
+    """
+    global _HANDLER
+    _HANDLER = handler
+
+
+def set_dynamo_unflatten(unflatten) -> None:
+    """Install ``__tensor_unflatten__`` for Dynamo (the torch.compile backend's)."""
+    global _DYNAMO_UNFLATTEN
+    _DYNAMO_UNFLATTEN = unflatten
+
+
+class _OnlyWhileCompiling:
+    """A class attribute that exists only while Dynamo compiles (hasattr is False otherwise)."""
+
+    def __get__(self, obj, owner=None):
+        if torch._guards.CompileContext.try_get() is None or _DYNAMO_UNFLATTEN is None:
+            raise AttributeError("__tensor_unflatten__ (ShardedTensor is traceable only while Dynamo compiles)")
+        return _DYNAMO_UNFLATTEN
 
 
 class ShardedTensor(torch.Tensor):
@@ -43,14 +67,12 @@ class ShardedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, cell: Cell, shape=None, dtype=None, chain=(), requires_grad=False, strides=None,
                 storage_offset=0):
-        from shardtensor import torch_device as device
-
         shape = tuple(cell.shape if shape is None else shape)
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
         # the values themselves are always logical jax arrays
         r = torch.Tensor._make_wrapper_subclass(
             cls, shape, strides=strides or contiguous_strides(shape), storage_offset=storage_offset,
-            dtype=dtype or cell.dtype, device=device.device(), requires_grad=requires_grad,
+            dtype=dtype or cell.dtype, device=torch_device.device(), requires_grad=requires_grad,
         )
         if not chain and cell.root is None and (strides or storage_offset) and (
                 tuple(strides or ()) != contiguous_strides(shape) or storage_offset):
@@ -65,9 +87,7 @@ class ShardedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from shardtensor import dispatch
-
-        return dispatch.handle(func, args, kwargs or {})
+        return _HANDLER(func, args, kwargs or {})
 
     # --- sharding metadata ---------------------------------------------------------------
     @property
@@ -91,7 +111,7 @@ class ShardedTensor(torch.Tensor):
             return sh.sharding_string(cell.mesh, cell.spec, len(cell.shape))
         if cell.is_pending():
             return ""
-        return _string_of_jax_sharding(cell.value, len(cell.shape))
+        return sh.array_sharding(cell.value, len(cell.shape))[0]
 
     @property
     def local_shards(self):
@@ -108,7 +128,7 @@ class ShardedTensor(torch.Tensor):
         shards = []
         for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
             p = by_id[runtime.device_id(s.device)]
-            data = _jax_to_torch(np.asarray(s.data))
+            data = numpy_to_torch(np.asarray(s.data))
             shards.append(Shard(data, p.indices, f"{s.device.platform.upper()}:{p.device_id}", p.replica_id))
         counters.increment("TransferFromDevice")
         return shards
@@ -118,22 +138,15 @@ class ShardedTensor(torch.Tensor):
         cell = self._cell
         if cell.spec is not None and not self._chain:
             return cell.mesh, cell.spec
-        from shardtensor import torch_device as device
-
         array = self._concrete_array()
-        s = array.sharding
-        if isinstance(s, jax.sharding.NamedSharding):
-            from shardtensor import mesh as mesh_mod  # noqa: F811
-
-            m = mesh_mod.mesh_for_jax_mesh(s.mesh)
-            return m, sh.normalize_spec(m, _spec_from_jax(s.spec, array.ndim, m), array.ndim)
-        return device.default_mesh(), (None,) * array.ndim
+        _, mesh, spec = sh.array_sharding(array, array.ndim)
+        if mesh is None:
+            return default_mesh(), (None,) * array.ndim
+        return mesh, sh.normalize_spec(mesh, tuple(spec), array.ndim)
 
     def _concrete_array(self):
         """The stored jax array of this tensor (views and pending values are computed first)."""
-        from shardtensor import dispatch
-
-        return dispatch.materialize(self)
+        return readback.materialize(self)
 
     # --- conversions ---------------------------------------------------------------------
     def numpy(self, *, force=False):
@@ -184,7 +197,7 @@ class ShardedTensor(torch.Tensor):
         with torch.no_grad():
             new = self.clone()
         if self._cell.spec is not None and not self._chain:
-            new._cell.mesh, new._cell.spec = self._cell.mesh, self._cell.spec
+            new._cell.sharding = self._cell.sharding
         new.requires_grad_(self.requires_grad)
         if getattr(self, "_is_param", False):
             new._is_param = True
@@ -194,13 +207,38 @@ class ShardedTensor(torch.Tensor):
         return new
 
 
+    # --- torch.compile (Dynamo) -----------------------------------------------------------
+    # Dynamo captures a ShardedTensor only if it is a traceable wrapper subclass (otherwise it
+    # inlines shardtensor's own dispatch Python and graph-breaks on every op). The protocol:
+    #  - __tensor_flatten__, always present: Dynamo's guards call it on every compiled call to compare
+    #    the sharding context, so an input sharded another way recompiles;
+    #  - __tensor_unflatten__, present only while Dynamo compiles: torch treats a class as traceable
+    #    only when it has both, and outside compilation it must not, or nn.Module.to(st.device())
+    #    would switch to torch.utils.swap_tensors (which fails whenever autograd still references a
+    #    parameter).
+    # The inner "tensor" is a meta tensor of the same shape, dtype and strides: Dynamo fakeifies it
+    # and traces with shardtensor.dynamo_backend's tracing subclass.
+    def __tensor_flatten__(self):
+        cell = self._cell
+        if self._chain or cell.spec is None or cell.mesh is None:
+            return ["_dynamo_meta"], None
+        return ["_dynamo_meta"], (cell.mesh._key(), tuple(cell.spec))
+
+    __tensor_unflatten__ = _OnlyWhileCompiling()
+
+    @property
+    def _dynamo_meta(self):
+        # cached, so repeated reads return one object (Dynamo's aliasing guards compare ids)
+        key = (tuple(self.shape), self.stride(), self.dtype, self.storage_offset())
+        cached = self.__dict__.get("_dynamo_meta_cache")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_dynamo_meta_cache"] = (key, meta_like(self))
+        return cached[1]
+
+
 def _guarded_hook(hook):
     """A backward hook whose exception is kept and re-raised after backward (on our device, an
     exception escaping a hook on autograd's device thread would abort the process)."""
-    import functools
-
-    from shardtensor import torch_device
-
     if torch_device.CPP_GUARD:
         return hook
 
@@ -211,7 +249,7 @@ def _guarded_hook(hook):
         except Exception as e:
             if torch._C._current_autograd_node() is None:
                 raise
-            torch_device.remember_backward_error(e)
+            backward_errors.remember(e)
             return None
 
     return guarded
@@ -234,57 +272,6 @@ class Shard:
         return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 
 
-def _spec_from_jax(spec, ndim, mesh):
-    """The partition spec over ``mesh`` of a jax PartitionSpec (on an unnamed mesh, jax's axis names
-    '0', '1', ... are axis indices)."""
-    def entry(e):
-        if e is None or mesh.axis_names:
-            return e
-        if isinstance(e, tuple):
-            return tuple(entry(x) for x in e)
-        return int(e)
-
-    entries = [entry(e) for e in spec] + [None] * (ndim - len(spec))
-    return tuple(entries[:ndim])
-
-
-def _string_of_jax_sharding(array, ndim):
-    s = array.sharding
-    if isinstance(s, jax.sharding.NamedSharding):
-        from shardtensor import mesh as mesh_mod
-
-        m = mesh_mod.mesh_for_jax_mesh(s.mesh)
-        return sh.sharding_string(m, _spec_from_jax(s.spec, ndim, m), ndim)
-    if s.is_fully_replicated:
-        return "{replicated}"
-    return str(s._to_xla_hlo_sharding(ndim))
-
-
-# --- torch <-> numpy for every dtype (numpy lacks bfloat16 and float8: go through same-width ints) ---
-_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
-            torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
-
-
-def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A numpy array with the exact dtype of a CPU tensor (ml_dtypes for bfloat16/float8)."""
-    t = t.detach().contiguous()
-    if t.dtype in _BITCAST:
-        return t.view(_BITCAST[t.dtype]).numpy().view(to_jax(t.dtype))
-    return t.numpy()
-
-
-def _jax_to_torch(a: np.ndarray) -> torch.Tensor:
-    dtype = to_torch(a.dtype)
-    if dtype in _BITCAST:
-        return torch.from_numpy(np.array(a, copy=True).view(to_jax(_BITCAST[dtype]))).view(dtype)
-    return torch.from_numpy(np.array(a, copy=True))
-
-
-def numpy_to_torch(a) -> torch.Tensor:
-    """A torch CPU tensor from a numpy (or jax) array, exact dtype."""
-    return _jax_to_torch(np.asarray(a))
-
-
 # === torch.compile (Dynamo) support ===============================================================
 # Dynamo captures a ShardedTensor only if it is a traceable wrapper subclass (otherwise it inlines
 # shardtensor's own dispatch Python and graph-breaks on every op). The protocol is:
@@ -295,35 +282,3 @@ def numpy_to_torch(a) -> torch.Tensor:
 #    to torch.utils.swap_tensors (which fails whenever autograd still references a parameter).
 # The inner "tensor" is a meta tensor of the same shape, dtype and strides: Dynamo fakeifies it and
 # traces with shardtensor.dynamo_backend._TracingShardedTensor. See shardtensor/dynamo_backend.py.
-def _tensor_flatten(self):
-    cell = self._cell
-    if self._chain or cell.spec is None or cell.mesh is None:
-        return ["_dynamo_meta"], None
-    return ["_dynamo_meta"], (cell.mesh._key(), tuple(cell.spec))
-
-
-def _dynamo_meta(self):
-    # cached, so repeated reads return one object (Dynamo's aliasing guards compare ids)
-    key = (tuple(self.shape), self.stride(), self.dtype, self.storage_offset())
-    cached = self.__dict__.get("_dynamo_meta_cache")
-    if cached is None or cached[0] != key:
-        from shardtensor.dispatch import meta_like
-
-        cached = self.__dict__["_dynamo_meta_cache"] = (key, meta_like(self))
-    return cached[1]
-
-
-class _OnlyWhileCompiling:
-    """A class attribute that exists only while Dynamo compiles (hasattr is False otherwise)."""
-
-    def __get__(self, obj, owner=None):
-        if torch._guards.CompileContext.try_get() is None:
-            raise AttributeError("__tensor_unflatten__ (ShardedTensor is traceable only while Dynamo compiles)")
-        from shardtensor import dynamo_backend
-
-        return dynamo_backend.unflatten
-
-
-ShardedTensor.__tensor_flatten__ = _tensor_flatten
-ShardedTensor.__tensor_unflatten__ = _OnlyWhileCompiling()
-ShardedTensor._dynamo_meta = property(_dynamo_meta)

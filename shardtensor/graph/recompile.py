@@ -30,6 +30,9 @@ import sys
 import sysconfig
 import warnings
 
+import jax
+import torch
+
 ENV = "SHARDTENSOR_DEBUG"
 RECOMPILE_WARNING_THRESHOLD = 8
 
@@ -64,21 +67,20 @@ _INPUT_NAMES: dict = {}  # id(cell) -> what the user calls it, while a compiled 
 
 
 @contextlib.contextmanager
-def naming(flat_args, function_name: str):
+def naming(argument_cells, function_name: str):
     """While preparing the graph of ``st.compile(fn)``, name the inputs that are arguments of fn.
+
+    ``argument_cells``: (argument position, storage cell) pairs.
 
     Example::
 
-        with naming(flat, "train_step"):
-            execution = lazy.Execution.prepare(cells)
+        with naming([(0, x._cell)], "train_step"):
+            execution = Execution.prepare(cells)
     """
     if not enabled():
         yield
         return
-    from shardtensor.tensor import ShardedTensor
-
-    names = {id(x._cell): f"argument {i} of {function_name}"
-             for i, x in enumerate(flat_args) if isinstance(x, ShardedTensor)}
+    names = {id(cell): f"argument {i} of {function_name}" for i, cell in argument_cells}
     _INPUT_NAMES.update(names)
     try:
         yield
@@ -95,10 +97,8 @@ _LIBRARY_DIRS = None
 def _library_dirs() -> tuple:
     global _LIBRARY_DIRS
     if _LIBRARY_DIRS is None:
-        import jax
-        import torch
-
-        dirs = [os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__),
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        dirs = [package, os.path.dirname(torch.__file__),
                 os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"]]
         _LIBRARY_DIRS = tuple(os.path.join(d, "") for d in dirs)
     return _LIBRARY_DIRS
@@ -315,7 +315,7 @@ def explain(program, leaf_cells, executables) -> str:
 
     Returns the line it wrote (tests read it). Example::
 
-        explain(program, leaf_cells, lazy._EXECUTABLES)
+        explain(program, leaf_cells, execute._EXECUTABLES)
     """
     key = program.key
     _COMPILES[0] += 1

@@ -1,0 +1,57 @@
+"""The entry point: what ``ShardedTensor.__torch_dispatch__`` does with one aten op.
+
+Special handlers first (the declared table), then view ops, in-place / ``out=`` ops and functional
+ops, each recorded as graph nodes (run at once in eager mode).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardtensor.dispatch.meta import meta_outputs
+from shardtensor.dispatch.mutation import mutating_op
+from shardtensor.dispatch.record import record_and_wrap, zeros
+from shardtensor.dispatch.table import SPECIAL
+from shardtensor.dispatch.view_ops import view_op
+from shardtensor.ops.schema import facts
+from shardtensor.tensor import backward_errors
+from shardtensor.tensor import device as torch_device
+from shardtensor.tensor.sharded import set_op_handler
+
+
+def handle(func, args, kwargs):
+    """Run (or record) the aten op ``func`` on arguments that include ShardedTensors.
+
+    Example: ``handle(torch.ops.aten.add.Tensor, (x, y), {})`` is ``x + y``.
+    """
+    try:
+        special = SPECIAL.get(func)
+        if special is not None:
+            return special(func, args, kwargs)
+        f = facts(func)
+        if f.is_view:
+            return view_op(func, args, kwargs)
+        if f.mutated:
+            return mutating_op(func, f, args, kwargs)
+        return record_and_wrap(func, args, kwargs)
+    except BaseException as e:
+        if torch_device.CPP_GUARD or torch._C._current_autograd_node() is None:
+            raise
+        # Only without the C++ device guard: an exception leaving __torch_dispatch__ inside
+        # backward would abort the process (torch's Python guard runs with the error still set).
+        # Keep it, finish backward with zeros, and let the engine wrapper raise it afterwards.
+        backward_errors.remember(e)
+        return _placeholder(func, args, kwargs)
+
+
+def _placeholder(func, args, kwargs):
+    """Zeros shaped like ``func``'s result: what a failed op returns while backward unwinds."""
+    if facts(func).mutated:
+        return args[0]
+    outs, structure = meta_outputs(func, args, kwargs)
+    values = [None if o is None else zeros(o[0], o[1]) for o in outs]
+    if structure == "one":
+        return values[0]
+    return values if structure == "list" else tuple(values)
+
+
+set_op_handler(handle)

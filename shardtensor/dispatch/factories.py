@@ -1,0 +1,61 @@
+"""Factory kernels for ``device=st.device()``: ``torch.zeros``, ``arange``, ``randn``, ``empty`` ...
+registered for the PrivateUse1 key, so they make ShardedTensors lazily (no host transfer), and
+``torch.tensor(data, device=st.device())`` copies host data in."""
+from __future__ import annotations
+
+import torch
+
+from shardtensor.dispatch.entry import handle
+from shardtensor.dispatch.record import record_and_wrap, zeros
+from shardtensor.ops import lookup
+from shardtensor.tensor import ShardedTensor
+
+aten = torch.ops.aten
+_FACTORIES = ("_copy_from", "empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
+              "_efficientzerotensor",  # autograd's zero gradients (sgn, complex ops): plain zeros here
+              "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
+              "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
+              "normal.float_float")
+
+
+def _copy_from_kernel(src, dst, non_blocking=False):
+    """``torch.tensor(data, device=st.device())`` copies a CPU tensor into a new device tensor."""
+    # called with Python dispatch excluded (inside torch.tensor()), so go to our handler directly
+    return handle(aten.copy_.default, (dst, src), {})
+
+
+def _empty_kernel(size, *args, dtype=None, memory_format=None, **kwargs):
+    """``torch.empty``/``empty_strided`` on st.device(): zeros, recorded lazily (no transfer), with the
+    strides torch gives (``as_strided`` on the result addresses its storage as torch's would)."""
+    out = zeros(tuple(size), dtype or torch.get_default_dtype())
+    if args:  # empty_strided(size, stride)
+        strides = tuple(args[0])
+    elif memory_format not in (None, torch.contiguous_format, torch.preserve_format):
+        strides = torch.empty(tuple(size), memory_format=memory_format, device="meta").stride()
+    else:
+        return out
+    return ShardedTensor(out._cell, strides=strides)
+
+
+def _factory_kernel(op):
+    def kernel(*args, **kwargs):
+        return record_and_wrap(op, args, kwargs)
+
+    return kernel
+
+
+def _register() -> torch.library.Library:
+    lib = torch.library.Library("aten", "IMPL")
+    for name in _FACTORIES:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(aten, packet), overload or "default")
+        if name == "_copy_from":
+            lib.impl(name, _copy_from_kernel, "PrivateUse1")
+        elif name in ("empty.memory_format", "empty_strided"):
+            lib.impl(name, _empty_kernel, "PrivateUse1")
+        elif lookup(op) is not None:
+            lib.impl(name, _factory_kernel(op), "PrivateUse1")
+    return lib
+
+
+_LIB = _register()  # kept: the registrations last as long as the Library object

@@ -1,0 +1,237 @@
+"""The declared special handlers: ops that need host values (``.item()``, ``equal``, torch's error
+checks), have data-dependent shapes (``nonzero``, boolean masks), move data between devices, keep a
+sharding annotation (``clone``, ``*_like``), or update state their schema does not declare
+(``native_batch_norm``'s running statistics).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardtensor.dispatch.mutation import mutating_op
+from shardtensor.dispatch.record import record_and_wrap
+from shardtensor.dispatch.table import special
+from shardtensor.dtypes import torch_to_numpy
+from shardtensor.graph import views
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.state import STATE, check_execution_allowed
+from shardtensor.mesh import default_mesh
+from shardtensor.ops.schema import facts
+from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor import device as torch_device
+from shardtensor.tensor.readback import to_cpu
+from shardtensor.tensor.upload import cell_from_host, upload_like
+
+aten = torch.ops.aten
+_SPARSE_CONVERSIONS = ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc")
+
+
+@special(aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    t = args[0]
+    device = kwargs.get("device")
+    if device is not None and torch.device(device).type == "cpu":
+        out = to_cpu(t)
+        dtype = kwargs.get("dtype")
+        return out.to(dtype) if dtype is not None else out
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "layout", "pin_memory", "non_blocking")}
+    if kwargs.get("dtype") in (None, t.dtype) and kwargs.get("memory_format") is None:
+        return _keep_sharding(t, record_and_wrap(aten.clone.default, (t,), {}))
+    kwargs.pop("memory_format", None)
+    # .to(dtype) keeps the sharding (model.to(torch.bfloat16) must not un-shard the parameters)
+    return _keep_sharding(t, record_and_wrap(aten._to_copy.default, (t,), kwargs))
+
+
+@special(aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
+        src = upload_like(src.to(dst.dtype).expand(dst.shape), dst)
+    return mutating_op(func, facts(func), (dst, src), {})
+
+
+@special(aten._local_scalar_dense.default)
+def _local_scalar_dense(func, args, kwargs):
+    return to_cpu(args[0]).item()
+
+
+@special(aten.equal.default)
+def _equal(func, args, kwargs):
+    a, b = args
+    if a.shape != b.shape:
+        return False
+    return bool(to_cpu(aten.eq.Tensor(a, b).all()).item())
+
+
+@special(aten.is_nonzero.default)
+def _is_nonzero(func, args, kwargs):
+    return bool(to_cpu(args[0]).item())
+
+
+@special(aten.allclose.default)
+def _allclose(func, args, kwargs):
+    """A Python bool: the values are needed on the host (as for ``equal``)."""
+    return bool(to_cpu(aten.isclose.default(*args, **kwargs).all()).item())
+
+
+@special(*(getattr(getattr(aten, name), o) for name in _SPARSE_CONVERSIONS if hasattr(aten, name)
+           for o in getattr(aten, name).overloads()))
+def _sparse(func, args, kwargs):
+    layout = kwargs.get("layout") or {"_to_sparse_csr": "torch.sparse_csr", "_to_sparse_csc": "torch.sparse_csc",
+                                      "_to_sparse_bsr": "torch.sparse_bsr", "_to_sparse_bsc": "torch.sparse_bsc"
+                                      }.get(func._schema.name.split("::")[1], "torch.sparse_coo")
+    raise NotImplementedError(
+        f"{func}: shardtensor holds dense (torch.strided) tensors only; a tensor of layout {layout} cannot live "
+        "on st.device(). Convert on the host instead, e.g. t.cpu().to_sparse()")
+
+
+@special(aten._linalg_check_errors.default)
+def _linalg_check_errors(func, args, kwargs):
+    """``_linalg_check_errors(info, api_name, is_matrix)`` raises torch's error when a factorization
+    failed (a singular matrix for inv/solve, not positive-definite for cholesky). It needs the values
+    of ``info``: like torch on CUDA, read them (a sync) and run torch's own check on the host, so the
+    messages are torch's. The ``*_ex`` variants skip the check and do not sync."""
+    check_execution_allowed(f"{args[1]} checks its result for errors; use the *_ex variant "
+                                 "(e.g. torch.linalg.inv_ex) to keep the program whole")
+    return func(to_cpu(args[0]), *args[1:], **kwargs)
+
+
+@special(aten._linalg_det.default, aten._linalg_slogdet.default)
+def _det_factors(func, args, kwargs):
+    """``_linalg_det`` / ``_linalg_slogdet`` also return LU factors, which backward reads as factors of
+    A^T when A is contiguous and real (torch's CPU kernel factors the column-major view) and of A
+    otherwise. The lowering always factors its input's transpose, so a non-contiguous A goes in as
+    the contiguous values of A^T: the same determinant, and the factors of A that backward expects."""
+    a = args[0]
+    if isinstance(a, ShardedTensor) and not a.is_contiguous() and not a.is_complex():
+        args = (a.mT.contiguous(), *args[1:])
+    return record_and_wrap(func, args, kwargs)
+
+
+@special(aten._ctc_loss.Tensor)
+def _ctc_loss_tensor(func, args, kwargs):
+    """``_ctc_loss.Tensor`` takes the lengths as tensors, and its output shape depends on their values
+    (torch has no meta kernel for it): read them on the host and record ``_ctc_loss.default``."""
+    bound = facts(func).bind(args, kwargs)
+    check_execution_allowed("ctc_loss with tensor lengths needs their values")
+    for name in ("input_lengths", "target_lengths"):
+        v = bound[name]
+        bound[name] = (to_cpu(v) if isinstance(v, ShardedTensor) else v).tolist()
+    return record_and_wrap(aten._ctc_loss.default, (), bound)
+
+
+@special(aten._fused_sdp_choice.default)
+def _sdp_choice(func, args, kwargs):
+    return 0  # SDPBackend.math: attention decomposes into ops we lower
+
+
+@special(aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
+         aten.unique_dim.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor,
+         aten.bincount.default)
+def _data_dependent(func, args, kwargs):
+    """Ops whose output shape depends on values (nonzero, masked_select, unique...): they need the
+    values anyway, so run torch's own kernel on the host and upload the (replicated) result."""
+    check_execution_allowed(f"{func} has a data-dependent output shape")
+
+    def host(v):
+        if isinstance(v, ShardedTensor):
+            return to_cpu(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(host(x) for x in v)
+        if isinstance(v, torch.device) and v.type != "cpu":
+            return torch.device("cpu")
+        return v
+
+    out = func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
+    mesh = default_mesh()
+
+    def upload(t):
+        return ShardedTensor(cell_from_host(torch_to_numpy(t), mesh, None, t.dtype))
+
+    if isinstance(out, torch.Tensor):
+        return upload(out)
+    return type(out)(upload(o) if isinstance(o, torch.Tensor) else o for o in out)
+
+
+def _on_device(i):
+    """CPU index tensors are allowed with device tensors (as with CUDA): upload them."""
+    if isinstance(i, torch.Tensor) and not isinstance(i, ShardedTensor):
+        return i.to(torch_device.device())
+    return i
+
+
+@special(aten.index.Tensor)
+def _index(func, args, kwargs):
+    x, indices = args[0], [_on_device(i) for i in args[1]]
+    if any(isinstance(i, ShardedTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+        check_execution_allowed("boolean-mask indexing has a data-dependent shape")
+        expanded = []
+        for i in indices:
+            if isinstance(i, ShardedTensor) and i.dtype in (torch.bool, torch.uint8):
+                expanded.extend(aten.nonzero.default(i).unbind(1))
+            else:
+                expanded.append(i)
+        indices = expanded
+    return record_and_wrap(func, (x, indices), kwargs)
+
+
+@special(aten.clone.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+         aten.full_like.default, aten.rand_like.default, aten.randn_like.default)
+def _same_sharding(func, args, kwargs):
+    """``clone`` and ``*_like`` keep the sharding annotation of their source (as in PyTorch/XLA and
+    DTensor), so e.g. optimizer state is laid out like its parameter."""
+    return _keep_sharding(args[0], record_and_wrap(func, args, kwargs))
+
+
+def _keep_sharding(src, out):
+    """``out`` annotated with ``src``'s sharding, when ``src`` has one of its own (not a view)."""
+    if src._cell.spec is not None and not src._chain and isinstance(out, ShardedTensor):
+        out._cell.sharding = src._cell.sharding
+    return out
+
+
+@special(aten.index_put.default, aten.index_put_.default)
+def _index_put(func, args, kwargs):
+    """``x[mask] = v``: a scalar value becomes ``where`` (no data-dependent shape); otherwise the
+    masks become index tensors (which needs their values)."""
+    bound = facts(func).bind(args, kwargs)
+    x, indices, values = bound["self"], [_on_device(i) for i in bound["indices"]], bound["values"]
+    bound["indices"] = indices
+    accumulate = bound.get("accumulate", False)
+    masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        args, kwargs = tuple(bound[n] for n in facts(func).arg_names if n in bound), {}
+        return record_and_wrap(func, args, kwargs) if not facts(func).mutated else mutating_op(
+            func, facts(func), args, kwargs)
+    inplace = bool(facts(func).mutated)
+    if len(indices) == 1 and values.numel() == 1 and not accumulate and tuple(masks[0].shape) == tuple(
+            x.shape[:masks[0].dim()]):
+        mask = masks[0].bool().reshape(tuple(masks[0].shape) + (1,) * (x.dim() - masks[0].dim()))
+        result = aten.where.self(mask, values.reshape(()).to(x.dtype), x)
+    else:
+        check_execution_allowed("indexing with a boolean mask has a data-dependent shape")
+        expanded = []
+        for i in indices:
+            if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8):
+                expanded.extend(aten.nonzero.default(i).unbind(1))
+            else:
+                expanded.append(i)
+        result = aten.index_put.default(x, expanded, values, accumulate)
+    if inplace:
+        return x.copy_(result)
+    return result
+
+
+@special(aten.native_batch_norm.default)
+def _native_batch_norm(func, args, kwargs):
+    """``native_batch_norm`` updates the running statistics in training although its schema does not
+    say so: run the functional form and write the new statistics back."""
+    bound = facts(func).bind(args, kwargs)
+    rm, rv = bound["running_mean"], bound["running_var"]
+    if not bound["training"] or rm is None or rv is None:
+        return record_and_wrap(func, args, kwargs)
+    out, mean, rstd, new_rm, new_rv = record_and_wrap(aten._native_batch_norm_legit_functional.default, args, kwargs)
+    for target, value in ((rm, new_rm), (rv, new_rv)):
+        views.write(target, views.read(value))
+    if STATE.eager:
+        run_cells([rm._cell, rv._cell])
+    return out, mean, rstd

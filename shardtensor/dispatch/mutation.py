@@ -1,0 +1,105 @@
+"""In-place and ``out=`` ops: the functional twin computes the values, which are written back into
+the targets through their view chains (``out=`` tensors of another shape are resized, as torch does).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from shardtensor.dispatch.meta import meta_outputs
+from shardtensor.dispatch.record import cast, device_mismatch, new_tensors, record, record_and_wrap
+from shardtensor.dispatch.reshape_inplace import resize_to
+from shardtensor.graph import rng, views
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.state import STATE
+from shardtensor.ops.schema import OpFacts, is_inplace
+from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.geometry import contiguous_strides
+
+
+_CHECKED: set = set()  # (mutating op, functional signature) pairs torch's meta kernel accepted
+
+
+def mutating_op(func, f: OpFacts, args, kwargs):
+    """An in-place or ``out=`` op: run its functional twin and write the results into the targets."""
+    if f.functional is None:
+        return record_and_wrap(func, args, kwargs)
+    bound = f.bind(args, kwargs)
+    targets = [bound[name] for name in f.mutated]
+    flat_targets = []
+    for t in targets:
+        flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
+    for x in flat_targets:
+        if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
+            raise device_mismatch(x)
+    args = _with_defaults(func, args, kwargs)  # torch drops trailing arguments equal to their default
+    fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
+    fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
+    if f.functional_by_name:  # e.g. polygamma_(self, n) vs polygamma(n, self)
+        fkw.update({name: a for name, a in zip(f.arg_names, args) if name not in f.out_names})
+        fargs = []
+    meta_ran = True  # torch's meta kernel ran now (and gave its warnings)
+    refs, plan = record(f.functional, fargs, fkw)
+    if plan is not None:
+        metas = plan.outs
+        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets))
+        meta_ran = checked not in _CHECKED
+        if meta_ran:  # torch's own checks (broadcast into self, casts), once
+            meta_outputs(func, args, kwargs)
+            _CHECKED.add(checked)
+    else:  # torch's decomposition computed the values
+        meta_outputs(func, args, kwargs)
+        flat = [refs] if isinstance(refs, torch.Tensor) else list(refs)
+        refs = [views.read(r) for r in flat]
+        metas = [(tuple(r.shape), r.dtype, r.stride(), 0) for r in flat]
+    functional_variant = not (is_inplace(func) or f.out_names)  # e.g. _native_batch_norm_legit
+    n_returned = len(refs) - len(flat_targets) if functional_variant else 0
+    written, written_metas = refs[n_returned:], metas[n_returned:]
+    cells = []
+    outs = {id(x) for name in f.out_names for x in (bound[name] if isinstance(bound[name], (list, tuple))
+                                                    else [bound[name]])}
+    for t, ref, meta in zip(flat_targets, written, written_metas):
+        if tuple(meta[0]) != tuple(t.shape):
+            if id(t) not in outs:
+                raise RuntimeError(f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor "
+                                   f"of shape {tuple(t.shape)}")
+            # out= tensors of another shape are resized, as torch does (it warns if they were not empty)
+            shape = tuple(meta[0])
+            if t.numel() and not meta_ran:
+                warnings.warn(f"An output with one or more elements was resized since it had shape {list(t.shape)}, "
+                              f"which does not match the required output shape {list(shape)}. This behavior is "
+                              "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+                              "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
+                              "inplace, to zero elements with t.resize_(0).", UserWarning, stacklevel=3)
+            resize_to(func, t, shape, meta[2] if len(meta) > 2 and meta[2] else contiguous_strides(shape), 0)
+        if meta[1] != t.dtype:
+            ref = cast(ref, t.dtype)
+        views.write(t, ref)
+        cells.append(t._cell)
+    returned = []
+    if functional_variant:
+        new_cells, returned = new_tensors(refs[:n_returned], metas[:n_returned])
+        cells += [c for c in new_cells if c is not None]
+    if STATE.eager:  # one run: a second would find the rng key donated by the first
+        run_cells(cells + rng.pending_cells())
+    if functional_variant:  # e.g. rrelu_with_noise: writes `noise`, returns one tensor
+        return returned[0] if len(func._schema.returns) == 1 else tuple(returned)
+    returns = func._schema.returns
+    if not returns:
+        return None
+    if len(returns) == 1:
+        return targets[0]
+    return tuple(targets)
+
+
+def _with_defaults(func, args, kwargs):
+    """``args`` with the positional arguments torch left out (equal to their defaults) filled in, so a
+    functional twin whose argument has no default (``bernoulli.p``) gets it."""
+    schema_args = [a for a in func._schema.arguments if not a.kwarg_only]
+    if len(args) >= len(schema_args):
+        return args
+    missing = schema_args[len(args):]
+    if any(a.name in kwargs or not a.has_default_value() for a in missing):
+        return args
+    return tuple(args) + tuple(a.default_value for a in missing)

@@ -1,0 +1,238 @@
+"""Recording one aten op: its arguments become a static template (the plan's key) and value
+references; the plan (memoised per op and template) holds the lowering's caller and the output
+metadata; the op becomes a graph node whose outputs are new pending tensors. Ops with no lowering go
+through torch's decompositions.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import torch
+from jax._src.lax.lax import _convert_element_type
+
+from shardtensor import metrics as counters
+from shardtensor import runtime
+from shardtensor.dispatch.meta import meta_outputs, outputs_from_lowering
+from shardtensor.dtypes import to_jax
+from shardtensor.graph import rng, views
+from shardtensor.graph.execute import run_cells, run_single_node
+from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
+from shardtensor.graph.state import STATE, set_pending
+from shardtensor.ops import lookup
+from shardtensor.ops.schema import facts
+from shardtensor.tensor import ShardedTensor
+
+aten = torch.ops.aten
+
+
+# --- turning arguments into a template (static, hashable) and dynamic references ------------------
+def _encode(value, is_scalar_slot, static_scalars, refs):
+    if isinstance(value, ShardedTensor):
+        refs.append(views.read(value))
+        return ("T", value.shape, value.dtype, value.stride(), value.storage_offset())
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.device.type == "cpu":
+            refs.append(ScalarLeaf(value.item()))
+            return ("C", value.dtype)
+        raise device_mismatch(value)
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, torch.Tensor) for v in value):
+            return ("L", tuple(_encode(v, False, False, refs) for v in value))
+        if is_scalar_slot and not static_scalars and value and not isinstance(value[0], (list, tuple)):
+            refs.extend(ScalarLeaf(v) for v in value)
+            return ("SL", len(value))
+        return ("X", tuple(value))
+    if is_scalar_slot and not static_scalars and isinstance(value, (int, float, bool, complex)):
+        refs.append(ScalarLeaf(value))
+        return ("S", type(value))
+    if isinstance(value, torch.Generator):
+        return ("X", None)
+    return ("X", value)
+
+
+def device_mismatch(value):
+    """torch's error for a CPU tensor where a device tensor is needed."""
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"{value.device} and shardtensor:0! Move the {value.device} tensor with .to(st.device()) "
+        "or st.shard(t, mesh, spec) first."
+    )
+
+
+def _decode(entry, it):
+    kind = entry[0]
+    if kind == "T" or kind == "S":
+        return next(it)
+    if kind == "X":
+        v = entry[1]
+        return list(v) if isinstance(v, tuple) else v
+    if kind == "C":
+        return _convert_element_type(next(it), to_jax(entry[1]), weak_type=True)
+    if kind == "L":
+        return [None if e == ("X", None) else _decode(e, it) for e in entry[1]]
+    if kind == "SL":
+        return [next(it) for _ in range(entry[1])]
+    raise AssertionError(entry)
+
+
+def flatten(func, args, kwargs, static_scalars=False):
+    """(static template, dynamic value references) of a call: the template keys the plan."""
+    f = facts(func)
+    refs = []
+    slots = f.scalar_slots
+    pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
+    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
+    return (pos, kw), refs
+
+
+# --- plans: everything about an op signature that does not depend on values ------------------------
+@dataclasses.dataclass
+class Plan:
+    caller: object
+    key: tuple
+    outs: tuple  # (shape, dtype) or None per flat output
+    structure: str  # "one" | "tuple" | "list"
+    random: bool
+
+
+_PLANS: dict = {}
+
+
+def plan_for(func, template, args, kwargs, lowering) -> Plan:
+    key = (func, template)
+    p = _PLANS.get(key)
+    if p is None:
+        p = _PLANS[key] = _make_plan(func, template, args, kwargs, lowering)
+    return p
+
+
+def _make_plan(func, template, args, kwargs, lowering) -> Plan:
+    try:
+        outs, structure = meta_outputs(func, args, kwargs)
+    except NotImplementedError:  # no meta kernel in torch
+        outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
+    if lowering.dtypes_from_lowering:
+        # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
+        mine, _ = outputs_from_lowering(func, lowering, args, kwargs)
+        outs = tuple(o if o is None else (o[0], m[1]) + tuple(o[2:]) for o, m in zip(outs, mine))
+    expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
+    fn, random = lowering.for_platform(runtime.platform()), lowering.random
+    pos_t, kw_t = template
+
+    def caller(*values):
+        it = iter(values)
+        if random:
+            key, sub = jax.random.split(next(it))
+        a = [_decode(e, it) for e in pos_t]
+        k = {name: _decode(e, it) for name, e in kw_t}
+        out = fn(sub, *a, **k) if random else fn(*a, **k)
+        if not isinstance(out, (tuple, list)):
+            out = (out,)
+        out = tuple(None if d is None else (o if o.dtype == d else o.astype(d)) for o, d in zip(out, expected))
+        return out + (key,) if random else out
+
+    return Plan(caller, (func, template), outs, structure, random)
+
+
+def record(func, args, kwargs):
+    """Record ``func`` on these arguments; returns (output references, plan), or (result, None) when
+    ``func`` has no lowering and torch's decomposition computed the result from other ops."""
+    lowering = lookup(func)
+    if lowering is None:
+        return _fallback(func, args, kwargs)
+    template, refs = flatten(func, args, kwargs, lowering.static_scalars)
+    plan = plan_for(func, template, args, kwargs, lowering)
+    if plan.random:
+        refs.insert(0, rng.current())
+    node = Node(plan.caller, plan.key, tuple(refs))
+    n = len(plan.outs)
+    out_refs = [None if o is None else Pending(node, i) for i, o in enumerate(plan.outs)]
+    if plan.random:
+        rng.advance(Pending(node, n))
+    return out_refs, plan
+
+
+_DECOMPOSITIONS = None
+
+
+def _decomposition(func):
+    global _DECOMPOSITIONS
+    if _DECOMPOSITIONS is None:
+        import torch._decomp  # heavy: only when an op has no lowering
+
+        # torch's whole table, with the core-aten choices winning. core_aten_decompositions() is a
+        # lazily filled CustomDecompTable whose .get() misses entries that [] finds: copy it out.
+        table = dict(torch._decomp.decomposition_table)
+        table.update(torch._decomp.core_aten_decompositions().items())
+        _DECOMPOSITIONS = table
+    return _DECOMPOSITIONS.get(func)
+
+
+def _fallback(func, args, kwargs):
+    """(torch's decomposition of ``func`` run on these arguments, None), or a clear error."""
+    decomp = _decomposition(func)
+    if decomp is not None:
+        counters.increment(f"Decomposition::{func}")
+        return decomp(*args, **kwargs), None
+    out = func.decompose(*args, **kwargs)
+    if out is not NotImplemented:
+        counters.increment(f"Decomposition::{func}")
+        return out, None
+    raise NotImplementedError(
+        f"shardtensor has no lowering for the aten op {func} (and torch has no decomposition for it). "
+        "Please report it; as a workaround move the tensors to CPU with .cpu() for this op."
+    )
+
+
+def wrap(func, out_refs, plan=None):
+    """ShardedTensors for the outputs of a recorded op (run at once in eager mode)."""
+    if plan is None:
+        return out_refs  # a decomposition already produced the result
+    cells, outs = new_tensors(out_refs, plan.outs)
+    if STATE.eager:
+        if plan.random or len(cells) != len(out_refs):
+            run_cells(cells + rng.pending_cells())
+        else:
+            run_single_node(out_refs[0].node, cells)
+    if plan.structure == "one":
+        return outs[0]
+    return list(outs) if plan.structure == "list" else tuple(outs)
+
+
+def record_and_wrap(func, args, kwargs):
+    """Record ``func`` and return its results as ShardedTensors (or a decomposition's results)."""
+    return wrap(func, *record(func, args, kwargs))
+
+
+def new_tensors(refs, metas):
+    """A fresh pending Cell and ShardedTensor per output reference (None stays None)."""
+    cells, outs = [], []
+    for ref, meta in zip(refs, metas):
+        if ref is None:
+            outs.append(None)
+            continue
+        cell = Cell(ref, meta[0], meta[1])
+        set_pending(cell, ref)
+        cells.append(cell)
+        outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
+    return cells, outs
+
+
+def zeros(shape, dtype) -> ShardedTensor:
+    """A lazily created zero tensor (what ``torch.empty`` gives on st.device())."""
+    jd = to_jax(dtype)
+    node = Node(lambda: (jax.numpy.zeros(shape, jd),), ("zeros", shape, dtype), ())
+    ref = Pending(node, 0)
+    cell = Cell(ref, shape, dtype)
+    set_pending(cell, ref)
+    if STATE.eager:
+        run_cells([cell])
+    return ShardedTensor(cell)
+
+
+def cast(ref, dtype):
+    """Reference to ``ref``'s value converted to the torch ``dtype``."""
+    jd = to_jax(dtype)
+    node = Node(lambda x: (x.astype(jd),), ("cast", dtype), (ref,))
+    return Pending(node, 0)

@@ -1,0 +1,38 @@
+"""View ops: a view is its base's cell plus a chain of view steps, read and written through."""
+from __future__ import annotations
+
+import torch
+
+from shardtensor.dispatch.record import flatten, plan_for, record_and_wrap
+from shardtensor.dispatch.table import special
+from shardtensor.graph import views
+from shardtensor.ops import lookup
+from shardtensor.tensor import ShardedTensor
+
+aten = torch.ops.aten
+
+
+def view_op(func, args, kwargs):
+    """A view op: a new tensor over the same cell, one step longer view chain (no data moves)."""
+    base, lowering = args[0], lookup(func)
+    if not isinstance(base, ShardedTensor) or lowering is None:
+        return record_and_wrap(func, args, kwargs)
+    template, refs = flatten(func, args, kwargs, lowering.static_scalars)
+    if len(refs) != 1:  # a view with other dynamic inputs: compute it as a copy
+        return record_and_wrap(func, args, kwargs)
+    plan = plan_for(func, template, args, kwargs, lowering)
+    outs = []
+    for i, meta in enumerate(plan.outs):
+        step = views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
+        outs.append(ShardedTensor(base._cell, meta[0], meta[1], chain=base._chain + (step,),
+                                  strides=meta[2], storage_offset=meta[3]))
+    if plan.structure == "one":
+        return outs[0]
+    return list(outs) if plan.structure == "list" else tuple(outs)
+
+
+@special(aten.detach.default, aten.alias.default, aten.lift_fresh.default)
+def _alias(func, args, kwargs):
+    t = args[0]
+    return ShardedTensor(t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(),
+                         storage_offset=t.storage_offset())

@@ -1,0 +1,236 @@
+"""Building one program from pending cells: the nodes behind them in order, the inputs (concrete
+arrays and Python scalars), and the outputs with their layouts.
+
+A ``Program`` is everything about a graph except its input values, and its ``key`` is structural
+(ops, static arguments, input shapes, dtypes and shardings, donation), so a loop of identical steps
+maps to one cached executable. Inputs stored padded are sliced on entry; outputs whose cell asks for
+a sharding are padded and constrained on exit; arrays of cells that the graph overwrites are donated.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src.lax.lax import _convert_element_type
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as JaxSpec
+
+from shardtensor import metrics as counters
+from shardtensor import sharding as sh
+from shardtensor.graph.ir import Cell, Leaf, Pending
+from shardtensor.mesh import default_mesh
+
+
+def scalar_kind(value) -> str:
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):
+        return "i"
+    if isinstance(value, float):
+        return "f"
+    return "c"
+
+
+SCALAR_DTYPES = {"b": np.bool_, "i": np.int64, "f": np.float64, "c": np.complex128}
+
+
+class Program:
+    """The structure of one graph: everything about it except the concrete input values."""
+
+    def __init__(self):
+        self.steps = []  # (caller, codes)
+        self.leaf_shapes = []  # (logical shape, padded?)
+        self.scalar_slots = []  # (kind, position within that kind's vector)
+        self.outputs = []  # (code, pad widths or None, jax sharding or None)
+        self.donated = []
+        self.kept = []
+        self.leaf_cells = []
+        self.forwarded = set()  # outputs that are an input leaf unchanged
+        self.forwarded_leaves = set()
+        self.key = None
+        self.mesh = None
+
+    @classmethod
+    def build(cls, cells, donate=True):
+        prog = cls()
+        node_pos: dict[int, int] = {}
+        leaf_pos: dict[int, int] = {}
+        arrays: list = []
+        scalar_vals = {"b": [], "i": [], "f": [], "c": []}
+        key_parts = []
+
+        def code_of(ref):
+            if isinstance(ref, Pending):
+                return (0, node_pos[id(ref.node)], ref.index)
+            if isinstance(ref, Leaf):
+                k = leaf_pos.get(id(ref.array))
+                if k is None:
+                    k = leaf_pos[id(ref.array)] = len(arrays)
+                    arrays.append(ref.array)
+                    padded = tuple(ref.array.shape) != tuple(ref.shape)
+                    prog.leaf_shapes.append((tuple(ref.shape), padded))
+                    prog.leaf_cells.append(ref.cell_ref() if ref.cell_ref is not None else None)
+                return (1, k)
+            kind = scalar_kind(ref.value)
+            vals = scalar_vals[kind]
+            prog.scalar_slots.append((kind, len(vals)))
+            vals.append(ref.value)
+            return (2, len(prog.scalar_slots) - 1)
+
+        for node in _topological_order([c.value.node for c in cells]):
+            codes = tuple(code_of(r) for r in node.inputs)
+            node_pos[id(node)] = len(prog.steps)
+            prog.steps.append((node.caller, codes))
+            key_parts.append((node.key, codes))
+
+        mesh = _graph_mesh(cells, arrays)
+        arrays = [to_mesh(a, mesh) for a in arrays]
+        out_keys = []
+        for cell in cells:
+            code = code_of(cell.value)
+            pad, sharding = _output_layout(cell, mesh)
+            if sharding is None and not arrays:  # no inputs: jit would use one device, not the mesh
+                sharding = NamedSharding(mesh, JaxSpec())
+            prog.outputs.append((code, pad, sharding))
+            out_keys.append((code, pad, sharding))
+
+        overwritten = {id(c) for c in cells}
+        layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
+        for i, c in enumerate(prog.leaf_cells):
+            # donate only a buffer the output can reuse: same cell, sole owner, same layout
+            reusable = (donate and c is not None and id(c) in overwritten and c.owned
+                        and layouts[id(c)] in (None, arrays[i].sharding))
+            (prog.donated if reusable else prog.kept).append(i)
+        leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
+        scalars = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
+        prog.mesh = mesh
+        prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
+                    mesh)
+        return prog, arrays, scalars
+
+    def make_executable(self):
+        steps, leaf_shapes, slots, outputs = self.steps, self.leaf_shapes, self.scalar_slots, self.outputs
+        order = self.donated + self.kept
+        forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
+
+        def replay(donated, kept, vecs):
+            arrays = [None] * len(order)
+            for i, a in zip(order, list(donated) + list(kept)):
+                arrays[i] = a
+            leaves = [a[tuple(slice(0, n) for n in shape)] if padded else a
+                      for a, (shape, padded) in zip(arrays, leaf_shapes)]
+            scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
+            values = []
+
+            def resolve(code):
+                if code[0] == 0:
+                    return values[code[1]][code[2]]
+                return leaves[code[1]] if code[0] == 1 else scalars[code[1]]
+
+            for caller, codes in steps:
+                values.append(caller(*[resolve(c) for c in codes]))
+            results = []
+            for i, (code, pad, sharding) in enumerate(outputs):
+                x = resolve(code)
+                if code[0] == 1 and not leaf_shapes[code[1]][1]:
+                    forwarded.add(i)
+                    forwarded_leaves.add(code[1])
+                if pad is not None:
+                    x = jnp.pad(x, pad)
+                if sharding is not None:
+                    x = jax.lax.with_sharding_constraint(x, sharding)
+                results.append(x)
+            return results
+
+        out_shardings = [sharding for _, _, sharding in outputs]
+        fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
+        fn.program = self
+        return fn
+
+
+def _topological_order(roots):
+    """Nodes reachable from ``roots``, inputs before users (iterative: graphs can be deep)."""
+    order, seen = [], set()
+    stack = [(n, False) for n in reversed(roots)]
+    while stack:
+        node, expanded = stack.pop()
+        if expanded:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for ref in reversed(node.inputs):
+            if isinstance(ref, Pending) and id(ref.node) not in seen:
+                stack.append((ref.node, False))
+    return order
+
+
+def _output_layout(cell: Cell, mesh):
+    """(pad widths or None, sharding or None) for an output cell: the user's sharding, else the
+    layout its data had before this graph overwrote it, else XLA's choice."""
+    if cell.spec is None:
+        layout = cell.layout
+        if isinstance(layout, NamedSharding) and layout.mesh == mesh:
+            return None, layout
+        return None, None
+    return _spec_layout(cell.shape, cell.mesh, cell.spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spec_layout(shape, mesh, spec):
+    """(pad widths or None, NamedSharding) of a tensor of ``shape`` stored as (mesh, spec)."""
+    padded = tuple(sh.padded_shape(shape, mesh, spec))
+    pad = tuple((0, p - n) for n, p in zip(shape, padded)) if padded != tuple(shape) else None
+    return pad, NamedSharding(mesh.get_jax_mesh(), sh.to_jax_spec(mesh, spec, len(shape)))
+
+
+def mesh_of(array):
+    s = getattr(array, "sharding", None)
+    return s.mesh if isinstance(s, NamedSharding) else None
+
+
+def _is_replicated(array) -> bool:
+    return array.sharding.is_fully_replicated
+
+
+def _graph_mesh(cells, arrays):
+    """The one jax mesh of this graph; two meshes holding sharded data are an error."""
+    meshes = {}
+    for c in cells:
+        if c.mesh is not None:
+            m = c.mesh.get_jax_mesh()
+            meshes[m] = c.mesh
+    for a in arrays:
+        m = mesh_of(a)
+        if m is not None and not _is_replicated(a):
+            meshes.setdefault(m, m)
+    if len(meshes) > 1:
+        raise ValueError(
+            "These tensors are sharded over different meshes "
+            f"({', '.join(str(m) for m in meshes.values())}); one computation can use only one mesh. "
+            "Reshard them onto one mesh first (st.mark_sharding / st.shard with the same Mesh)."
+        )
+    if meshes:
+        return next(iter(meshes))
+    for a in arrays:  # all replicated: stay on the inputs' mesh rather than moving them
+        m = mesh_of(a)
+        if m is not None:
+            return m
+    return default_mesh().get_jax_mesh()
+
+
+def to_mesh(array, mesh):
+    """Put a replicated array (or one on a single device) onto ``mesh`` so jit sees one mesh."""
+    m = mesh_of(array)
+    if m is mesh or m == mesh:
+        return array
+    if m is not None and not _is_replicated(array):
+        return array  # sharded on another mesh: _graph_mesh already refused a real conflict
+    counters.increment("ReplicateToGraphMesh")
+    return jax.device_put(array, NamedSharding(mesh, JaxSpec()))
+
+

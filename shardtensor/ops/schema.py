@@ -1,0 +1,111 @@
+"""Facts about an aten overload's schema, computed once per overload: which arguments are runtime
+scalars, which it writes, its ``out=`` arguments, and the functional twin that computes the same
+values without writing (``add_.Tensor`` -> ``add.Tensor``).
+
+Example::
+
+    facts(torch.ops.aten.add_.Tensor).functional   # aten.add.Tensor
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+aten = torch.ops.aten
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFacts:
+    """What the dispatcher needs to know of one overload's schema."""
+
+    scalar_slots: frozenset  # positions / names of Scalar, Scalar[] or Tensor arguments
+    mutated: tuple  # names of arguments the op writes (a!)
+    out_names: tuple  # names of out= arguments
+    arg_names: tuple
+    is_view: bool
+    functional: torch._ops.OpOverload | None = None  # the overload to run for a mutating op
+    functional_by_name: bool = False  # its arguments come in another order: pass them by name
+
+    def bind(self, args, kwargs) -> dict:
+        """The arguments of a call by name."""
+        bound = dict(zip(self.arg_names, args))
+        bound.update(kwargs)
+        return bound
+
+
+_FACTS: dict = {}
+
+
+def facts(func) -> OpFacts:
+    """The (memoised) schema facts of an aten overload."""
+    f = _FACTS.get(func)
+    if f is None:
+        f = _FACTS[func] = _make_facts(func)
+    return f
+
+
+def _make_facts(func) -> OpFacts:
+    schema = func._schema
+    slots, mutated, outs, names = set(), [], [], []
+    for i, a in enumerate(schema.arguments):
+        names.append(a.name)
+        kind = str(a.type)  # a Scalar prints as "number"
+        if "number" in kind or "Scalar" in kind or "Tensor" in kind:
+            # a Python number in a Scalar or Tensor slot (x / 0.93 reaches us as div.Tensor) is a
+            # runtime input, so a value that changes each step does not recompile
+            slots.update((i, a.name))
+        if a.alias_info is not None and a.alias_info.is_write:
+            mutated.append(a.name)
+            if a.is_out:
+                outs.append(a.name)
+    f = OpFacts(frozenset(slots), tuple(mutated), tuple(outs), tuple(names), bool(func.is_view) and not mutated)
+    if not mutated:
+        return f
+    functional = _functional_twin(func, f)
+    by_name = False
+    if functional is not None:
+        mine = [n for n in f.arg_names if n not in f.out_names]
+        theirs = [a.name for a in functional._schema.arguments]
+        by_name = theirs[:len(mine)] != mine[:len(theirs)]
+    return dataclasses.replace(f, functional=functional, functional_by_name=by_name)
+
+
+def _functional_twin(func, f: OpFacts):
+    """``add_.Tensor`` -> ``add.Tensor``; ``sum.IntList_out`` -> ``sum.dim_IntList``;
+    ``_native_batch_norm_legit`` -> ``_native_batch_norm_legit_functional``."""
+    name = func._schema.name.split("::")[1]
+    inplace = name.endswith("_") and not name.endswith("__")
+    candidates = []
+    if inplace:
+        candidates += [name[:-1], name[:-1] + "_functional"]
+    elif not f.out_names:
+        candidates.append(name + "_functional")
+    else:
+        candidates.append(name)
+    wanted = sorted(_signature_of(a) for a in func._schema.arguments if not a.is_out)
+    for cand in candidates:
+        packet = getattr(aten, cand, None)
+        if packet is None:
+            continue
+        overloads = [func._overloadname] + [o for o in packet.overloads() if o != func._overloadname]
+        for o in overloads:
+            op = getattr(packet, o, None)
+            if op is None:
+                continue
+            args = op._schema.arguments
+            if any(a.alias_info is not None and a.alias_info.is_write for a in args):
+                continue
+            if sorted(_signature_of(a) for a in args) == wanted:  # same names and types, any order
+                return op
+    return None
+
+
+def _signature_of(arg):
+    return arg.name, str(arg.type).replace("Optional[", "").replace("]", "")
+
+
+def is_inplace(func) -> bool:
+    """Whether ``func`` is an in-place variant (``add_``), not an ``out=`` or functional one."""
+    name = func._schema.name
+    return name.endswith("_") and not name.endswith("__")

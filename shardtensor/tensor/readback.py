@@ -1,0 +1,64 @@
+"""Reading a ShardedTensor's value: the stored jax array (computing what is pending) and a CPU copy."""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from shardtensor import metrics as counters
+from shardtensor.dtypes import numpy_to_torch
+from shardtensor.graph import execute, state, views
+from shardtensor.graph.ir import Cell, Failed
+
+
+def materialize(t):
+    """The concrete stored jax array of ShardedTensor ``t`` (computing what is pending).
+
+    Example: ``materialize(x).sharding`` is where XLA put ``x``'s data.
+    """
+    cell = t._cell
+    if t._chain:
+        ref = views.read(t)
+        tmp = Cell(ref, t.shape, t.dtype)
+        state.set_pending(tmp, ref)
+        cell = tmp
+    if cell.is_pending():
+        state.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was needed")
+        try:
+            execute.run_cells(state.pending_cells() + [cell])
+        except Exception as error:
+            if cell.is_pending() or isinstance(cell.value, Failed):
+                raise
+            # another pending tensor failed; it keeps its error for whoever reads it
+            warnings.warn(f"a pending computation failed ({error}); reading that tensor raises the error",
+                          RuntimeWarning, stacklevel=3)
+    if isinstance(cell.value, Failed):
+        cell.value.reraise()
+    return cell.value
+
+
+def logical_array(t):
+    """The concrete jax array of ``t`` without padding."""
+    a = materialize(t)
+    if tuple(a.shape) != tuple(t.shape):
+        a = a[tuple(slice(0, n) for n in t.shape)]
+    return a
+
+
+def to_cpu(t) -> torch.Tensor:
+    """A torch CPU tensor with the value of ``t`` (on several processes: the whole tensor on each).
+
+    Example: ``to_cpu(st.shard(torch.ones(2), mesh, (None,)))`` is ``tensor([1., 1.])``.
+    """
+    a = materialize(t)
+    with counters.timed("TransferFromDeviceTime"):
+        if a.is_fully_addressable:
+            host = np.asarray(a)
+        else:
+            from jax.experimental import multihost_utils  # only multi-process jobs need it
+
+            host = np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    counters.increment("TransferFromDevice")
+    host = host[tuple(slice(0, n) for n in t.shape)]
+    return numpy_to_torch(host)
