@@ -219,7 +219,7 @@ def _describe_input(i, sig, cell) -> str:
     _, dtype, shape, sharding = sig
     name = _INPUT_NAMES.get(id(cell)) if cell is not None else None
     prefix = f"{name}; " if name else ""
-    spec = cell.spec if cell is not None and cell.spec is not None else None
+    spec = tuple(cell.spec) if cell is not None and cell.spec is not None else None
     layout = f"{spec!r}" if spec is not None else _sharding_text(sharding)
     return f"input {i} ({prefix}{tuple(shape)} {dtype}, {layout})"
 
