@@ -36,7 +36,7 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     if STATE.trace_start is None or not _PENDING.data:  # the first op of a new graph (.data: C-speed test)
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
-    if cell.spec is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
+    if cell.sharding is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
         # an in-place update keeps the layout the data had (so optimizer state does not drift
         # between layouts and recompile the next step)
         cell.layout = old.sharding

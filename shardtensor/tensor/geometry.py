@@ -2,15 +2,8 @@
 from __future__ import annotations
 
 import torch
-from torch._prims_common import make_contiguous_strides_for
 
-
-def contiguous_strides(shape) -> tuple:
-    """torch's strides of a contiguous tensor of ``shape``.
-
-    Example: ``contiguous_strides((2, 3)) == (3, 1)``.
-    """
-    return tuple(make_contiguous_strides_for(tuple(shape), row_major=True))
+from shardtensor.graph.views import contiguous_strides  # noqa: F401  (re-exported: a tensor's geometry)
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
