@@ -89,6 +89,7 @@ class Lowered:
     arrays: list
     scalars: dict
     leaf_cells: list
+    _jitted: object = dataclasses.field(default=None, init=False, repr=False)
 
     @property
     def mesh(self):
@@ -98,7 +99,9 @@ class Lowered:
     def jitted(self):
         """The jitted function: the cached one if this graph was compiled before, else a new one
         outside the cache (a later run of the same graph compiles and counts as usual)."""
-        return cached_executable(self.program.key) or self.program.make_executable()
+        if self._jitted is None:
+            self._jitted = cached_executable(self.program.key) or self.program.make_executable()
+        return self._jitted
 
     def abstract_arguments(self):
         """(donated, kept, scalar vectors) as shapes, dtypes and shardings: what ``jitted`` takes."""
