@@ -8,6 +8,7 @@ only the rest keep the error (reading one raises it again).
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 import numpy as np
@@ -160,7 +161,11 @@ class Execution:
             # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's
             # call then finds this executable. A program that fails to compile is not cached.
             start = time.perf_counter_ns()
-            fn.lower(*_call_arguments(program, arrays, scalars)).compile()
+            with warnings.catch_warnings():
+                # donation is best effort: a buffer XLA cannot reuse (another layout) is simply not
+                # reused; the filter is scoped to our own compile, not the user's process
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                fn.lower(*_call_arguments(program, arrays, scalars)).compile()
             _COMPILE_TIME.add_since(start)
             _EXECUTABLES[program.key] = fn
         else:
