@@ -38,14 +38,6 @@ def materialize(t):
     return cell.value
 
 
-def logical_array(t):
-    """The concrete jax array of ``t`` without padding."""
-    a = materialize(t)
-    if tuple(a.shape) != tuple(t.shape):
-        a = a[tuple(slice(0, n) for n in t.shape)]
-    return a
-
-
 def to_cpu(t) -> torch.Tensor:
     """A torch CPU tensor with the value of ``t`` (on several processes: the whole tensor on each).
 
