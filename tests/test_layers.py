@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "shardtensor"
 
 # The layers, bottom up: each part is a module or a folder of shardtensor/ (DESIGN.md, "Parts").
 LAYERS = [
-    ("L0", {"runtime", "metrics", "dtypes"}),
+    ("L0", {"runtime", "metrics", "dtypes", "trees"}),
     ("L1", {"mesh", "sharding"}),
     ("L2", {"ops"}),
     ("L3", {"graph"}),

@@ -4,7 +4,6 @@ import copy
 import math
 import pickle
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings

@@ -10,7 +10,6 @@ Example::
 """
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import jax
@@ -26,6 +25,7 @@ from shardtensor.dtypes import torch_to_numpy
 from shardtensor.sharding import named_sharding
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import wrap_upload
+from shardtensor.trees import leaves, map_leaves, mapping_with
 
 
 class Uploaded:
@@ -38,50 +38,13 @@ class Uploaded:
         self.mesh, self.spec, self.requires_grad = mesh, spec, requires_grad
 
 
-def map_structure(obj, fn):
-    """``obj`` with ``fn`` applied to every leaf; mappings, named tuples, tuples and lists are
-    rebuilt with their own type (a torch tensor is a leaf).
-
-    Example::
-
-        map_structure({'a': [1, (2, 3)]}, lambda v: v * 10)   # {'a': [10, (20, 30)]}
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, Mapping):
-        return _rebuild_mapping(obj, {k: map_structure(v, fn) for k, v in obj.items()})
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a named tuple
-        return type(obj)(*(map_structure(v, fn) for v in obj))
-    if isinstance(obj, (tuple, list)):
-        items = [map_structure(v, fn) for v in obj]
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return (tuple if isinstance(obj, tuple) else list)(items)
-    return fn(obj)
-
-
-def _rebuild_mapping(obj, items: dict):
-    if type(obj) is dict:
-        return items
-    try:  # keeps the type and its extras (OrderedDict, defaultdict, UserDict-based batches)
-        out = copy.copy(obj)
-        for k, v in items.items():
-            out[k] = v
-        return out
-    except Exception:  # noqa: BLE001 — a mapping that cannot be copied or assigned: a plain dict
-        return items
-
-
 def _moves(leaf) -> bool:
     """Whether a batch leaf goes to the devices: torch CPU tensors (not already on st.device())."""
     return isinstance(leaf, torch.Tensor) and not isinstance(leaf, ShardedTensor) and leaf.device.type == "cpu"
 
 
 def _holds_tensor(obj) -> bool:
-    found = []
-    map_structure(obj, lambda leaf: found.append(_moves(leaf)))
-    return any(found)
+    return any(_moves(leaf) for leaf in leaves(obj))
 
 
 class Layouts:
@@ -110,11 +73,11 @@ class Layouts:
             missing = [k for k, v in batch.items() if k not in spec and _holds_tensor(v)]
             if missing:
                 raise KeyError(f"Keys: {missing} are missing from input_sharding.")
-            return _rebuild_mapping(batch, {k: self._upload_tree(v, spec.get(k)) for k, v in batch.items()})
+            return mapping_with(batch, {k: self._upload_tree(v, spec.get(k)) for k, v in batch.items()})
         return self._upload_tree(batch, spec)
 
     def _upload_tree(self, tree, spec: ShardingSpec | None):
-        return map_structure(tree, lambda leaf: self._upload_leaf(leaf, spec))
+        return map_leaves(lambda leaf: self._upload_leaf(leaf, spec), tree)
 
     def _upload_leaf(self, leaf, spec: ShardingSpec | None):
         if not _moves(leaf):
@@ -180,7 +143,7 @@ def wrap_batch(uploaded):
 
         batch = wrap_batch(layouts.upload_batch(cpu_batch))
     """
-    return map_structure(uploaded, _wrap_leaf)
+    return map_leaves(_wrap_leaf, uploaded)
 
 
 def _wrap_leaf(leaf):

@@ -20,6 +20,7 @@ from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.readback import to_cpu
 from shardtensor.tensor.upload import cell_from_host, upload_like
+from shardtensor.trees import map_leaves
 
 aten = torch.ops.aten
 _SPARSE_CONVERSIONS = ("_to_sparse", "_to_sparse_csr", "_to_sparse_csc", "_to_sparse_bsr", "_to_sparse_bsc")
@@ -135,13 +136,12 @@ def _data_dependent(func, args, kwargs):
     def host(v):
         if isinstance(v, ShardedTensor):
             return to_cpu(v)
-        if isinstance(v, (list, tuple)):
-            return type(v)(host(x) for x in v)
         if isinstance(v, torch.device) and v.type != "cpu":
             return torch.device("cpu")
         return v
 
-    out = func(*[host(a) for a in args], **{k: host(v) for k, v in kwargs.items()})
+    host_args, host_kwargs = map_leaves(host, (args, kwargs))
+    out = func(*host_args, **host_kwargs)
     mesh = default_mesh()
 
     def upload(t):

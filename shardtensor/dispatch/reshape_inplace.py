@@ -83,8 +83,8 @@ def _storage_meta(t):
 
 def _geometry_after(func, args, kwargs):
     """Run ``func`` on meta tensors (torch's checks and errors): the geometry of its result."""
-    margs = [_storage_meta(args[0])] + [as_meta(a) for a in args[1:]]
-    mkw = {k: as_meta(v) for k, v in kwargs.items()}
+    rest, mkw = as_meta((args[1:], kwargs))
+    margs = [_storage_meta(args[0]), *rest]
     with torch._C._DisableTorchDispatch():
         m = func(*margs, **mkw)  # self for the in-place ops, the view for as_strided
     return tuple(m.shape), m.stride(), m.storage_offset()

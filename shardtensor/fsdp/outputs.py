@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 import shardtensor as st
+from shardtensor.trees import map_leaves, tensors_in
 
 
 def batch_output_sharder(extra_data_axis: str | None = None):
@@ -25,8 +26,9 @@ def batch_output_sharder(extra_data_axis: str | None = None):
     The batch size is dim 0 of the first output tensor that has a dimension (a 0-d loss in front of
     the logits, as in a ``ModelOutput``, is skipped). Each tensor whose dim 0 equals it is sharded
     ``('fsdp', None, ...)`` — ``((extra_data_axis, 'fsdp'), None, ...)`` when an extra data axis is
-    given —; other tensors and non-tensor values are left alone. It returns the output (with any
-    view replaced by a sharded copy, see ``shard_batch``).
+    given —; other tensors and non-tensor values are left alone. It returns the output rebuilt,
+    each container of its own type (a ``ModelOutput`` stays one, items and attributes alike), with
+    the sharded tensors in place of the old (a view replaced by a sharded copy, see ``shard_batch``).
 
     Example::
 
@@ -43,12 +45,12 @@ def batch_output_sharder(extra_data_axis: str | None = None):
         if batch is None:
             return output
 
-        def shard(t):
+        def shard(t):  # every leaf: tensors with the batch dimension are sharded
             if isinstance(t, st.ShardedTensor) and t.dim() > 0 and t.shape[0] == batch:
                 return shard_batch(t, mesh, data_axis)
             return t
 
-        return _map_tensors(output, shard)
+        return map_leaves(shard, output)
 
     return shard_output
 
@@ -76,56 +78,8 @@ def _is_container(x) -> bool:
     return isinstance(x, (tuple, list, dict)) or (dataclasses.is_dataclass(x) and not isinstance(x, type))
 
 
-def _leaves(x):
-    """The tensors of ``x`` in order (depth first, container order)."""
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, dict):
-        for v in x.values():
-            yield from _leaves(v)
-    elif isinstance(x, (tuple, list)):
-        for v in x:
-            yield from _leaves(v)
-    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-        for f in dataclasses.fields(x):
-            yield from _leaves(getattr(x, f.name))
-
-
 def _batch_size(output):
-    for t in _leaves(output):
+    for t in tensors_in(output):
         if t.dim() > 0:
             return t.shape[0]
     return None
-
-
-def _map_tensors(x, fn):
-    """``x`` with ``fn`` applied to each tensor. Tuples are rebuilt (namedtuples keep their type);
-    lists, dicts and dataclasses are updated in place, so a ``ModelOutput``'s items and attributes
-    stay in step and the caller's object is the one returned."""
-    if isinstance(x, torch.Tensor):
-        return fn(x)
-    if isinstance(x, dict):
-        for k, v in list(x.items()):
-            new = _map_tensors(v, fn)
-            if new is not v:
-                x[k] = new  # a ModelOutput's __setitem__ also sets the attribute
-                if dataclasses.is_dataclass(x) and k in {f.name for f in dataclasses.fields(x)}:
-                    object.__setattr__(x, k, new)
-        return x
-    if isinstance(x, tuple):
-        items = [_map_tensors(v, fn) for v in x]
-        if all(a is b for a, b in zip(items, x)):
-            return x
-        return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
-    if isinstance(x, list):
-        for i, v in enumerate(x):
-            x[i] = _map_tensors(v, fn)
-        return x
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        for f in dataclasses.fields(x):
-            v = getattr(x, f.name)
-            new = _map_tensors(v, fn)
-            if new is not v:
-                object.__setattr__(x, f.name, new)  # works for frozen dataclasses too
-        return x
-    return x

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _lowering_harness import Batch, call, make, to_torch  # noqa: E402
+from _lowering_harness import Batch, call, make  # noqa: E402
 
 importlib.import_module("shardtensor.ops.special")  # (in case shardtensor.ops does not import it yet)
 
