@@ -1,23 +1,23 @@
-"""Helpers shared by the ``test_lowerings_*`` files: call a lowering the way the dispatcher does and
-compare it with eager torch on CPU.
+"""The lowering tests' harness (every ``tests/ops/test_*`` file but the OpInfo sweep): call a
+lowering the way the dispatcher does and compare it with eager torch on CPU.
 
-Works before the package is wired up: if ``import shardtensor.ops`` fails (other op modules not
-written yet), the lowering modules are imported one by one under stub parent packages.
+Lowerings get the dispatcher's calling convention: torch tensors become jax arrays, and numbers in
+``Scalar`` / ``Tensor`` positions become weakly typed 0-d jax values (a Python number passed to a
+jitted function); numbers in other positions (int, float, bool arguments) and everything else stay
+Python values.
 
-``call(op, *args, **kwargs)`` runs ``lookup(op).fn`` under ``jax.jit``: torch tensors become jax
-arrays, and numbers in ``Scalar`` / ``Tensor`` positions become weakly typed 0-d jax values (a
-Python number passed to a jitted function), exactly the dispatcher's calling convention. Numbers in
-other positions (int, float, bool arguments) and everything else stay Python values.
+* ``Batch``: many checks compiled as one ``jax.jit`` (one XLA compile), compared at its end;
+* ``check(op, *args, **kwargs)``: one check, returning torch's result; in a module that imports the
+  ``deferred_checks`` fixture, the checks of a test are batched and compared when the test ends;
+* ``call`` / ``call_random``: a lowering's jax result, eager or jitted; ``run``: any function on jax
+  values, jitted with its arrays as inputs; ``assert_same``: a jax result against torch's.
 """
 from __future__ import annotations
 
-import importlib
 import numbers
-import pathlib
-import sys
-import types
 
 import jax
+import pytest
 
 jax.config.update("jax_enable_x64", True)
 
@@ -25,7 +25,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+import shardtensor.ops  # noqa: E402,F401  (registers every lowering)
+from shardtensor import dtypes  # noqa: E402
+from shardtensor.ops import registry  # noqa: E402
+
+aten = torch.ops.aten
 EAGER = False  # Batch: True computes values op by op (slower here than one jit compile per batch)
 # test-only XLA options: these small programs compile ~2x faster without LLVM's expensive passes.
 # They compile with XLA's current CPU fusion emitter, as a user's programs do (conftest.py selects
@@ -37,37 +41,30 @@ COMPILER_OPTIONS = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expen
 
 def _jit_run(f, *args):
     return jax.jit(f).lower(*args).compile(COMPILER_OPTIONS)(*args)
-MODULES = ("elementwise", "activation", "reduction", "sorting", "creation", "random", "foreach")
 
 
-def _load():
-    try:
-        import shardtensor.ops  # noqa: F401  (the real package, once every op module exists)
-    except ImportError:
-        for name, path in (("shardtensor", ROOT / "shardtensor"), ("shardtensor.ops", ROOT / "shardtensor" / "ops")):
-            if name not in sys.modules:
-                mod = types.ModuleType(name)
-                mod.__path__ = [str(path)]
-                sys.modules[name] = mod
-    for m in MODULES:  # (no-op for modules the package already imported)
-        importlib.import_module(f"shardtensor.ops.{m}")
-    from shardtensor import dtypes
-    from shardtensor.ops import registry
-
-    return registry, dtypes
-
-
-registry, dtypes = _load()
 lookup = registry.lookup
 
 
+def lower(op):
+    """The lowering function registered for ``op``."""
+    entry = lookup(op)
+    assert entry is not None, f"no lowering registered for {op}"
+    return entry.fn
+
+
 # ----------------------------------------------------------------------------------------------
-def to_jax(t: torch.Tensor):
-    """A torch CPU tensor as a jax array of the exact same dtype."""
-    t = t.detach()
+def to_jax(t):
+    """A torch CPU tensor as a jax array of the exact same dtype (lists and tuples element by element;
+    other values unchanged)."""
+    if isinstance(t, (list, tuple)):
+        return type(t)(to_jax(v) for v in t)
+    if not isinstance(t, torch.Tensor):
+        return t
+    t = t.detach().resolve_conj().resolve_neg()
     if t.dtype == torch.bfloat16:
         return jnp.asarray(t.float().numpy()).astype(jnp.bfloat16)
-    return jnp.asarray(t.numpy())
+    return jnp.asarray(t.numpy().copy())  # a snapshot: jax on CPU may alias the numpy buffer
 
 
 def to_torch(a) -> torch.Tensor:
@@ -165,16 +162,23 @@ def call_random(op, key, *args, jit=True, **kwargs):
 def _to_torch_tree(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_to_torch_tree(v) for v in x)
+    if x is None or isinstance(x, numbers.Number):
+        return x
     return to_torch(x)
 
 
 def _compare(got, expected, atol, rtol, what):
+    if expected is None:
+        assert got is None, f"{what}: got {got}, torch gives None"
+        return
     if isinstance(expected, (list, tuple)):
         assert isinstance(got, (list, tuple)) and len(got) == len(expected), (what, got, expected)
         for g, e in zip(got, expected):
             _compare(g, e, atol, rtol, what)
         return
     try:
+        if isinstance(expected, torch.Tensor):
+            expected = expected.detach().resolve_conj().resolve_neg()
         torch.testing.assert_close(got, expected, atol=atol, rtol=rtol, equal_nan=True)
     except AssertionError as e:
         raise AssertionError(f"{what}:\n{e}\ngot      {got}\nexpected {expected}") from None
@@ -264,10 +268,60 @@ class Batch:
             compare(_to_torch_tree(out), expected, what)
 
 
-def check(op, *args, atol=None, rtol=None, **kwargs):
-    """Compare one lowering (run jitted) with ``op`` run by eager torch on CPU."""
-    with Batch() as b:
-        b.check(op, *args, atol=atol, rtol=rtol, **kwargs)
+_DEFERRED: list = []  # the Batch of the running test, in a module that uses ``deferred_checks``
+
+
+@pytest.fixture(autouse=True)
+def deferred_checks():
+    """Import into a test module (it is autouse there): the module's ``check`` calls queue into one
+    Batch per test, compiled and compared when the test ends."""
+    _DEFERRED.append(Batch())
+    try:
+        yield
+        _DEFERRED[-1].run()
+    finally:
+        _DEFERRED.pop()
+
+
+def check(op, *args, atol=None, rtol=None, jit=True, **kwargs):
+    """Compare the lowering of ``op`` with ``op`` run by eager torch on CPU; returns torch's result.
+    ``jit=False`` runs the lowering eagerly (data-dependent output shapes)."""
+    want = op(*args, **kwargs)
+    if not jit:
+        low, leaves, rebuild = _split(op, args, kwargs)
+        a, k = rebuild([jnp.asarray(v) if isinstance(v, numbers.Number) else v for v in leaves])
+        _compare(_to_torch_tree(low.fn(*a, **k)), want, atol, rtol, _describe(op, args, kwargs))
+    elif _DEFERRED:
+        _DEFERRED[-1].check(op, *args, atol=atol, rtol=rtol, expected=want, **kwargs)
+    else:
+        with Batch() as b:
+            b.check(op, *args, atol=atol, rtol=rtol, expected=want, **kwargs)
+    return want
+
+
+def run(fn, args, kwargs=None, jit=True):
+    """``fn(*args, **kwargs)`` on jax values; under ``jit`` the jax arrays among them are the program's
+    inputs and everything else is static, as in a compiled graph."""
+    kwargs = kwargs or {}
+    if not jit:
+        return fn(*args, **kwargs)
+    leaves, treedef = jax.tree_util.tree_flatten((list(args), kwargs), is_leaf=lambda v: v is None)
+    dynamic = [i for i, v in enumerate(leaves) if isinstance(v, jax.Array)]
+
+    def inner(*arrays):
+        filled = list(leaves)
+        for i, a in zip(dynamic, arrays):
+            filled[i] = a
+        a, k = jax.tree_util.tree_unflatten(treedef, filled)
+        return fn(*a, **k)
+
+    return _jit_run(inner, *[leaves[i] for i in dynamic])
+
+
+def assert_same(got, want, rtol=None, atol=None):
+    """Compare a lowering's jax result (possibly nested) with torch's ``want``: dtypes and shapes
+    exactly, values with ``assert_close``'s tolerances (or the given ones)."""
+    _compare(_to_torch_tree(got), want, atol, rtol, "result")
 
 
 def make(shape, dtype, *, low=-3, high=3, seed=0, nan=False):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lowering_testkit import aten, check, batch_checks  # noqa: F401  (autouse fixture)
+from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -165,9 +165,9 @@ def test_embedding_backward_matches_autograd():
     out = torch.nn.functional.embedding(i, w, padding_idx=3)
     g = torch.randn_like(out)
     out.backward(g)
-    from lowering_testkit import assert_same, call, lower, to_jax
+    from _lowering_harness import assert_same, lower, run, to_jax
 
-    assert_same(call(lower(aten.embedding_dense_backward.default), [to_jax(g), to_jax(i), 10, 3, False], {}), w.grad)
+    assert_same(run(lower(aten.embedding_dense_backward.default), [to_jax(g), to_jax(i), 10, 3, False], {}), w.grad)
 
 
 def test_embedding_renorm():
@@ -196,7 +196,7 @@ def test_bool_scatters_and_index_adds():
 
 
 def test_bool_mean_reductions_raise_like_torch():
-    from lowering_testkit import lower, to_jax
+    from _lowering_harness import lower, to_jax
 
     b = torch.rand(6, 5) > 0.5
     with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):

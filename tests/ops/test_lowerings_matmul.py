@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lowering_testkit import aten, check, batch_checks  # noqa: F401  (autouse fixture)
+from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -71,7 +71,7 @@ def test_addr_bool_and_addmm_activation():
 
 
 def test_dtype_mismatch_raises():
-    from lowering_testkit import lower, to_jax
+    from _lowering_harness import lower, to_jax
 
     with pytest.raises(RuntimeError):
         lower(aten.mm.default)(to_jax(r(2, 3)), to_jax(r(3, 2, dtype=torch.float64)))
@@ -79,7 +79,7 @@ def test_dtype_mismatch_raises():
 
 def test_out_dtype_overloads():
     """mm/bmm/addmm/baddbmm.dtype (CUDA-only in torch): bf16 operands, float32 accumulation and result."""
-    from lowering_testkit import assert_same, call, lower, to_jax
+    from _lowering_harness import assert_same, lower, run, to_jax
 
     a, b = r(3, 4, dtype=torch.bfloat16), r(4, 5, dtype=torch.bfloat16)
     bias = r(5)
@@ -87,12 +87,12 @@ def test_out_dtype_overloads():
     want = [a.float() @ b.float(), (a.float() @ b.float())[None], bias + 2 * (a.float() @ b.float()),
             0.5 * bias + a.float() @ b.float()]
 
-    def run(a, b, bias):
+    def all_four(a, b, bias):
         return [lower(aten.mm.dtype)(a, b, f32), lower(aten.bmm.dtype)(a[None], b[None], f32),
                 lower(aten.addmm.dtype)(bias, a, b, f32, alpha=2),
                 lower(aten.baddbmm.dtype)(bias, a[None], b[None], f32, beta=0.5)[0]]
 
-    assert_same(call(run, to_jax([a, b, bias]), {}), want, rtol=1e-6, atol=1e-6)
+    assert_same(run(all_four, to_jax([a, b, bias]), {}), want, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- torch's CPU rounding and scalars
@@ -139,7 +139,7 @@ def test_linalg_cross(dtype):
 
 
 def test_linalg_cross_errors():
-    from lowering_testkit import lower, to_jax
+    from _lowering_harness import lower, to_jax
 
     with pytest.raises(RuntimeError, match="must have length 3"):
         lower(aten.linalg_cross.default)(to_jax(r(4, 2)), to_jax(r(4, 2)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lowering_testkit import aten, assert_same, call, check, lower, to_jax, batch_checks  # noqa: F401  (autouse fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -90,7 +90,7 @@ def test_native_batch_norm_train_and_eval(shape):
         if training:  # torch updated rm_t/rv_t in place; our update helper must agree
             from shardtensor.ops.norm import batch_norm_update_stats
 
-            new_m, new_v = call(batch_norm_update_stats, to_jax([x, rm, rv, 0.1]), {})
+            new_m, new_v = run(batch_norm_update_stats, to_jax([x, rm, rv, 0.1]), {})
             assert_same((new_m, new_v), (rm_t, rv_t), **tol)
         g = torch.randn_like(x)
         for mask in ([True, True, True], [True, False, False], [False, True, True]):
@@ -371,6 +371,6 @@ def test_sdpa_matches_autograd_through_functional():
         o, lse = fwd(q, k, v, 0.0, True)
         return o, bwd(g, q, k, v, o, lse, 0.0, True)
 
-    o, grads = call(both, to_jax([q, k, v, g]), {})
+    o, grads = run(both, to_jax([q, k, v, g]), {})
     assert_same(o, out, rtol=1e-4, atol=1e-5)
     assert_same(grads, (q.grad, k.grad, v.grad), rtol=1e-4, atol=1e-5)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from lowering_testkit import assert_same, aten, batch_checks, call, check, lower, to_jax  # noqa: F401  (autouse fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
@@ -123,7 +123,7 @@ def test_embedding_bag(mode):
         idx, off = _bag_case(sgf, include_last)
         p = psw if use_psw else None
         want = aten._embedding_bag.default(w, idx, off, sgf, mode, False, p, include_last, pad)
-        got = call(lower(aten._embedding_bag.default), to_jax([w, idx, off, sgf, mode, False, p, include_last, pad]), {})
+        got = run(lower(aten._embedding_bag.default), to_jax([w, idx, off, sgf, mode, False, p, include_last, pad]), {})
         assert_same(got[0], want[0])
         if mode == 2:
             assert_same(got[3], want[3])
@@ -144,12 +144,12 @@ def test_embedding_bag_meta_layout():
     for mode, include_last in itertools.product((0, 1, 2), (False, True)):
         meta = aten._embedding_bag.default(w.to("meta"), idx.to("meta"), off.to("meta"), False, mode, False, None,
                                            include_last, -1)
-        got = call(lower(aten._embedding_bag.default), to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {})
+        got = run(lower(aten._embedding_bag.default), to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {})
         assert [tuple(g.shape) for g in got] == [tuple(m.shape) for m in meta]
     empty = torch.zeros(0, dtype=torch.long)
     for mode in (0, 1, 2):  # no indices at all: every bag is empty
         args = [w, empty, torch.tensor([0, 0]), False, mode, False, None, False, -1]
-        assert_same(call(lower(aten._embedding_bag.default), to_jax(args), {})[0], aten._embedding_bag.default(*args)[0])
+        assert_same(run(lower(aten._embedding_bag.default), to_jax(args), {})[0], aten._embedding_bag.default(*args)[0])
 
 
 # ------------------------------------------------------------------------------------ segment_reduce
@@ -187,9 +187,8 @@ def test_multi_margin_loss():
         for xx, tt in ((x, t), (x[0], t[0]), (x[0], t[:1]), (x[0, 0], t[0] * 0)):
             if xx.ndim == 0 and weight is not None:
                 continue
-            out = check(aten.multi_margin_loss.default, xx, tt, p, margin, weight, red, scalars=False, **TIGHT)
-            check(aten.multi_margin_loss_backward.default, torch.randn_like(out), xx, tt, p, margin, weight, red,
-                  scalars=False, **TIGHT)
+            out = check(aten.multi_margin_loss.default, xx, tt, p, margin, weight, red, **TIGHT)
+            check(aten.multi_margin_loss_backward.default, torch.randn_like(out), xx, tt, p, margin, weight, red, **TIGHT)
 
 
 def test_multilabel_margin_loss():
@@ -215,7 +214,7 @@ def test_ctc_loss(dtype):
     for tg, zero_inf, blank in itertools.product((tg2, tg1), (False, True), (0, 2)):
         tg = torch.where(tg == blank, 1, tg) if blank else tg  # targets never hold the blank
         nll, log_alpha = aten._ctc_loss.default(lp, tg, il, tl, blank, zero_inf)
-        got = call(lower(aten._ctc_loss.default), to_jax([lp, tg, il, tl, blank, zero_inf]), {})
+        got = run(lower(aten._ctc_loss.default), to_jax([lp, tg, il, tl, blank, zero_inf]), {})
         assert_same(got[0], nll, **tol)
         got_alpha = torch.from_numpy(np.array(got[1]))
         for b in range(N):  # torch leaves log_alpha unset outside each sample's input and states

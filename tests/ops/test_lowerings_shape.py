@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from lowering_testkit import aten, assert_same, call, check, lower, to_jax, batch_checks  # noqa: F401  (autouse fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -209,7 +209,7 @@ def test_scatter_ops_write_through_views_like_torch():
         col = lower(aten.select.int)(xt, 1, 0)
         return fn_t(fn_sel(xt, fn_sl(col, v, 0, 1, None, 1), 1, 0))
 
-    assert_same(call(write, to_jax([x, v]), {}), ref)
+    assert_same(run(write, to_jax([x, v]), {}), ref)
 
 
 def test_tril_triu():
@@ -225,7 +225,7 @@ def test_prims_convert_element_type():
     prim = torch.ops.prims.convert_element_type.default
     x = torch.tensor([1.7, -2.5, 0.0, 3.0])
     for dtype in (torch.int64, torch.bfloat16, torch.float64, torch.bool):
-        assert_same(call(lower(prim), [to_jax(x), dtype], {}), prim(x, dtype))
+        assert_same(run(lower(prim), [to_jax(x), dtype], {}), prim(x, dtype))
     z = torch.tensor([1 + 2j, -3j])
-    assert_same(call(lower(prim), [to_jax(z), torch.float32], {}), prim(z, torch.float32))
+    assert_same(run(lower(prim), [to_jax(z), torch.float32], {}), prim(z, torch.float32))
 
