@@ -20,7 +20,8 @@ from collections import OrderedDict, defaultdict
 import numpy as np
 
 from shardtensor import runtime  # (configures jax before it is imported)
-from jax.sharding import AxisType  # noqa: E402,I001
+from jax.experimental import mesh_utils  # noqa: E402,I001
+from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import Mesh as JaxMesh  # noqa: E402
 
 
@@ -328,7 +329,9 @@ def _device_ordinal(attributes: dict) -> int:
 
 
 def _multislice_device_mesh(ici: tuple, dcn: tuple, by_ordinal: dict) -> np.ndarray:
-    """One ICI block per slice (slices in slice_index order), blocks arranged as `dcn`."""
+    """One ICI block per slice (slices in slice_index order), blocks arranged as `dcn`: jax's
+    ``create_hybrid_device_mesh``, given each slice's devices already laid out by PyTorch/XLA's
+    rule (``_slice_device_mesh``; jax's own per-slice layout differs for some TPU kinds)."""
     slices = defaultdict(list)
     for ordinal in sorted(by_ordinal):
         slices[by_ordinal[ordinal]["slice_index"]].append(ordinal)
@@ -336,10 +339,20 @@ def _multislice_device_mesh(ici: tuple, dcn: tuple, by_ordinal: dict) -> np.ndar
         raise MeshError(
             f"Number of slices {len(slices)} must equal the product of dcn_mesh_shape {dcn}"
         )
-    blocks = [_slice_device_mesh(ici, slices[key], by_ordinal) for key in sorted(slices)]
-    block_grid = np.empty(len(blocks), dtype=object)
-    block_grid[:] = blocks
-    return np.block(block_grid.reshape(dcn).tolist())
+    laid_out = [_LaidOut(int(ordinal), key) for key in sorted(slices)
+                for ordinal in _slice_device_mesh(ici, slices[key], by_ordinal).reshape(-1)]
+    blocks = mesh_utils.create_hybrid_device_mesh(ici, dcn, laid_out)
+    return np.vectorize(lambda d: d.id, otypes=[np.int64])(blocks)
+
+
+class _LaidOut:
+    """A device as jax's mesh helpers see it, already in its slice's order: a platform and kind
+    they have no layout rule for, so each slice keeps the order given."""
+
+    platform = device_kind = "laid out"
+
+    def __init__(self, ordinal: int, slice_index):
+        self.id, self.slice_index = ordinal, slice_index
 
 
 def _slice_device_mesh(ici: tuple, ordinals: list, by_ordinal: dict) -> np.ndarray:

@@ -1,10 +1,12 @@
 """shardtensor.mesh: Mesh validation and methods, the jax mesh, HybridMesh, the global mesh."""
 import copy
+import itertools
 import pickle
 from collections import OrderedDict
 from unittest import mock
 
 import jax
+from jax.experimental import mesh_utils
 import numpy as np
 import pytest
 
@@ -311,3 +313,62 @@ def test_single_slice_tpu_follows_coords():
     # Logical axis 1 (size 4, assigned first) takes physical y; axis 0 takes physical x.
     assert mesh.get_logical_mesh().tolist() == [
         [by_position[(x, y)] for y in range(4)] for x in range(2)]
+
+
+# --- the layouts against jax.experimental.mesh_utils -----------------------------------------------
+class _JaxDevice:
+    """What jax's mesh helpers read of a device."""
+
+    def __init__(self, attributes, platform="tpu"):
+        self.id, self.coords = attributes["id"], tuple(attributes["coords"])
+        self.core_on_chip, self.slice_index = attributes.get("core_on_chip", 0), attributes.get("slice_index", 0)
+        self.platform, self.device_kind = platform, attributes["device_kind"]
+
+
+def _tpu_slice(extent, kind, cores=1, slice_index=None, first_id=0):
+    """Attributes of one TPU slice: chips on an ``extent`` grid, ids in (z, y, x, core) order; a
+    ``slice_index`` only when given (a multislice job)."""
+    out = []
+    for z, y, x, c in itertools.product(*(range(n) for n in reversed(extent)), range(cores)):
+        out.append({"id": first_id + len(out), "name": f"TPU:{first_id + len(out)}", "coords": [x, y, z],
+                    "core_on_chip": c, "device_kind": kind})
+        if slice_index is not None:
+            out[-1]["slice_index"] = slice_index
+    return out
+
+
+@pytest.mark.parametrize("extent", [(2, 2, 1), (2, 2, 2), (4, 2, 2), (4, 4, 4)])
+def test_slice_layout_is_jax_torus_assignment(extent):
+    # A kind without a special rule in jax (TPU v4): jax's create_device_mesh and the slice layout
+    # (a mesh covers the 8 simulated devices, so larger slices are laid out directly) agree for
+    # every logical shape that maps onto whole physical axes.
+    attributes = _tpu_slice(extent, "TPU v4")
+    n = len(attributes)
+    shapes = [(n,), (n // 2, 2), (2, n // 2), (n // 4, 2, 2), (2, n // 4, 2), (1, n // 2, 2)]
+    for shape in shapes:
+        ours = sm._slice_device_mesh(shape, [a["id"] for a in attributes], {a["id"]: a for a in attributes})
+        try:
+            theirs = np.vectorize(lambda d: d.id)(mesh_utils.create_device_mesh(shape, [_JaxDevice(a) for a in attributes]))
+        except NotImplementedError:  # no whole physical axes for some logical axis: id order
+            theirs = np.arange(n).reshape(shape)
+        assert ours.tolist() == theirs.tolist(), shape
+
+
+def test_slice_layout_keeps_pytorch_xla_order_where_jax_has_a_kind_rule():
+    # TPU v3-8 (2x2 chips, 2 cores each): jax applies its tray ring order to 8 v3 devices; PyTorch/XLA
+    # lays the devices out by their coordinates (x, y, core), and so does HybridMesh.
+    attributes = _tpu_slice((2, 2, 1), "TPU v3", cores=2)
+    ours = HybridMesh(ici_mesh_shape=(8,), device_attributes=attributes).get_logical_mesh()
+    theirs = np.vectorize(lambda d: d.id)(mesh_utils.create_device_mesh((8,), [_JaxDevice(a) for a in attributes]))
+    by_coords = sorted(attributes, key=lambda a: (a["coords"][0], a["coords"][1], a["core_on_chip"]))
+    assert ours.tolist() == [a["id"] for a in by_coords] == [0, 1, 4, 5, 2, 3, 6, 7]
+    assert theirs.tolist() == [0, 1, 2, 3, 6, 7, 4, 5]
+
+
+def test_multislice_blocks_are_jax_hybrid_mesh():
+    attributes = _tpu_slice((2, 2, 1), "TPU v4", slice_index=0) + _tpu_slice((2, 2, 1), "TPU v4", slice_index=1,
+                                                                               first_id=4)
+    for ici, dcn in (((1, 4), (2, 1)), ((2, 2), (1, 2)), ((4, 1), (2, 1))):
+        ours = HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, device_attributes=attributes).get_logical_mesh()
+        theirs = mesh_utils.create_hybrid_device_mesh(ici, dcn, [_JaxDevice(a) for a in attributes])
+        assert ours.tolist() == np.vectorize(lambda d: d.id)(theirs).tolist(), (ici, dcn)
