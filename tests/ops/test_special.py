@@ -1,7 +1,8 @@
 """Special-function lowerings (shardtensor/ops/special.py) against eager torch on CPU: digamma /
 polygamma at negative inputs and poles, Bessel and Airy functions across their approximation
-branches, the orthogonal polynomials with torch's special cases (n < 0, |x| == 1, closed forms for
-large n, degree limits), then forward and backward through sharded tensors."""
+branches, the scipy-style helpers (i0e, i1, ndtri, log_ndtr, erfcx, entr, igamma, zeta), the
+orthogonal polynomials with torch's special cases (n < 0, |x| == 1, closed forms for large n, degree
+limits), then forward and backward through sharded tensors."""
 import importlib
 import os
 import sys
@@ -17,6 +18,7 @@ importlib.import_module("shardtensor.ops.special")  # (in case shardtensor.ops d
 aten = torch.ops.aten
 prims = torch.ops.prims
 F32, F64 = torch.float32, torch.float64
+I64, I32, I8 = torch.int64, torch.int32, torch.int8
 
 
 def _tol(dtype):
@@ -91,6 +93,43 @@ def test_mvlgamma():
     with Batch() as b:
         for p in (1, 2, 5):
             b.check(aten.mvlgamma.default, x, p, **_tol(F64))
+
+
+def test_polygamma_mvlgamma():
+    y = make((6,), F64, low=0.5, high=4)
+    with Batch() as b:
+        for n in range(3):
+            b.check(aten.polygamma.default, n, y)
+        b.check(aten.polygamma.default, 1, y.float())
+        b.check(aten.mvlgamma.default, make((6,), F64, low=2, high=5), 3)
+        b.check(aten.mvlgamma.default, make((6,), F32, low=2, high=5), 1)
+
+
+def test_special_functions_and_integer_extras():
+    with Batch() as b:
+        for dtype in (F32,):
+            x = make((12,), dtype, low=-4, high=4)
+            for name in ("special_i0e", "special_i1", "special_i1e", "special_log_ndtr", "special_erfcx",
+                         "special_entr"):
+                b.check(getattr(aten, name).default, x)
+            b.check(aten.special_ndtri.default, make((12,), dtype, low=0.01, high=0.99))
+            a, y = make((12,), dtype, low=0.5, high=4, seed=1), make((12,), dtype, low=0.1, high=5, seed=2)
+            b.check(aten.igamma.default, a, y)
+            b.check(aten.igammac.default, a, y)
+            b.check(aten.special_zeta.default, a + 1.5, y)
+            b.check(aten.special_zeta.other_scalar, a + 1.5, 2.0)
+            b.check(aten.frexp.Tensor, torch.tensor([0.0, -3.5, 1e-30, 1024.0, 0.75], dtype=dtype))
+            b.check(aten.ldexp.Tensor, x, torch.tensor([3] * 12))
+        b.check(aten.ldexp.Tensor, torch.tensor([1, 2, 3]), torch.tensor([1, -1, 2]))
+        b.check(aten.special_i1.default, torch.tensor([1, 2]))
+        for dtype in (I64, I32, I8):
+            p, q = torch.tensor([12, -18, 0, 7, 0, -4], dtype=dtype), torch.tensor([8, 12, 5, -3, 0, -6], dtype=dtype)
+            b.check(aten.gcd.default, p, q)
+            b.check(aten.lcm.default, p, q)
+            b.check(aten.__lshift__.Scalar, p, 2)
+            b.check(aten.__rshift__.Scalar, p, 1)
+            b.check(aten.__lshift__.Tensor, p, torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype))
+            b.check(aten.__rshift__.Tensor, p, torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype))
 
 
 POLYNOMIALS = ["chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",

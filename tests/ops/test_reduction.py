@@ -6,11 +6,13 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _lowering_harness import Batch, make  # noqa: E402
+from _lowering_harness import Batch, call, make  # noqa: E402
 
 aten = torch.ops.aten
 F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
                                       torch.bool, torch.uint8)
+F16, C64 = torch.float16, torch.complex64
+NAN, INF = float("nan"), float("inf")
 DIMS = [None, [], [1], [-1], [2, 0]]
 
 
@@ -193,3 +195,35 @@ def test_softmax_half_to_float():
     torch.testing.assert_close(got, torch.softmax(x.float(), -1))
     got = to_torch(call(aten._log_softmax.default, x, -1, True))
     torch.testing.assert_close(got, torch.log_softmax(x.float(), -1))
+
+
+# ----------------------------------------------------------------------------------------------
+# hash_tensor
+# ----------------------------------------------------------------------------------------------
+def test_hash_tensor():
+    x = make((3, 4, 5), F64, low=-100, high=100, seed=5)
+    with Batch() as b:
+        for dt in (F32, F64, F16, BF16, I64, I32, torch.int16, torch.int8, U8, BOOL):
+            y = x.to(dt) if dt != BOOL else x > 0
+            b.check(aten.hash_tensor.default, y)
+            for dim in ([0], [1], [-1], [0, 2], []):
+                b.check(aten.hash_tensor.default, y, dim)
+                b.check(aten.hash_tensor.default, y, dim, keepdim=True)
+        # NaN payloads and signs, signed zero and infinities are hashed by their bits
+        odd_nan = torch.tensor([0x7FC00001, -0x400000], dtype=I32).view(F32)
+        b.check(aten.hash_tensor.default, torch.cat([odd_nan, torch.tensor([NAN, -NAN, 0.0, -0.0, INF])]))
+        b.check(aten.hash_tensor.default, torch.tensor(2.5))
+        b.check(aten.hash_tensor.default, torch.tensor(2.5), [0], keepdim=True)
+        b.check(aten.hash_tensor.default, torch.empty(0, 3), [1])
+        b.check(aten.hash_tensor.default, torch.empty(0, 3), [1], keepdim=True)
+
+
+def test_hash_tensor_errors():
+    with pytest.raises(RuntimeError, match="mode"):
+        call(aten.hash_tensor.default, torch.ones(3), mode=1)
+    with pytest.raises(RuntimeError, match="reduction dim to be specified"):
+        call(aten.hash_tensor.default, torch.empty(0, 3))
+    with pytest.raises(RuntimeError, match="non-zero size"):
+        call(aten.hash_tensor.default, torch.empty(0, 3), [0])
+    with pytest.raises(RuntimeError, match="xor_sum"):
+        call(aten.hash_tensor.default, torch.ones(3, dtype=C64))

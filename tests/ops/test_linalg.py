@@ -1,4 +1,5 @@
-"""Linear algebra and FFT lowerings against eager torch on CPU (float32, float64, odd and batched shapes)."""
+"""Linear algebra lowerings (shardtensor/ops/linalg.py: SVD, QR, pinv, LU factor, triangular solves,
+diag_embed, max_unpool) against eager torch on CPU (float32, float64, odd and batched shapes)."""
 import importlib
 import os
 import sys
@@ -10,7 +11,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import Batch, call, make, to_torch  # noqa: E402
 
 importlib.import_module("shardtensor.ops.linalg")  # not yet in shardtensor.ops' import list
-importlib.import_module("shardtensor.ops.fft")
 
 aten = torch.ops.aten
 F32, F64 = torch.float32, torch.float64
@@ -120,22 +120,3 @@ def test_max_unpool(dtype):
         b.check(aten.max_unpool2d.default, v, i, [6, 5])
         b.check(aten.max_unpool2d.default, v[0], i[0], [6, 5])
         b.check(aten.max_unpool3d.default, v3, i3, [4, 4, 5], [2, 2, 2], [0, 0, 0])
-
-
-@pytest.mark.parametrize("dtype", [F32, F64])
-def test_fft(dtype):
-    t = _tol(dtype)
-    ct = torch.complex64 if dtype == F32 else torch.complex128
-    x = make((3, 5, 6), dtype)
-    z = torch.complex(make((3, 5, 6), dtype, seed=1), make((3, 5, 6), dtype, seed=2))
-    assert z.dtype == ct
-    with Batch() as b:
-        for norm in (0, 1, 2):
-            for dim in ([2], [1], [0, 2], [0, 1, 2]):
-                for onesided in (True, False):
-                    b.check(aten._fft_r2c.default, x, dim, norm, onesided, **t)
-                for fwd in (True, False):
-                    b.check(aten._fft_c2c.default, z, dim, norm, fwd, **t)
-                half = z.narrow(dim[-1], 0, z.shape[dim[-1]] // 2 + 1).contiguous()
-                for last in (2 * (half.shape[dim[-1]] - 1), 2 * half.shape[dim[-1]] - 1):
-                    b.check(aten._fft_c2r.default, half, dim, norm, last, **t)
