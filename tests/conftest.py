@@ -5,8 +5,9 @@ its time: tests compile with LLVM's cheap settings (``xla_backend_optimization_l
 expensive passes) and XLA's older, quicker CPU fusion emitter (``xla_cpu_use_fusion_emitters=false``:
 half the compile time of a small program). XLA's own passes (sharding propagation, SPMD
 partitioning, simplification, fusion) run as for a user, so every lowering and partitioning result
-is still checked; the demo and the benches compile with the defaults. Set
-``SHARDTENSOR_TEST_FULL_OPT=1`` to run the suite with them too.
+is still checked, and no reference depends on how the code generator fuses multiply-adds; the demo
+and the benches compile with the defaults. Set ``SHARDTENSOR_TEST_FULL_OPT=1`` to run the suite
+with them too.
 """
 import os
 

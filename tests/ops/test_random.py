@@ -10,7 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _lowering_harness import COMPILER_OPTIONS, check, dtypes, lookup, make, to_jax, to_torch  # noqa: E402
+from _lowering_harness import check, dtypes, lookup, make, to_jax, to_torch  # noqa: E402
 
 aten = torch.ops.aten
 F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
@@ -37,7 +37,7 @@ def draws(*calls, key=KEY):
         return [low.fn(keys[i], *[to_jax(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
                 for i, (op, low, args, kwargs) in enumerate(norm)]
 
-    outs = jax.jit(f).lower(key).compile(COMPILER_OPTIONS)(key)
+    outs = jax.jit(f)(key)
     results = []
     for (op, low, args, kwargs), out in zip(norm, outs):
         want = op(*args, **kwargs)
@@ -210,10 +210,10 @@ def test_values_do_not_depend_on_sharding():
         outs = [lookup(op).fn(keys[i], *args, **kw) for i, (op, args, kw) in enumerate(cases)]
         return jax.tree_util.tree_leaves(outs)
 
-    plain = jax.jit(f).lower(KEY).compile(COMPILER_OPTIONS)(KEY)
+    plain = jax.jit(f)(KEY)
     for spec in (P("a", "b"), P(None, ("a", "b"))):
         sharding = NamedSharding(mesh, spec)
-        sharded = jax.jit(f, out_shardings=[sharding] * len(plain)).lower(KEY).compile(COMPILER_OPTIONS)(KEY)
+        sharded = jax.jit(f, out_shardings=[sharding] * len(plain))(KEY)
         for p_, s_ in zip(plain, sharded):
             assert s_.sharding.is_equivalent_to(sharding, 2)
             np.testing.assert_array_equal(np.asarray(p_.astype(jnp.float32)), np.asarray(s_.astype(jnp.float32)))
