@@ -321,6 +321,13 @@ def assert_same(got, want, rtol=None, atol=None):
     _compare(_to_torch_tree(got), want, atol, rtol, "result")
 
 
+def randn(*shape, dtype=torch.float32, seed=None):
+    """``torch.randn(*shape)`` as ``dtype``, after seeding torch's generator with ``seed`` if given."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return torch.randn(*shape).to(dtype)
+
+
 def make(shape, dtype, *, low=-3, high=3, seed=0, nan=False):
     """A deterministic torch test tensor (ints in [low, high), floats uniform; optional NaNs)."""
     g = torch.Generator().manual_seed(seed)

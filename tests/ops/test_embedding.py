@@ -2,22 +2,20 @@
 forward and backward ops; then a few NN ops through sharded tensors (forward and autograd backward):
 grid_sample / bicubic and antialiased interpolate, margin and CTC losses, embedding_bag, cdist / pdist
 (kept together: they share the ``_sharded`` helper)."""
+import functools
 import itertools
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def r(*shape, dtype=F64, seed=None):
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r = functools.partial(randn, dtype=F64)
 
 
 # -------------------------------------------------------------------------------------- embedding_bag

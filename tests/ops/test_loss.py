@@ -1,5 +1,6 @@
 """Loss lowerings (shardtensor/ops/loss.py: nll, regression, binary cross entropy, margin, CTC and chunked
 linear cross entropy losses) against eager torch on CPU, forward and backward ops."""
+import functools
 import itertools
 import math
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -16,15 +17,10 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def r(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
+r = randn  # float32 normal samples
 
 
-def r64(*shape, dtype=F64, seed=None):
-    """As ``r``, float64 by default, after seeding torch's generator with ``seed`` if given."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r64 = functools.partial(randn, dtype=F64)
 
 
 # ------------------------------------------------------------------------------------------- losses

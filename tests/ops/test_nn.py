@@ -1,19 +1,17 @@
 """Miscellaneous NN lowerings (shardtensor/ops/nn.py: rrelu_with_noise, _trilinear) against eager torch on
 CPU."""
+import functools
 import jax
 import numpy as np
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def r(*shape, dtype=F64, seed=None):
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r = functools.partial(randn, dtype=F64)
 
 
 # ------------------------------------------------------------------------------ rrelu, _trilinear

@@ -4,13 +4,12 @@ tensors."""
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
 
-def r(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
+r = randn  # float32 normal samples
 
 
 BF16 = {"rtol": 2e-2, "atol": 2e-2}

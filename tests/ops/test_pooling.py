@@ -1,10 +1,11 @@
 """Pooling lowerings (shardtensor/ops/pooling.py: max, avg, adaptive, fractional pooling, im2col / col2im)
 against eager torch on CPU, forward and backward ops; then bfloat16 adaptive average pooling through
 sharded tensors."""
+import functools
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -12,15 +13,10 @@ F64 = torch.float64
 BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
 
-def r(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
+r = randn  # float32 normal samples
 
 
-def r64(*shape, dtype=F64, seed=None):
-    """As ``r``, float64 by default, after seeding torch's generator with ``seed`` if given."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r64 = functools.partial(randn, dtype=F64)
 
 
 # ------------------------------------------------------------------------------------------ pooling

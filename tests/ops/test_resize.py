@@ -1,13 +1,14 @@
 """Resampling and padding lowerings (shardtensor/ops/resize.py: upsample nearest / linear / bicubic /
 antialiased, reflection and replication padding, negative padding included) against eager torch on
 CPU, forward and backward ops."""
+import functools
 import itertools
 import math
 
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -16,15 +17,10 @@ BF16 = {"rtol": 2e-2, "atol": 2e-2}
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def r(*shape, dtype=torch.float32):
-    return torch.randn(*shape).to(dtype)
+r = randn  # float32 normal samples
 
 
-def r64(*shape, dtype=F64, seed=None):
-    """As ``r``, float64 by default, after seeding torch's generator with ``seed`` if given."""
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r64 = functools.partial(randn, dtype=F64)
 
 
 # --------------------------------------------------------------------------------- upsample, pads

@@ -1,20 +1,18 @@
 """grid_sampler lowerings (shardtensor/ops/sampling.py) against eager torch on CPU, forward and backward
 ops, bfloat16 rounding as torch's CPU kernel."""
+import functools
 import itertools
 
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
-def r(*shape, dtype=F64, seed=None):
-    if seed is not None:
-        torch.manual_seed(seed)
-    return torch.randn(*shape).to(dtype)
+r = functools.partial(randn, dtype=F64)
 
 
 # ------------------------------------------------------------------------------------ grid_sampler
