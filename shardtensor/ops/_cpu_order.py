@@ -231,13 +231,15 @@ def topk_order(keys, k: int, sort_prefix: bool = True):
         return p
 
     def row_full(keys_row, p):
-        p = row(keys_row, p)
+        # nth_element partitions while more than 3 elements are left; up to 3 it is an insertion sort
+        p = row(keys_row, p) if n > 3 else lax.sort((keys_row, p), num_keys=1, is_stable=True)[1]
         kk = keys_row[p]
         if nth > 0 and sort_prefix:  # std::sort(first, first + k - 1)
             pos = jnp.arange(n, dtype=INT)
             in_prefix = pos < nth
-            s, e = jnp.where(in_prefix, 0, pos), jnp.where(in_prefix, nth, pos + 1)
-            kk, p = _introsort(kk, p, s, e, 16, 2 * _floor_log2(nth))
+            if nth > 16:  # (up to 16 elements std::sort is its insertion sort alone)
+                s, e = jnp.where(in_prefix, 0, pos), jnp.where(in_prefix, nth, pos + 1)
+                kk, p = _introsort(kk, p, s, e, 16, 2 * _floor_log2(nth))
             region = jnp.where(in_prefix, 0, 1).astype(INT)
             _, p = _stable_in_segments(jnp.where(in_prefix, kk, 0), p, region)
         return p[:k]
