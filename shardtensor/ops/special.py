@@ -506,8 +506,17 @@ for _ops, _fn in _UNARY.items():
 
 register(aten.igamma.default, prims.igamma.default)(_binary_float(jsp.gammainc))
 register(aten.igammac.default, prims.igammac.default)(_binary_float(jsp.gammaincc))
+
+
+def _zeta(x, q):
+    """Hurwitz zeta with torch's (Cephes') domain rules: inf at x == 1 and at the poles q = 0, -1, ...
+    (jax gives NaN there for x > 1), NaN for x < 1 (jax: inf at x == 0 on a pole)."""
+    out = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, jsp.zeta(x, q))
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, out))
+
+
 register(aten.special_zeta.default, aten.special_zeta.other_scalar, aten.special_zeta.self_scalar,
-         prims.zeta.default)(_binary_float(jsp.zeta))
+         prims.zeta.default)(_binary_float(_zeta))
 
 
 # ----------------------------------------------------------------------------------------------

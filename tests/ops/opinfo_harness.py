@@ -1,8 +1,9 @@
 """The OpInfo sweep, shared by ``tests/ops/test_opinfo.py`` and ``bench/op_coverage.py``.
 
-For every entry of torch's OpInfo database that has float32 CPU samples, run a few samples with every
-tensor input sharded over a (4, 2) mesh and compare with eager torch: values with OpInfo's tolerances,
-dtypes exactly. One check per *kind* (see ``KINDS``):
+For every entry of torch's OpInfo database that has float32 CPU samples, run its first samples (two
+for ``forward``, ``backward`` and ``inplace``, one for the variant kinds) with every tensor input
+sharded over a (4, 2) mesh and compare with eager torch: values with OpInfo's tolerances, dtypes
+exactly. One check per *kind* (see ``KINDS``):
 
 * ``forward``          float32, lazy mode, inputs sharded on their first dimension divisible by 4;
 * ``backward``         input gradients of ``sum of float outputs``.backward(), float32, lazy mode;
@@ -39,6 +40,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import shardtensor as st
 
 SAMPLES = int(os.environ.get("SHARDTENSOR_OPINFO_SAMPLES", "2"))
+# The variant kinds (eager mode, uneven shards, int64/bool/bfloat16) re-check an op that ``forward``
+# already ran on SAMPLES samples along one more axis: their first sample is enough for that axis.
+VARIANT_SAMPLES = int(os.environ.get("SHARDTENSOR_OPINFO_VARIANT_SAMPLES", "1"))
 EXPECTED_FILE = pathlib.Path(__file__).with_name("opinfo_expected_failures.txt")
 # Floors under OpInfo's tolerances, per result dtype: XLA's CPU kernels (exp, log, tanh, dot
 # reductions) differ from ATen's in the last bits, more than torch's default float32 rtol of 1.3e-6;
@@ -138,15 +142,15 @@ def _sample_inputs(op, dtype, requires_grad):
             return
 
 
-def _samples(op, requires_grad=False, dtype=torch.float32, where=lambda s: True):
-    """The first SAMPLES samples of ``op`` (among its first 12) for which ``where`` holds."""
+def _samples(op, requires_grad=False, dtype=torch.float32, where=lambda s: True, count=SAMPLES):
+    """The first ``count`` samples of ``op`` (among its first 12) for which ``where`` holds."""
     out = []
     for i, s in enumerate(_sample_inputs(op, dtype, requires_grad)):
         if i >= 12:
             break
         if where(s):
             out.append(s)
-        if len(out) >= SAMPLES:
+        if len(out) >= count:
             break
     return out
 
@@ -338,7 +342,9 @@ def check_forward(op, dtype=torch.float32, eager=False, uneven=False):
     def has_uneven_dim(sample):
         return any(_spec(t, True) != (None,) * t.dim() for t in _tensors(sample))
 
-    samples = _samples(op, dtype=dtype, where=has_uneven_dim if uneven else lambda s: True)
+    variant = eager or uneven or dtype != torch.float32
+    samples = _samples(op, dtype=dtype, where=has_uneven_dim if uneven else lambda s: True,
+                       count=VARIANT_SAMPLES if variant else SAMPLES)
     checks = []
     for k, sample in enumerate(samples):
         want, drew_random = _eager(op, sample)

@@ -118,6 +118,9 @@ def test_special_functions_and_integer_extras():
             b.check(aten.igammac.default, a, y)
             b.check(aten.special_zeta.default, a + 1.5, y)
             b.check(aten.special_zeta.other_scalar, a + 1.5, 2.0)
+            # torch's domain: inf at x == 1 and at the poles q = 0, -1, ...; NaN for x < 1
+            xs, qs = zip(*[(x_, q_) for x_ in (0.0, 0.5, 1.0, 2.0, 2.5, -1.0) for q_ in (0.0, 1.0, -1.0, -1.5, 0.5)])
+            b.check(aten.special_zeta.default, torch.tensor(xs, dtype=dtype), torch.tensor(qs, dtype=dtype))
             b.check(aten.frexp.Tensor, torch.tensor([0.0, -3.5, 1e-30, 1024.0, 0.75], dtype=dtype))
             b.check(aten.ldexp.Tensor, x, torch.tensor([3] * 12))
         b.check(aten.ldexp.Tensor, torch.tensor([1, 2, 3]), torch.tensor([1, -1, 2]))
