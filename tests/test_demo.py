@@ -72,6 +72,7 @@ def test_demo_command_line():
     """`python -m shardtensor.demo` with its options, in a fresh process that did not ask for devices."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS")}
+    env["XLA_FLAGS"] = os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", "")  # (no device count)
     proc = subprocess.run(
         [sys.executable, "-m", "shardtensor.demo", "--steps", "3", "--mode", "compile", "--mesh", "4,2",
          "--platform", "cpu"],

@@ -94,6 +94,7 @@ def _env():
     """The environment without the test suite's device set-up: the notebook does its own."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS", "SHARDTENSOR_DEBUG")}
+    env["XLA_FLAGS"] = os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", "")  # (no device count)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("MPLBACKEND", "Agg")  # a notebook that plots must not look for a display
     return env
