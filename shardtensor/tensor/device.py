@@ -8,14 +8,19 @@ inside ``backward()`` (see ``backward_errors``).
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import pathlib
+import shutil
+import sys
+import time
 import warnings
 
 import torch
-from torch.utils.backend_registration import _DummyPrivateUse1Hook, _setup_privateuseone_for_python_backend
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from shardtensor.graph import rng
+from shardtensor.graph import modes, rng
 from shardtensor.tensor import backward_errors
 
 BACKEND = "shardtensor"
@@ -84,25 +89,134 @@ class _BackendModule:
     def get_amp_supported_dtype():
         return [torch.float16, torch.bfloat16]
 
+    # Streams: shardtensor runs programs in the order they are issued, on one logical stream. torch's
+    # tools that overlap copies with streams (distributed checkpoint writers) only need it to exist.
+    @staticmethod
+    def current_stream(device=None) -> Stream:
+        return Stream()
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(stream=None):
+        return contextlib.nullcontext(stream)
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        """Compute everything pending and wait for it (``st.sync(wait=True)``)."""
+        modes.sync(wait=True)
+
+
+class Stream:
+    """shardtensor's one logical stream, as torch's stream-aware tools see it.
+
+    Programs run in the order they are issued, so waiting on another stream is a no-op and
+    ``synchronize`` waits for every pending value.
+
+    Example::
+
+        torch.shardtensor.current_stream().synchronize()   # like torch.cuda.current_stream().synchronize()
+    """
+
+    def __init__(self, device=None, priority: int = 0):
+        self.device = _DEVICE
+        self.device_type = BACKEND
+        self.priority = priority
+
+    def synchronize(self) -> None:
+        modes.sync(wait=True)
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Stream)
+
+    def __hash__(self) -> int:
+        return hash(Stream)
+
+    def __repr__(self) -> str:
+        return f"<shardtensor Stream device={BACKEND}:0>"
+
+
+def _extension_name(source: str) -> str:
+    """The build's name: one per source, torch and Python version, so two environments (or two
+    checkouts) on one machine each keep their own build in torch's extension cache instead of
+    rebuilding each other's."""
+    key = f"{source}\0{torch.__version__}\0{sys.version}"
+    return f"shardtensor_device_ext_{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+def _ninja_dir():
+    """Where ninja is when it is not on PATH: the venv's python run by absolute path (venv not
+    activated) still finds the ``ninja`` package's binary, or the one beside the interpreter."""
+    if shutil.which("ninja"):
+        return None
+    candidates = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # the PyPI package, a declared dependency
+
+        candidates.insert(0, ninja.BIN_DIR)
+    except (ImportError, AttributeError):
+        pass
+    return next((d for d in candidates if os.access(os.path.join(d, "ninja"), os.X_OK)), None)
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    extra = _ninja_dir()
+    if extra is None:
+        yield
+        return
+    old = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([extra] + ([old] if old else []))
+    try:
+        yield
+    finally:  # (the build's subprocesses read PATH; the process keeps the user's)
+        if old is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = old
+
 
 def _load_cpp_extension():
-    """Build (once per machine, ~1 min, cached by torch) and load the C++ device guard and metadata
-    setters; None when it cannot be built (or SHARDTENSOR_PYTHON_DEVICE_GUARD is set)."""
-    from torch.utils.cpp_extension import load_inline
+    """Load the C++ device guard and metadata setters, building them the first time in this
+    environment (about a minute, said on stderr); None when they cannot be built (one-line warning)
+    or SHARDTENSOR_PYTHON_DEVICE_GUARD is set."""
+    from torch.utils import cpp_extension
 
     if os.environ.get("SHARDTENSOR_PYTHON_DEVICE_GUARD"):  # for testing the fallback
         return None
     source = (pathlib.Path(__file__).parent / "device_guard.cpp").read_text()
+    name = _extension_name(source)
     try:
-        return load_inline("shardtensor_device_ext", cpp_sources=[source],
-                           functions=["set_geometry", "share_storage", "fresh_storage", "forget_view_replay"])
-    except Exception as e:  # no compiler or ninja: fall back to torch's Python guard
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)
+        building = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
+        if building:
+            print("shardtensor: building its C++ device extension, once per environment (about a minute) ...",
+                  file=sys.stderr, flush=True)
+        start = time.monotonic()
+        with _ninja_on_path():
+            ext = cpp_extension.load_inline(
+                name, cpp_sources=[source],
+                functions=["set_geometry", "share_storage", "fresh_storage", "forget_view_replay", "register_hooks"])
+        if building:
+            print(f"shardtensor: built in {time.monotonic() - start:.0f} s (kept in {build_dir})",
+                  file=sys.stderr, flush=True)
+        return ext
+    except Exception as e:  # noqa: BLE001  (no compiler or ninja, a failed build: torch's Python guard)
+        first_line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         warnings.warn(
-            f"shardtensor could not build its C++ extension ({e}); using torch's Python device guard. "
-            "Errors raised inside backward() still reach you from ops and tensor hooks, but one "
-            "raised by a grad_fn or module backward hook aborts the process (and exit after such an "
-            "error may too), and in-place ops that change a tensor's shape (squeeze_, t_, resize_, "
-            "set_ ...) are not available. Install a C++ compiler and `pip install ninja` to fix this.",
+            f"shardtensor could not build its C++ extension ({first_line[:160]}); using torch's Python "
+            "device guard: an error raised by a grad_fn or module backward hook aborts the process, "
+            "in-place ops that change a tensor's shape (squeeze_, t_, resize_, set_ ...) and pinned-memory "
+            "DataLoaders are not available. Install a C++ compiler and `pip install ninja` to fix this.",
             RuntimeWarning, stacklevel=2)
         return None
 
@@ -115,7 +229,7 @@ def _install():
         torch.utils.rename_privateuse1_backend(BACKEND)
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module(BACKEND, _BackendModule())
-        torch._C._acc.register_python_privateuseone_hook(_DummyPrivateUse1Hook())
+        EXT.register_hooks()
     else:
         _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_BackendModule())
     _DEVICE = torch.device(BACKEND, 0)

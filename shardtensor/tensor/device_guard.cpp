@@ -9,6 +9,8 @@
 // A ShardedTensor's sizes live in its C++ TensorImpl (made by _make_wrapper_subclass) and Python
 // cannot change them; set_geometry/share_storage/fresh_storage do, for the dispatcher. Its storage
 // holds no data (the values are in JAX): only its byte size and identity matter.
+#include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/Stream.h>
@@ -44,6 +46,18 @@ struct ShardtensorGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 thread_local c10::DeviceIndex ShardtensorGuardImpl::current_device = 0;
 thread_local c10::StreamId ShardtensorGuardImpl::current_stream = 0;
 C10_REGISTER_GUARD_IMPL(PrivateUse1, ShardtensorGuardImpl);
+
+// What torch asks of the accelerator behind torch.accelerator (registering the backend makes it one):
+// a DataLoader with pin_memory=True pins for it. shardtensor's device reads host memory through JAX,
+// which needs no page-locked buffers, so "pinned" memory is ordinary host memory.
+struct ShardtensorHooks final : public at::PrivateUse1HooksInterface {
+  bool isBuilt() const override { return true; }
+  bool isAvailable() const override { return true; }
+  bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
+  at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
+  bool isPinnedPtr(const void*) const override { return false; }
+  at::Device getDeviceFromPtr(void*) const override { return at::Device(c10::DeviceType::PrivateUse1, 0); }
+};
 
 c10::TensorImpl* data_less_impl(const at::Tensor& t) {
   TORCH_CHECK(t.defined() && t.device().type() == c10::DeviceType::PrivateUse1,
@@ -99,4 +113,10 @@ void forget_view_replay(const at::Tensor& t) {
     info.view_fn_.reset();
     info.rev_view_fn_ = nullptr;
   }
+}
+
+// Register the hooks above (once per process; torch keeps the pointer).
+void register_hooks() {
+  static ShardtensorHooks hooks;
+  at::RegisterPrivateUse1HooksInterface(&hooks);
 }

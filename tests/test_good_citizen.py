@@ -1,0 +1,88 @@
+"""Importing shardtensor changes nothing for plain PyTorch code: torch's own tools that ask the
+registered accelerator for something (pinned memory, streams) keep working on CPU tensors."""
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.utils.data import DataLoader, TensorDataset
+
+import shardtensor as st
+
+
+def test_dataloader_pin_memory_works_on_cpu_tensors():
+    data = TensorDataset(torch.arange(12.0).reshape(6, 2), torch.arange(6))
+    batches = list(DataLoader(data, batch_size=4, pin_memory=True))
+    assert torch.equal(torch.cat([b[0] for b in batches]), data.tensors[0])
+    assert torch.equal(torch.cat([b[1] for b in batches]), data.tensors[1])
+    # the pinned batches move to the device like any CPU tensor
+    assert torch.equal(batches[0][0].to(st.device()).cpu(), data.tensors[0][:4])
+
+
+def test_distributed_checkpoint_of_a_plain_state_dict(tmp_path):
+    """torch.distributed.checkpoint's default writer overlaps copies on the accelerator's stream."""
+    model = torch.nn.Linear(3, 2)
+    dcp.save(model.state_dict(), checkpoint_id=tmp_path)
+    restored = torch.nn.Linear(3, 2).state_dict()
+    dcp.load(restored, checkpoint_id=tmp_path)
+    for name, value in model.state_dict().items():
+        assert torch.equal(restored[name], value), name
+
+
+def test_streams_follow_torch_device_module_conventions():
+    module = torch.shardtensor
+    stream = module.current_stream()
+    assert stream == module.current_stream() and stream.device == st.device()
+    x = torch.ones(4).to(st.device()) * 3
+    with module.stream(stream):
+        stream.wait_stream(module.current_stream())
+        stream.synchronize()  # computes what is pending
+    module.synchronize()
+    assert torch.equal(x.cpu(), torch.full((4,), 3.0))
+
+
+# ------------------------------------------------------------------ the C++ extension's first build
+def test_first_build_says_so_and_a_failed_build_warns_in_one_line(monkeypatch, tmp_path, capsys):
+    import pytest
+    from torch.utils import cpp_extension
+
+    from shardtensor.tensor import device
+
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda name, **kw: name)
+    assert device._load_cpp_extension().startswith("shardtensor_device_ext_")
+    err = capsys.readouterr().err
+    assert "building its C++ device extension" in err and "built in" in err and str(tmp_path) in err
+
+    def fail(name, **kw):
+        raise RuntimeError("Error building extension 'x'\n" + "g++: fatal error\n" * 50)
+
+    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert device._load_cpp_extension() is None
+    (message,) = [str(w.message) for w in caught]
+    assert "\n" not in message and "Error building extension 'x'" in message and "pip install ninja" in message
+
+
+def test_the_extension_name_is_per_source_and_torch_version():
+    from shardtensor.tensor import device
+
+    assert device._extension_name("a") == device._extension_name("a") != device._extension_name("b")
+
+
+def test_ninja_is_found_without_an_activated_venv(monkeypatch, tmp_path):
+    import os
+    import shutil
+    import sys
+
+    from shardtensor.tensor import device
+
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    (fake_bin / "ninja").write_text("#!/bin/sh\n")
+    (fake_bin / "ninja").chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys, "executable", str(fake_bin / "python"))
+    monkeypatch.setitem(sys.modules, "ninja", None)  # (no ninja package: the interpreter's directory)
+    assert device._ninja_dir() == str(fake_bin)
+    path = os.environ.get("PATH")
+    with device._ninja_on_path():
+        assert os.environ["PATH"].split(os.pathsep)[0] == str(fake_bin)
+    assert os.environ.get("PATH") == path
