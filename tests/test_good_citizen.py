@@ -38,6 +38,22 @@ def test_streams_follow_torch_device_module_conventions():
     assert torch.equal(x.cpu(), torch.full((4,), 3.0))
 
 
+def test_no_process_wide_warning_filters():
+    """shardtensor silences JAX's donation notice only around its own compiles."""
+    import warnings
+
+    before = list(warnings.filters)
+    w = torch.nn.Parameter(torch.ones(8, 4).to(st.device()))
+    opt = torch.optim.SGD([w], lr=0.1)
+    for _ in range(2):
+        (w * w).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        st.sync()
+    assert torch.allclose(w.cpu(), torch.full((8, 4), 0.64))
+    assert warnings.filters == before
+    assert not any("donated" in str(f[1]) for f in warnings.filters)
+
 # ------------------------------------------------------------------ the C++ extension's first build
 def test_first_build_says_so_and_a_failed_build_warns_in_one_line(monkeypatch, tmp_path, capsys):
     import pytest
