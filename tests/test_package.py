@@ -1,0 +1,27 @@
+"""The package carries what a library on PyPI is expected to: a license, metadata, a typing marker."""
+import pathlib
+import tomllib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_license_metadata_and_typing_marker():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    for key in ("authors", "keywords", "classifiers", "requires-python", "readme"):
+        assert project[key], key
+    assert (ROOT / "shardtensor" / "py.typed").exists()
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert "py.typed" in package_data["shardtensor"]
+
+
+def test_declared_torch_range_is_the_tested_one():
+    """Only torch 2.13 is tested: the dependency says so, and the README names the supported versions."""
+    import torch
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_dep,) = [d for d in deps if d.startswith("torch")]
+    assert torch_dep == "torch>=2.13,<2.14"
+    assert torch.__version__.startswith("2.13")
+    assert "**Supported versions.**" in (ROOT / "README.md").read_text()
