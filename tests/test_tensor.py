@@ -1129,3 +1129,28 @@ def test_to_dtype_keeps_the_sharding():
     for y in (x.to(torch.float64), x.double(), x.to(st.device()), x.clone()):
         assert y.partition_spec == (None, "y")
         torch.testing.assert_close(y.cpu(), x.cpu().to(y.dtype))
+
+
+def test_copy_from_device_tensor_into_cpu_tensor_is_allowed():
+    """Issue 11 §6: torch allows cpu.copy_(device): the value comes back and torch's CPU kernel writes
+    it, through views, with dtype conversion and broadcasting."""
+    t = torch.randn(5, 3)
+    x = st.shard(t, MESH_42, ("x", "y"))
+    out = torch.empty(5, 3)
+    assert out.copy_(x) is out
+    assert_close(out, t)
+    base = torch.zeros(5, 4, dtype=torch.float64)
+    base[:, 1:].copy_(x * 2)  # pending, into a strided CPU view, converted to float64
+    want = torch.zeros(5, 4, dtype=torch.float64)
+    want[:, 1:] = (t * 2).double()
+    assert_close(base, want)
+    row = torch.zeros(5, 3, dtype=torch.int32)
+    row.copy_(st.shard(torch.arange(3.0), MESH_42, ("y",)))  # broadcast
+    assert_close(row, torch.arange(3, dtype=torch.int32).expand(5, 3))
+    with pytest.raises(RuntimeError):
+        torch.empty(2, 3).copy_(x)  # torch's own shape error
+    w = st.shard(t, MESH_42, ("x", None)).requires_grad_()
+    host = torch.zeros(5, 3)
+    host.copy_(w * 2)
+    (host * 3).sum().backward()  # the gradient goes back to the device tensor
+    assert_close(w.grad.cpu(), torch.full((5, 3), 6.0))
