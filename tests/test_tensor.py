@@ -360,6 +360,22 @@ def test_mark_sharding_on_pending_uneven_tensor():
     assert_close((y - 1).cpu(), t.exp() - 1)
 
 
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_sharded_factory_then_op_in_the_same_graph_stays_sharded(keep_source):
+    """Issue 11 §6: zeros marked sharded then ``+ 1``, all pending: the result is sharded like its
+    source (XLA propagates the constraint), not replicated (8x the memory), also when the source
+    is gone before the graph runs."""
+    z = torch.zeros(16, 4, device=st.device())
+    st.mark_sharding(z, MESH_42, ("x", "y"))
+    y = z + 1
+    if not keep_source:
+        del z
+    st.sync()
+    assert y.sharding_spec == "{devices=[4,2]0,1,2,3,4,5,6,7}"
+    assert {tuple(s.data.shape) for s in y.local_shards} == {(4, 2)}
+    assert_close(y.cpu(), torch.zeros(16, 4) + 1)
+
+
 def test_mark_sharding_in_eager_mode():
     t = torch.randn(6, 5)
     with st.eager_mode(True):

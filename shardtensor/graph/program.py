@@ -79,19 +79,26 @@ class Program:
             vals.append(ref.value)
             return (2, len(prog.scalar_slots) - 1)
 
+        constrained = []  # meshes of mark_sharding constraints on pending values
         for node in _topological_order([c.value.node for c in cells]):
             codes = tuple(code_of(r) for r in node.inputs)
             node_pos[id(node)] = len(prog.steps)
             prog.steps.append((node.caller, codes))
             key_parts.append((node.key, codes))
+            if node.key[0] == "constraint":
+                constrained.append(node.key[1].mesh)
 
-        mesh = _graph_mesh(cells, arrays)
+        mesh = _graph_mesh(cells, arrays, constrained)
         arrays = [to_mesh(a, mesh) for a in arrays]
         out_keys = []
-        for cell in cells:
+        layouts = [_output_layout(cell, mesh) for cell in cells]
+        # No input arrays and no output layout: jit would run on one device, not the mesh, so the
+        # outputs are replicated over it. With one output laid out on the mesh, the program runs
+        # there and XLA propagates that layout to the others (sharded zeros + 1 stays sharded).
+        on_one_device = not arrays and not constrained and all(sharding is None for _, sharding in layouts)
+        for cell, (pad, sharding) in zip(cells, layouts):
             code = code_of(cell.value)
-            pad, sharding = _output_layout(cell, mesh)
-            if sharding is None and not arrays:  # no inputs: jit would use one device, not the mesh
+            if sharding is None and on_one_device:
                 sharding = NamedSharding(mesh, JaxSpec())
             prog.outputs.append((code, pad, sharding))
             out_keys.append((code, pad, sharding))
@@ -197,13 +204,16 @@ def _is_replicated(array) -> bool:
     return array.sharding.is_fully_replicated
 
 
-def _graph_mesh(cells, arrays):
-    """The one jax mesh of this graph; two meshes holding sharded data are an error."""
+def _graph_mesh(cells, arrays, constrained=()):
+    """The one jax mesh of this graph; two meshes holding sharded data (or constraining a pending
+    value) are an error."""
     meshes = {}
     for c in cells:
         if c.mesh is not None:
             m = c.mesh.get_jax_mesh()
             meshes[m] = c.mesh
+    for m in constrained:
+        meshes.setdefault(m, m)
     for a in arrays:
         m = mesh_of(a)
         if m is not None and not _is_replicated(a):
