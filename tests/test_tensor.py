@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 import shardtensor as st
 from shardtensor import sharding as shmath
-from tensor_helpers import MESH_42, MESHES, SPECS_2D, check_cover, isolate_lazy_graph
+from tensor_helpers import MESH_42, MESHES, SPECS_2D, check_cover, isolate_lazy_graph, mode, modes
 
 aten = torch.ops.aten
 
@@ -161,6 +161,33 @@ def test_shard_from_other_mesh_sharded_tensor():
     assert_close(b.cpu(), t)
     assert b.mesh == MESHES["8"]
     check_cover(b, t)
+
+
+OTHER_MESH = st.Mesh(list(reversed(range(8))), (4, 2), ("x", "y"))
+
+
+@modes()
+def test_in_place_op_across_two_meshes_is_refused_and_the_target_kept(eager):
+    """Issue 11 §6: writing into a tensor a value computed from data sharded over another mesh raises
+    at once, naming both meshes and the way out, and the target keeps its value; non-in-place ops
+    across meshes raise when computed, and leave their inputs readable."""
+    ta, tb = torch.randn(8, 2), torch.randn(8, 2)
+    with mode(eager):
+        a = st.shard(ta, MESHES["8"], ("x", None))
+        b = st.shard(tb, OTHER_MESH, ("x", None))
+        both = r"(?s)devices \[0\.\.7\], shape \(8,\).*devices \[7, 6, 5, 4, 3, 2, 1, 0\], shape \(4, 2\).*st\.shard"
+        for write in (lambda: a.add_(b), lambda: a.mul_(b * 2 + 1), lambda: a.copy_(b), lambda: a[1:].sub_(b[1:])):
+            with pytest.raises(ValueError, match=both):
+                write()
+            assert_close(a.cpu(), ta)
+        with pytest.raises(ValueError, match="different meshes"):
+            (a + b).cpu()
+        assert_close(a.cpu(), ta)
+        assert_close(b.cpu(), tb)
+        a.add_(st.shard(b, a.mesh, a.partition_spec))  # the way out: reshard through the host
+        a.add_(st.shard(tb, OTHER_MESH, (None, None)))  # replicated data joins any mesh
+        assert_close(a.cpu(), ta + 2 * tb)
+        assert a.sharding_spec == "{devices=[8,1]0,1,2,3,4,5,6,7}"
 
 
 def test_shard_keeps_requires_grad():

@@ -8,15 +8,22 @@ import warnings
 import torch
 
 from shardtensor.dispatch.meta import meta_outputs
-from shardtensor.dispatch.record import cast, device_mismatch, new_tensors, record, record_and_wrap
+from shardtensor.dispatch.record import (
+    cast,
+    device_mismatch,
+    new_tensors,
+    record,
+    record_and_wrap,
+)
 from shardtensor.dispatch.reshape_inplace import resize_to
 from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Leaf, Pending
+from shardtensor.graph.program import describe_mesh, mesh_of
 from shardtensor.graph.state import STATE
 from shardtensor.ops.schema import OpFacts, is_inplace
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.geometry import contiguous_strides
-
 
 _CHECKED: set = set()  # (mutating op, functional signature) pairs torch's meta kernel accepted
 
@@ -33,6 +40,7 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     for x in flat_targets:
         if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
             raise device_mismatch(x)
+    _check_one_mesh(func, flat_targets, args, kwargs)
     args = _with_defaults(func, args, kwargs)  # torch drops trailing arguments equal to their default
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
@@ -91,6 +99,72 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     if len(returns) == 1:
         return targets[0]
     return tuple(targets)
+
+
+def _check_one_mesh(func, targets, args, kwargs) -> None:
+    """Refuse, before anything is recorded, to write a value computed from data sharded over another
+    mesh: one graph runs on one mesh, so the run would fail and take the target's value with it.
+
+    (DTensor refuses mixed meshes too. Resharding implicitly would move data between device sets
+    behind the user's back; the error names both meshes and the explicit way to do it.)
+    """
+    target_meshes = [m for m in (_mesh_of(t, True) for t in targets) if m is not None]
+    if not target_meshes:
+        return
+    wanted = target_meshes[0]
+    written = {id(t._cell) for t in targets}
+    operands = []
+    for a in (*args, *kwargs.values()):  # tensors are arguments or in lists (foreach ops, index_put_)
+        operands.extend(x for x in (a if isinstance(a, (list, tuple)) else (a,))
+                        if isinstance(x, ShardedTensor) and id(x._cell) not in written)
+    for m in target_meshes[1:] + [_mesh_of(x, False) for x in operands]:
+        if m is not None and m != wanted:
+            raise ValueError(
+                f"{func}: the tensor written in place is sharded over {describe_mesh(wanted)} but an operand "
+                f"over {describe_mesh(m)}; one computation runs on one mesh, and the target keeps its value. "
+                "Move the operand onto the target's mesh first, e.g. other = st.shard(other, target.mesh, "
+                "target.partition_spec) (through the host), or compute both on one Mesh.")
+
+
+def _mesh_of(t, written) -> object:
+    """The jax mesh a graph using ``t`` must run on, or None if ``t`` can join any mesh: the mesh of its
+    sharding annotation (for a replicated annotation only if it is written: its result is laid out
+    there) or of its sharded data; replicated data is copied to the graph's mesh."""
+    cell = t._cell
+    if cell.sharding is not None and (written or cell.is_pending() or not _replicated(cell.value)):
+        return cell.mesh.get_jax_mesh()
+    if cell.is_pending():
+        return _recorded_mesh(cell.value.node)
+    return mesh_of(cell.value) if not _replicated(cell.value) else None
+
+
+_WALK = 16  # nodes looked at behind a pending operand: enough for `p.add_(g * lr)`, cheap per op
+
+
+def _recorded_mesh(node):
+    """The mesh of sharded data (or a constraint) among the last few recorded nodes behind ``node``,
+    or None; a graph deeper than that is still checked when it runs."""
+    todo, seen = [node], 0
+    while todo and seen < _WALK:
+        node = todo.pop()
+        seen += 1
+        kind = node.key[0]
+        if type(kind) is str and kind == "constraint":
+            return node.key[1].mesh
+        for ref in node.inputs:
+            kind = type(ref)
+            if kind is Pending:
+                todo.append(ref.node)
+            elif kind is Leaf:
+                sharding = ref.array.sharding
+                if not sharding.is_fully_replicated:
+                    return getattr(sharding, "mesh", None)
+    return None
+
+
+def _replicated(value) -> bool:
+    sharding = getattr(value, "sharding", None)
+    return sharding is None or sharding.is_fully_replicated
 
 
 def _with_defaults(func, args, kwargs):

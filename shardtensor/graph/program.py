@@ -221,7 +221,7 @@ def _graph_mesh(cells, arrays, constrained=()):
     if len(meshes) > 1:
         raise ValueError(
             "These tensors are sharded over different meshes "
-            f"({', '.join(str(m) for m in meshes.values())}); one computation can use only one mesh. "
+            f"({', '.join(describe_mesh(m) for m in meshes)}); one computation can use only one mesh. "
             "Reshard them onto one mesh first (st.mark_sharding / st.shard with the same Mesh)."
         )
     if meshes:
@@ -231,6 +231,13 @@ def _graph_mesh(cells, arrays, constrained=()):
         if m is not None:
             return m
     return default_mesh().get_jax_mesh()
+
+
+def describe_mesh(mesh) -> str:
+    """A jax mesh as users wrote it, e.g. ``Mesh(devices [0..7], shape (4, 2), axes ('x', 'y'))``."""
+    ids = [int(i) for i in mesh.device_ids.flat]
+    shown = f"[{ids[0]}..{ids[-1]}]" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
+    return f"Mesh(devices {shown}, shape {tuple(mesh.shape.values())}, axes {tuple(mesh.axis_names)})"
 
 
 def to_mesh(array, mesh):
