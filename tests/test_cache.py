@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -27,6 +28,10 @@ SCRIPT = textwrap.dedent("""
     out["result"] = ((x * 2 + 1).sum(0)).cpu().tolist()
     if mode == "readonly":
         out["new"] = (x - 3).amax().item()
+    if mode == "reload":  # forget the programs in memory: the same graph loads from disk again
+        out["misses_before_reload"] = st.counter_value("PersistentCacheMiss")
+        st.clear_executables()
+        out["reloaded"] = ((x * 2 + 1).sum(0)).cpu().tolist()
     if mode == "first":
         st.initialize_cache(path)  # the same path again: nothing happens
         try:
@@ -47,11 +52,12 @@ def _start(path, mode):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc):
+def _result(proc, with_stderr=False):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT"):])
+    return (result, err) if with_stderr else result
 
 
 def _listing(path):
@@ -92,3 +98,49 @@ def test_readonly_needs_an_existing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         st.initialize_cache(tmp_path / "missing", readonly=True)
     assert not (tmp_path / "missing").exists()
+
+
+# --------------------------------------------------------------------------- issue 11 §6
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only directory"])
+def test_an_unusable_path_warns_once_and_leaves_caching_off(tmp_path, where):
+    """Checked at initialize_cache, before JAX is configured, so this process stays cache-free."""
+    (tmp_path / "file").write_text("not a directory")
+    path = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "cache",
+            "read-only directory": tmp_path / "locked"}[where]
+    if where == "read-only directory":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into any directory")
+        path.mkdir(mode=0o500)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        st.initialize_cache(path)
+        st.initialize_cache(path)  # the same path again: no second warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "persistent compilation cache is off" in messages[0], messages
+    assert "a file, not a directory" in messages[0] or "cannot be written" in messages[0]
+    import jax
+
+    assert not jax.config.jax_compilation_cache_dir and st.runtime._CACHE is None
+
+
+def test_a_corrupted_entry_warns_compiles_again_and_is_replaced(tmp_path):
+    cache = tmp_path / "cache"
+    want = [2.0 * (sum(range(i, 32, 4))) + 8 for i in range(4)]
+    first = _result(_start(cache, "fill"))
+    entries = [f for f in os.listdir(cache) if f.endswith("-cache")]
+    assert first["result"] == want and len(entries) == first["PersistentCacheMiss"] >= 1
+    for i, name in enumerate(entries):  # truncated, overwritten, one bit flipped
+        data = bytearray((cache / name).read_bytes())
+        data = [data[:len(data) // 2], bytes(len(data)), data[:-1] + bytes([data[-1] ^ 1])][i % 3]
+        (cache / name).write_bytes(bytes(data))
+
+    second, err = _result(_start(cache, "reload"), with_stderr=True)
+    assert second["result"] == want
+    assert second["misses_before_reload"] == len(entries)
+    assert err.count("RuntimeWarning: The persistent compilation cache entry") == len(entries), err[-3000:]
+    assert "the program is compiled again and the entry replaced" in err
+    # the entries were written anew: compiling the same graph again loads them, without a warning
+    assert second["reloaded"] == want and second["PersistentCacheHit"] == len(entries)
+    assert second["PersistentCacheMiss"] == len(entries)
