@@ -85,7 +85,7 @@ class Program:
             node_pos[id(node)] = len(prog.steps)
             prog.steps.append((node.caller, codes))
             key_parts.append((node.key, codes))
-            if node.key[0] == "constraint":
+            if type(node.key[0]) is str and node.key[0] == "constraint":  # (annotate.mark_sharding's key)
                 constrained.append(node.key[1].mesh)
 
         mesh = _graph_mesh(cells, arrays, constrained)
