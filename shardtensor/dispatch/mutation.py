@@ -142,15 +142,12 @@ _WALK = 16  # nodes looked at behind a pending operand: enough for `p.add_(g * l
 
 
 def _recorded_mesh(node):
-    """The mesh of sharded data (or a constraint) among the last few recorded nodes behind ``node``,
-    or None; a graph deeper than that is still checked when it runs."""
+    """The mesh of sharded data among the last few recorded nodes behind ``node``, or None; a graph
+    deeper than that is still checked when it runs (as ``program._graph_mesh`` does)."""
     todo, seen = [node], 0
     while todo and seen < _WALK:
         node = todo.pop()
         seen += 1
-        kind = node.key[0]
-        if type(kind) is str and kind == "constraint":
-            return node.key[1].mesh
         for ref in node.inputs:
             kind = type(ref)
             if kind is Pending:

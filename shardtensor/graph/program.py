@@ -205,15 +205,13 @@ def _is_replicated(array) -> bool:
 
 
 def _graph_mesh(cells, arrays, constrained=()):
-    """The one jax mesh of this graph; two meshes holding sharded data (or constraining a pending
-    value) are an error."""
+    """The one jax mesh of this graph; two meshes holding sharded data are an error. A graph without
+    any runs on the mesh of its first sharding constraint, if it has one."""
     meshes = {}
     for c in cells:
         if c.mesh is not None:
             m = c.mesh.get_jax_mesh()
             meshes[m] = c.mesh
-    for m in constrained:
-        meshes.setdefault(m, m)
     for a in arrays:
         m = mesh_of(a)
         if m is not None and not _is_replicated(a):
@@ -226,6 +224,8 @@ def _graph_mesh(cells, arrays, constrained=()):
         )
     if meshes:
         return next(iter(meshes))
+    if constrained:
+        return constrained[0]
     for a in arrays:  # all replicated: stay on the inputs' mesh rather than moving them
         m = mesh_of(a)
         if m is not None:
