@@ -5,7 +5,9 @@ shapes (variable sequence lengths, a notebook, a server) would otherwise keep ev
 compiled. Each cache holds at most ``executable_cache_size()`` entries (``SHARDTENSOR_EXECUTABLE_CACHE_SIZE``,
 default 1024 as PyTorch/XLA's ``XLA_COMPILATION_CACHE_SIZE``); every eviction counts in the counter
 ``ExecutableCacheEvictions``. An evicted program compiles again when it is needed (a persistent
-compilation cache, ``st.initialize_cache``, makes that cheap).
+compilation cache, ``st.initialize_cache``, makes that cheap). Evicting frees the memory: on CPU a
+small program holds about 1.7 MB of host memory (100 distinct shapes: +166 MB unbounded, +13 MB
+with a bound of 10), so 1024 of them stay within a couple of GB.
 """
 from __future__ import annotations
 
