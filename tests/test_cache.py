@@ -28,10 +28,6 @@ SCRIPT = textwrap.dedent("""
     out["result"] = ((x * 2 + 1).sum(0)).cpu().tolist()
     if mode == "readonly":
         out["new"] = (x - 3).amax().item()
-    if mode == "reload":  # forget the programs in memory: the same graph loads from disk again
-        out["misses_before_reload"] = st.counter_value("PersistentCacheMiss")
-        st.clear_executables()
-        out["reloaded"] = ((x * 2 + 1).sum(0)).cpu().tolist()
     if mode == "first":
         st.initialize_cache(path)  # the same path again: nothing happens
         try:
@@ -44,11 +40,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start(path, mode):
+def _start(path, mode, script=SCRIPT):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SHARDTENSOR_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(path), mode], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", script, str(path), mode], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -125,22 +121,46 @@ def test_an_unusable_path_warns_once_and_leaves_caching_off(tmp_path, where):
     assert not jax.config.jax_compilation_cache_dir and st.runtime._CACHE is None
 
 
-def test_a_corrupted_entry_warns_compiles_again_and_is_replaced(tmp_path):
-    cache = tmp_path / "cache"
-    want = [2.0 * (sum(range(i, 32, 4))) + 8 for i in range(4)]
-    first = _result(_start(cache, "fill"))
-    entries = [f for f in os.listdir(cache) if f.endswith("-cache")]
-    assert first["result"] == want and len(entries) == first["PersistentCacheMiss"] >= 1
-    for i, name in enumerate(entries):  # truncated, overwritten, one bit flipped
-        data = bytearray((cache / name).read_bytes())
+# One process: fill the cache, corrupt every entry (truncated, overwritten, one bit flipped), forget
+# the programs in memory so the same graph is looked up on disk again, then once more.
+CORRUPT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, warnings
+    import torch, shardtensor as st
+    path = sys.argv[1]
+    st.initialize_cache(path)
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    x = st.shard(torch.arange(32.).reshape(8, 4), mesh, ("data", None))
+    run = lambda: ((x * 2 + 1).sum(0)).cpu().tolist()
+    out = {"first": run(), "entries": sorted(f for f in os.listdir(path) if f.endswith("-cache"))}
+    for i, name in enumerate(out["entries"]):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
         data = [data[:len(data) // 2], bytes(len(data)), data[:-1] + bytes([data[-1] ^ 1])][i % 3]
-        (cache / name).write_bytes(bytes(data))
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    out["misses"] = st.counter_value("PersistentCacheMiss")
+    for attempt in ("corrupted", "replaced"):
+        st.clear_executables()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[attempt] = run()
+        out[attempt + "_warnings"] = [str(w.message) for w in caught if "cache entry" in str(w.message)]
+        out[attempt + "_hits"] = st.counter_value("PersistentCacheHit")
+        out[attempt + "_misses"] = st.counter_value("PersistentCacheMiss")
+    print("RESULT" + json.dumps(out))
+""")
 
-    second, err = _result(_start(cache, "reload"), with_stderr=True)
-    assert second["result"] == want
-    assert second["misses_before_reload"] == len(entries)
-    assert err.count("RuntimeWarning: The persistent compilation cache entry") == len(entries), err[-3000:]
-    assert "the program is compiled again and the entry replaced" in err
-    # the entries were written anew: compiling the same graph again loads them, without a warning
-    assert second["reloaded"] == want and second["PersistentCacheHit"] == len(entries)
-    assert second["PersistentCacheMiss"] == len(entries)
+
+def test_a_corrupted_entry_warns_compiles_again_and_is_replaced(tmp_path):
+    want = [2.0 * (sum(range(i, 32, 4))) + 8 for i in range(4)]
+    out = _result(_start(tmp_path / "cache", "", script=CORRUPT_SCRIPT))
+    n = len(out["entries"])
+    assert out["first"] == want and n == out["misses"] >= 1
+    # each entry that cannot be loaded: one warning, a new compilation (a miss), the same result
+    assert out["corrupted"] == want and out["corrupted_hits"] is None
+    assert out["corrupted_misses"] == 2 * n
+    assert len(out["corrupted_warnings"]) == n, out["corrupted_warnings"]
+    assert all("the program is compiled again and the entry replaced" in w for w in out["corrupted_warnings"])
+    # the new compilations replaced the entries: the next lookups load them, without a warning
+    assert out["replaced"] == want and out["replaced_hits"] == n and out["replaced_misses"] == 2 * n
+    assert out["replaced_warnings"] == []
