@@ -452,7 +452,8 @@ class _CheckedEntries:
         return value
 
     def _drop(self, key, error) -> None:
-        path = os.path.join(str(getattr(self._base, "path", "")), f"{key}-cache")
+        directory = getattr(self._base, "path", None) or getattr(self._base, "_path", "")  # LRUCache / a wrapper
+        path = os.path.join(str(directory), f"{key}-cache")
         removed = False
         if not self._readonly:
             try:
