@@ -14,6 +14,7 @@ from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_globa
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
 from shardtensor import ops  # noqa: F401  (fills the lowering table)
 from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
+from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.rng import manual_seed  # noqa: F401
 from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
 from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import zipfile
 
 import jax
@@ -104,26 +105,151 @@ def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
     return ExportedProgram(exported, meta, values)
 
 
-def deserialize(blob: bytes) -> "ExportedProgram":
+MAX_SIZE = 2**30  # default bound on what st.deserialize inflates: 1 GiB
+_MEMBERS = ("meta.json", "program.bin", "values.npz")
+
+
+def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> "ExportedProgram":
     """Load what ``ExportedProgram.serialize()`` wrote; the result is callable like the function.
+
+    The bytes may come from anywhere: an archive that declares or inflates to more than ``max_size``
+    bytes in all (default 1 GiB; ``None``: no bound, for bytes you trust) is refused before it is
+    inflated, and anything that is not a well-formed program (truncated or random bytes, missing
+    members, wrong JSON, inconsistent values) raises ``ValueError``.
 
     Example::
 
         run = st.deserialize(open("model.stx", "rb").read())
         y = run(x)
+        big = st.deserialize(blob, max_size=8 * 2**30)   # a program with 8 GiB of captured weights
     """
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise TypeError(f"st.deserialize takes bytes, got {type(blob).__name__}")
+    if max_size is not None and (isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1):
+        raise ValueError(f"st.deserialize: max_size is a positive number of bytes or None, got {max_size!r}")
+    budget = _Budget(max_size)
     try:
-        with zipfile.ZipFile(io.BytesIO(blob)) as z:
-            meta = json.loads(z.read("meta.json"))
-            exported = jax_export.deserialize(bytearray(z.read("program.bin")))
-            with z.open("values.npz") as f:
-                npz = np.load(io.BytesIO(f.read()), allow_pickle=False)
-                values = {k: npz[k] for k in npz.files}
-    except (zipfile.BadZipFile, KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"st.deserialize: these bytes are not a serialized st.export program ({e})") from e
-    if meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
-        raise ValueError(f"st.deserialize: unsupported format {meta.get('format')!r} version {meta.get('version')!r}")
+        members = _read_zip(bytes(blob), _MEMBERS, budget, "the archive")
+        meta = json.loads(members["meta.json"])
+    except _TooBig as e:
+        raise ValueError(f"st.deserialize: {e}; pass max_size=... (bytes) if you trust these bytes") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # zipfile, zlib, json and utf-8 each raise their own
+        raise ValueError(f"st.deserialize: these bytes are not a serialized st.export program "
+                         f"({type(e).__name__}: {e})") from e
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
+        what = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"st.deserialize: unsupported format {what!r}: not an st.export program of version {_VERSION}")
+    try:
+        values = _read_npz(members.pop("values.npz"), budget)
+        exported = jax_export.deserialize(bytearray(members.pop("program.bin")))
+        _check_meta(meta, values)
+    except _TooBig as e:
+        raise ValueError(f"st.deserialize: {e}; pass max_size=... (bytes) if you trust these bytes") from None
+    except MemoryError:
+        raise
+    except Exception as e:  # numpy, jax's flatbuffers and the checks raise their own
+        raise ValueError(f"st.deserialize: a malformed st.export program ({type(e).__name__}: {e})") from e
     return ExportedProgram(exported, meta, values)
+
+
+class _TooBig(Exception):
+    """An archive member would take the inflated total past ``max_size``."""
+
+
+class _Budget:
+    """How many more bytes may be inflated (None: no bound)."""
+
+    def __init__(self, max_size):
+        self.max_size, self.left = max_size, max_size
+
+    def check(self, n: int, what: str) -> None:
+        if self.left is not None and n > self.left:
+            raise _TooBig(f"{what} declares {n} bytes, which would take what it inflates past "
+                          f"max_size={self.max_size} bytes")
+
+    def take(self, n: int) -> None:
+        if self.left is not None:
+            self.left -= n
+
+
+def _read_zip(data: bytes, names, budget: _Budget, where: str) -> dict:
+    """The members ``names`` of the zip archive ``data``: their declared sizes are checked against the
+    budget before anything is inflated, and each is read with a bound, so a header that lies about
+    its size cannot inflate more."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        infos = {i.filename: i for i in z.infolist()}
+        missing = [n for n in names if n not in infos]
+        if missing:
+            raise KeyError(f"{where} has no member {', '.join(missing)}")
+        budget.check(sum(infos[n].file_size for n in names), where)
+        out = {}
+        for n in names:
+            size = infos[n].file_size
+            with z.open(infos[n]) as f:
+                content = f.read(size + 1)  # at most one byte past what the header declares
+            if len(content) != size:
+                raise zipfile.BadZipFile(f"{where}: member {n} holds {'more' if len(content) > size else 'less'} "
+                                         f"than the {size} bytes its header declares")
+            budget.take(size)
+            out[n] = content
+    return out
+
+
+def _read_npz(data: bytes, budget: _Budget) -> dict:
+    """The arrays of an ``np.savez`` archive, with the same bounds, and each ``.npy`` header checked
+    against its data before numpy allocates the array it describes."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        names = [i.filename for i in z.infolist()]
+    values = {}
+    for name, content in _read_zip(data, names, budget, "values.npz").items():
+        if not name.endswith(".npy"):
+            raise ValueError(f"values.npz holds {name!r}, not a .npy array")
+        f = io.BytesIO(content)
+        version = np.lib.format.read_magic(f)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                       (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        if read_header is None:
+            raise ValueError(f"values.npz: {name} has .npy version {version}, expected 1.0 or 2.0")
+        shape, _, dtype = read_header(f)
+        if dtype.hasobject or math.prod(shape) * dtype.itemsize != len(content) - f.tell():
+            raise ValueError(f"values.npz: {name}'s header ({shape}, {dtype}) does not match its "
+                             f"{len(content) - f.tell()} bytes of data")
+        values[name.removesuffix(".npy")] = np.load(io.BytesIO(content), allow_pickle=False)
+    return values
+
+
+def _check_meta(meta: dict, values: dict) -> None:
+    """Raise ValueError unless ``meta`` describes a program these values can run (what ``__call__``
+    reads), so a malformed archive fails here and not at its first call."""
+    def need(ok, what):
+        if not ok:
+            raise ValueError(f"meta.json: {what}")
+
+    def ints(x):
+        return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
+
+    mesh = meta.get("mesh")
+    need(isinstance(mesh, dict) and ints(mesh.get("device_ids")) and ints(mesh.get("shape"))
+         and isinstance(mesh.get("axis_names"), list) and len(mesh["axis_names"]) == len(mesh["shape"])
+         and math.prod(mesh["shape"]) == len(mesh["device_ids"]) > 0, "mesh is not a valid mesh")
+    for tree in ("in_tree", "out_tree"):
+        need(isinstance(meta.get(tree), str), f"{tree} is not a tree description")
+        pytree.treespec_loads(meta[tree])
+    n = meta.get("n_leaves")
+    need(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "n_leaves is not a count")
+    need(ints(meta.get("constants")) and all(k < n and f"leaf{k}" in values for k in meta["constants"]),
+         "constants do not match the stored values")
+    need(isinstance(meta.get("inputs"), list) and isinstance(meta.get("outputs"), list), "inputs or outputs missing")
+    for spec in meta["inputs"] + [o for o in meta["outputs"] if not (isinstance(o, dict) and "value" in o)]:
+        need(isinstance(spec, dict) and ints(spec.get("shape")) and isinstance(spec.get("dtype"), str)
+             and (spec.get("spec") is None or isinstance(spec["spec"], list)), f"bad tensor description {spec!r}")
+        _dtype(spec["dtype"])
+    for spec in meta["inputs"]:
+        need(ints([spec.get("leaf"), spec.get("arg")]) and spec["leaf"] < n, f"bad input {spec!r}")
+    need(isinstance(meta.get("scalar_kinds"), list)
+         and all(f"scalars_{k}" in values for k in meta["scalar_kinds"]), "scalars do not match the stored values")
 
 
 class ExportedProgram:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -39,19 +40,20 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _start(path, mode):
+def _start(path, mode, script=SCRIPT):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SHARDTENSOR_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-c", SCRIPT, str(path), mode], env=env, cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-c", script, str(path), mode], env=env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def _result(proc):
+def _result(proc, with_stderr=False):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
-    return json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT"):])
+    return (result, err) if with_stderr else result
 
 
 def _listing(path):
@@ -92,3 +94,73 @@ def test_readonly_needs_an_existing_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         st.initialize_cache(tmp_path / "missing", readonly=True)
     assert not (tmp_path / "missing").exists()
+
+
+# --------------------------------------------------------------------------- issue 11 §6
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "read-only directory"])
+def test_an_unusable_path_warns_once_and_leaves_caching_off(tmp_path, where):
+    """Checked at initialize_cache, before JAX is configured, so this process stays cache-free."""
+    (tmp_path / "file").write_text("not a directory")
+    path = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "cache",
+            "read-only directory": tmp_path / "locked"}[where]
+    if where == "read-only directory":
+        if os.geteuid() == 0:
+            pytest.skip("root writes into any directory")
+        path.mkdir(mode=0o500)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        st.initialize_cache(path)
+        st.initialize_cache(path)  # the same path again: no second warning
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "persistent compilation cache is off" in messages[0], messages
+    assert "a file, not a directory" in messages[0] or "cannot be written" in messages[0]
+    import jax
+
+    assert not jax.config.jax_compilation_cache_dir and st.runtime._CACHE is None
+
+
+# One process: fill the cache, corrupt every entry (truncated, overwritten, one bit flipped), forget
+# the programs in memory so the same graph is looked up on disk again, then once more.
+CORRUPT_SCRIPT = textwrap.dedent("""
+    import json, os, sys, warnings
+    import torch, shardtensor as st
+    path = sys.argv[1]
+    st.initialize_cache(path)
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    x = st.shard(torch.arange(32.).reshape(8, 4), mesh, ("data", None))
+    run = lambda: ((x * 2 + 1).sum(0)).cpu().tolist()
+    out = {"first": run(), "entries": sorted(f for f in os.listdir(path) if f.endswith("-cache"))}
+    for i, name in enumerate(out["entries"]):
+        with open(os.path.join(path, name), "rb") as f:
+            data = f.read()
+        data = [data[:len(data) // 2], bytes(len(data)), data[:-1] + bytes([data[-1] ^ 1])][i % 3]
+        with open(os.path.join(path, name), "wb") as f:
+            f.write(data)
+    out["misses"] = st.counter_value("PersistentCacheMiss")
+    for attempt in ("corrupted", "replaced"):
+        st.clear_executables()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out[attempt] = run()
+        out[attempt + "_warnings"] = [str(w.message) for w in caught if "cache entry" in str(w.message)]
+        out[attempt + "_hits"] = st.counter_value("PersistentCacheHit")
+        out[attempt + "_misses"] = st.counter_value("PersistentCacheMiss")
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_a_corrupted_entry_warns_compiles_again_and_is_replaced(tmp_path):
+    want = [2.0 * (sum(range(i, 32, 4))) + 8 for i in range(4)]
+    out = _result(_start(tmp_path / "cache", "", script=CORRUPT_SCRIPT))
+    n = len(out["entries"])
+    assert out["first"] == want and n == out["misses"] >= 1
+    # each entry that cannot be loaded: one warning, a new compilation (a miss), the same result
+    assert out["corrupted"] == want and out["corrupted_hits"] is None
+    assert out["corrupted_misses"] == 2 * n
+    assert len(out["corrupted_warnings"]) == n, out["corrupted_warnings"]
+    assert all("the program is compiled again and the entry replaced" in w for w in out["corrupted_warnings"])
+    # the new compilations replaced the entries: the next lookups load them, without a warning
+    assert out["replaced"] == want and out["replaced_hits"] == n and out["replaced_misses"] == 2 * n
+    assert out["replaced_warnings"] == []

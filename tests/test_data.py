@@ -8,6 +8,7 @@ the loader, compared with eager PyTorch.
 """
 import collections
 import copy
+import os
 import threading
 import time
 import traceback
@@ -454,3 +455,48 @@ def test_loader_uploads_are_counted_and_timed():
         pass
     assert st.counter_value("TransferToDevice") == 6
     assert st.metric_data("TransferToDeviceTime")[0] == 6
+
+
+# --------------------------------------------------------------------------- issue 11 §6
+
+
+@pytest.mark.parametrize("spec", [None, "tensor", "dict"])
+def test_none_and_other_non_tensor_batches_pass_through(spec):
+    spec = {"tensor": st.ShardingSpec(MESH_8, ("data", None)),
+            "dict": {"x": st.ShardingSpec(MESH_8, ("data", None))}}.get(spec)
+    batches = [1, None, 2, 3, "end of the loader", (None,), {"x": None}]
+    assert list(st.MpDeviceLoader(batches, st.device(), input_sharding=spec)) == batches
+
+
+class EndlessLoader:
+    """New 1 MiB batches for ever: every pass over it is ended early by the loop."""
+
+    def __iter__(self):
+        while True:
+            yield torch.randn(256, 1024)
+
+
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_early_breaks_leak_no_memory():
+    """50 passes broken off after two batches, alternately on one loader and on a new one each time.
+    A pass that left its prefetched batches (up to 24 MiB here) or its threads behind would grow
+    the process by ~1 GiB; the bound allows for the allocator's noise only."""
+    spec = st.ShardingSpec(MESH_8, ("data", None))
+    kept = st.MpDeviceLoader(EndlessLoader(), st.device(), input_sharding=spec)
+    start = None
+    for n in range(50):
+        loader = kept if n % 2 else st.MpDeviceLoader(EndlessLoader(), st.device(), input_sharding=spec)
+        for i, batch in enumerate(loader):
+            assert batch.shape == (256, 1024)
+            if i == 1:
+                break
+        del batch, loader
+        if n == 9:  # after the allocator's pools have grown to the loop's working set
+            start = _rss_mib()
+    kept.close()
+    assert _wait_stopped([t for t in threading.enumerate() if t.name.startswith("MpDeviceLoader")])
+    assert _rss_mib() - start < 200

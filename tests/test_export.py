@@ -1,6 +1,9 @@
 """st.export: StableHLO text with shardings, serialize / deserialize, and running in a fresh process."""
+import io
+import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
@@ -130,3 +133,116 @@ def test_bad_arguments_and_bytes():
         run(torch.randn(8, 4), torch.randn(8, 4))
     with pytest.raises(ValueError, match="not a serialized st.export program"):
         st.deserialize(b"not a program")
+
+
+# --------------------------------------------------------------------------- untrusted bytes (issue 11 §6)
+
+
+@pytest.fixture(scope="module")
+def program_bytes():
+    t = torch.arange(32.0).reshape(8, 4)
+    return st.export(lambda x: x * 2 + 1, st.shard(t, MESH, ("x", None))).serialize()
+
+
+def _members(blob):
+    import zipfile
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        return {n: z.read(n) for n in z.namelist()}
+
+
+def _zip(members, method=None):
+    import zipfile
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", method or zipfile.ZIP_DEFLATED) as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    return buf.getvalue()
+
+
+def _npy(array):
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def _with_meta(members, **changes):
+    meta = json.loads(members["meta.json"])
+    meta.update(changes)
+    return _zip({**members, "meta.json": json.dumps(meta).encode()})
+
+
+def _declare_size(data, name, size):
+    """``data`` (a zip) with the uncompressed size of member ``name`` in its headers replaced by ``size``."""
+    out, name = bytearray(data), name.encode()
+    for signature, size_at, name_at in ((b"PK\x03\x04", 22, 30), (b"PK\x01\x02", 24, 46)):
+        pos = out.find(signature)
+        while pos >= 0:
+            if out[pos + name_at:pos + name_at + len(name)] == name:
+                out[pos + size_at:pos + size_at + 4] = struct.pack("<I", size)
+            pos = out.find(signature, pos + 4)
+    return bytes(out)
+
+
+def _rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_deserialize_refuses_archives_that_declare_or_inflate_past_max_size(program_bytes):
+    members = _members(program_bytes)
+    x = torch.arange(32.0).reshape(8, 4)
+    run = st.deserialize(program_bytes, max_size=2**20)  # the real program fits in 1 MiB
+    torch.testing.assert_close(run(x).cpu(), x * 2 + 1)
+    zeros = bytes(64 * 2**20)  # 64 MiB that deflate to ~64 KiB
+    npz_bomb = _zip({"leaf0.npy": _npy(np.zeros(16 * 2**20, np.float32))})  # a bomb inside the inner zip
+    start = _rss_mib()
+    cases = {
+        "a member declaring 64 MiB": _zip({**members, "program.bin": zeros}),
+        "values.npz declaring 64 MiB inside": _zip({**members, "values.npz": npz_bomb}),
+    }
+    for what, blob in cases.items():
+        assert len(blob) < 2**20, what
+        with pytest.raises(ValueError, match=r"declares \d+ bytes.*max_size=16777216.*pass max_size="):
+            st.deserialize(blob, max_size=16 * 2**20)
+    # a header that declares less than its member inflates to: the read stops at what it declares
+    lying = _declare_size(_zip({**members, "program.bin": zeros}), "program.bin", 1000)
+    with pytest.raises(ValueError, match="st.deserialize"):
+        st.deserialize(lying)
+    assert _rss_mib() - start < 48  # nothing was inflated: each case would have added 64 MiB
+    with pytest.raises(ValueError, match="max_size"):
+        st.deserialize(program_bytes, max_size=0)
+
+
+def test_deserialize_raises_value_error_for_malformed_input(program_bytes):
+    members = _members(program_bytes)
+    values = np.load(io.BytesIO(members["values.npz"]))
+    header_says_more = _npy(np.zeros(4, np.float32)).replace(b"'shape': (4,)", b"'shape': (9999999,)")
+    bad = {
+        "random bytes": np.random.default_rng(0).bytes(4096),
+        "empty": b"",
+        "no program.bin": _zip({k: v for k, v in members.items() if k != "program.bin"}),
+        "meta.json is not JSON": _zip({**members, "meta.json": b"{not json"}),
+        "meta.json is not UTF-8": _zip({**members, "meta.json": b"\xff\xfe{}"}),
+        "meta.json is a list": _zip({**members, "meta.json": b"[1, 2]"}),
+        "another format": _with_meta(members, format="something-else"),
+        "a bad mesh": _with_meta(members, mesh=3),
+        "a mesh of the wrong size": _with_meta(members, mesh={"device_ids": [0, 1], "shape": [4, 2],
+                                                             "axis_names": ["x", "y"]}),
+        "a bad tree": _with_meta(members, in_tree="][garbage"),
+        "a missing constant": _with_meta(members, constants=[0, 1, 2, 3]),
+        "an unknown dtype": _with_meta(members, inputs=[{"leaf": 0, "arg": 0, "shape": [8, 4],
+                                                          "dtype": "float99", "spec": None}]),
+        "program.bin is garbage": _zip({**members, "program.bin": b"\x00" * 100}),
+        "values.npz is not a zip": _zip({**members, "values.npz": b"PK\x03\x04 truncated"}),
+        "a .npy header that claims more than its data": _zip(
+            {**members, "values.npz": _zip({**{k + ".npy": _npy(values[k]) for k in values.files},
+                                            "leaf9.npy": header_says_more}, method=0)}),
+    }
+    for cut in (10, len(program_bytes) // 3, len(program_bytes) // 2, len(program_bytes) - 1):
+        bad[f"truncated at {cut}"] = program_bytes[:cut]
+    for what, blob in bad.items():
+        with pytest.raises(ValueError, match="st.deserialize") as info:
+            st.deserialize(blob)
+        assert "st.deserialize" in str(info.value), what
+    with pytest.raises(TypeError, match="bytes"):
+        st.deserialize("a string")

@@ -21,7 +21,7 @@ from torch.testing import assert_close
 
 import shardtensor as st
 from shardtensor import sharding as shmath
-from tensor_helpers import MESH_42, MESHES, SPECS_2D, check_cover, isolate_lazy_graph
+from tensor_helpers import MESH_42, MESHES, SPECS_2D, check_cover, isolate_lazy_graph, mode, modes
 
 aten = torch.ops.aten
 
@@ -161,6 +161,33 @@ def test_shard_from_other_mesh_sharded_tensor():
     assert_close(b.cpu(), t)
     assert b.mesh == MESHES["8"]
     check_cover(b, t)
+
+
+OTHER_MESH = st.Mesh(list(reversed(range(8))), (4, 2), ("x", "y"))
+
+
+@modes()
+def test_in_place_op_across_two_meshes_is_refused_and_the_target_kept(eager):
+    """Issue 11 §6: writing into a tensor a value computed from data sharded over another mesh raises
+    at once, naming both meshes and the way out, and the target keeps its value; non-in-place ops
+    across meshes raise when computed, and leave their inputs readable."""
+    ta, tb = torch.randn(8, 2), torch.randn(8, 2)
+    with mode(eager):
+        a = st.shard(ta, MESHES["8"], ("x", None))
+        b = st.shard(tb, OTHER_MESH, ("x", None))
+        both = r"(?s)devices \[0\.\.7\], shape \(8,\).*devices \[7, 6, 5, 4, 3, 2, 1, 0\], shape \(4, 2\).*st\.shard"
+        for write in (lambda: a.add_(b), lambda: a.mul_(b * 2 + 1), lambda: a.copy_(b), lambda: a[1:].sub_(b[1:])):
+            with pytest.raises(ValueError, match=both):
+                write()
+            assert_close(a.cpu(), ta)
+        with pytest.raises(ValueError, match="different meshes"):
+            (a + b).cpu()
+        assert_close(a.cpu(), ta)
+        assert_close(b.cpu(), tb)
+        a.add_(st.shard(b, a.mesh, a.partition_spec))  # the way out: reshard through the host
+        a.add_(st.shard(tb, OTHER_MESH, (None, None)))  # replicated data joins any mesh
+        assert_close(a.cpu(), ta + 2 * tb)
+        assert a.sharding_spec == "{devices=[8,1]0,1,2,3,4,5,6,7}"
 
 
 def test_shard_keeps_requires_grad():
@@ -358,6 +385,22 @@ def test_mark_sharding_on_pending_uneven_tensor():
     assert_close(y.cpu(), t.exp())
     check_cover(y, y.cpu())
     assert_close((y - 1).cpu(), t.exp() - 1)
+
+
+@pytest.mark.parametrize("keep_source", [True, False])
+def test_sharded_factory_then_op_in_the_same_graph_stays_sharded(keep_source):
+    """Issue 11 §6: zeros marked sharded then ``+ 1``, all pending: the result is sharded like its
+    source (XLA propagates the constraint), not replicated (8x the memory), also when the source
+    is gone before the graph runs."""
+    z = torch.zeros(16, 4, device=st.device())
+    st.mark_sharding(z, MESH_42, ("x", "y"))
+    y = z + 1
+    if not keep_source:
+        del z
+    st.sync()
+    assert y.sharding_spec == "{devices=[4,2]0,1,2,3,4,5,6,7}"
+    assert {tuple(s.data.shape) for s in y.local_shards} == {(4, 2)}
+    assert_close(y.cpu(), torch.zeros(16, 4) + 1)
 
 
 def test_mark_sharding_in_eager_mode():
@@ -1129,3 +1172,28 @@ def test_to_dtype_keeps_the_sharding():
     for y in (x.to(torch.float64), x.double(), x.to(st.device()), x.clone()):
         assert y.partition_spec == (None, "y")
         torch.testing.assert_close(y.cpu(), x.cpu().to(y.dtype))
+
+
+def test_copy_from_device_tensor_into_cpu_tensor_is_allowed():
+    """Issue 11 §6: torch allows cpu.copy_(device): the value comes back and torch's CPU kernel writes
+    it, through views, with dtype conversion and broadcasting."""
+    t = torch.randn(5, 3)
+    x = st.shard(t, MESH_42, ("x", "y"))
+    out = torch.empty(5, 3)
+    assert out.copy_(x) is out
+    assert_close(out, t)
+    base = torch.zeros(5, 4, dtype=torch.float64)
+    base[:, 1:].copy_(x * 2)  # pending, into a strided CPU view, converted to float64
+    want = torch.zeros(5, 4, dtype=torch.float64)
+    want[:, 1:] = (t * 2).double()
+    assert_close(base, want)
+    row = torch.zeros(5, 3, dtype=torch.int32)
+    row.copy_(st.shard(torch.arange(3.0), MESH_42, ("y",)))  # broadcast
+    assert_close(row, torch.arange(3, dtype=torch.int32).expand(5, 3))
+    with pytest.raises(RuntimeError):
+        torch.empty(2, 3).copy_(x)  # torch's own shape error
+    w = st.shard(t, MESH_42, ("x", None)).requires_grad_()
+    host = torch.zeros(5, 3)
+    host.copy_(w * 2)
+    (host * 3).sum().backward()  # the gradient goes back to the device tensor
+    assert_close(w.grad.cpu(), torch.full((5, 3), 6.0))

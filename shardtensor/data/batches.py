@@ -19,10 +19,9 @@ import torch
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
-from shardtensor.mesh import get_1d_mesh, get_global_mesh
-from shardtensor.sharding import ShardingSpec
 from shardtensor.dtypes import torch_to_numpy
-from shardtensor.sharding import named_sharding
+from shardtensor.mesh import get_1d_mesh, get_global_mesh
+from shardtensor.sharding import ShardingSpec, named_sharding
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import wrap_upload
 from shardtensor.trees import leaves, map_leaves, mapping_with
@@ -67,6 +66,8 @@ class Layouts:
     def upload_batch(self, batch):
         """``batch`` with each CPU tensor uploaded (an ``Uploaded``); other leaves unchanged."""
         spec = self.input_sharding
+        if not _holds_tensor(batch):  # None, numbers, strings...: nothing to move, whatever the spec
+            return batch
         if isinstance(spec, Mapping):
             if not isinstance(batch, Mapping):  # a ValueError, as in PyTorch/XLA
                 raise ValueError("input batch should be a dict when input sharding is a dict.")  # noqa: TRY004

@@ -29,7 +29,20 @@ from shardtensor.tensor.device import device as st_device
 
 _POLL = 0.05  # seconds between checks of the stop flag while a thread waits on a queue
 _JOIN_TIMEOUT = 2.0  # how long a restart or close() waits for the previous threads
-_END = "end of the loader"
+
+
+class _Signal:
+    """A marker no batch can be (a batch may be None, a string, any object: it passes through)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"<{self.name}>"
+
+
+_END = _Signal("end of the loader")
+_STOPPED = _Signal("stopped")  # get()'s answer once the pipeline stopped
 _serial = itertools.count()
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # pipelines whose threads may still run
 
@@ -149,10 +162,10 @@ class _Pipeline:
 
     # --- main thread ---
     def get(self, index):
-        """The uploaded batch ``index`` (or _END / a _Failure), waiting for it; None once stopped."""
+        """The uploaded batch ``index`` (or _END / a _Failure), waiting for it; _STOPPED once stopped."""
         while index not in self.ready:
             if self.stopped.is_set():
-                return None
+                return _STOPPED
             try:
                 i, item = self.device_queue.get(timeout=_POLL)
             except queue.Empty:
@@ -199,7 +212,7 @@ class _DeviceIterator:
         if synced:
             sync()  # the steps recorded since the last sync run as one execution
         item = self._pipeline.get(self._index)
-        if item is None:  # stopped: a newer iter() or close() replaced this iteration
+        if item is _STOPPED:  # a newer iter() or close() replaced this iteration
             self._finish()
             raise StopIteration
         if item is _END:

@@ -45,6 +45,10 @@ def _to_copy(func, args, kwargs):
 @special(aten.copy_.default)
 def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
+    if not isinstance(dst, ShardedTensor) and dst.device.type == "cpu":
+        # cpu_tensor.copy_(device_tensor): read the value back and let torch's CPU kernel write it
+        # (through dst's view, converting the dtype, broadcasting), as a copy from CUDA does
+        return func(dst, to_cpu(src), **kwargs)
     if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
         src = upload_like(src.to(dst.dtype).expand(dst.shape), dst)
     return mutating_op(func, facts(func), (dst, src), {})

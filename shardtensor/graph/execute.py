@@ -17,11 +17,12 @@ from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
 from shardtensor.graph import recompile
+from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
 
-_EXECUTABLES: dict = {}  # program key -> jitted function (its ``program`` attribute: the Program)
+_EXECUTABLES = ExecutableCache()  # program key -> jitted function (its ``program`` attribute: the Program)
 
 _COMPILE_TIME = counters.metric("CompileTime")
 _EXECUTE_TIME = counters.metric("ExecuteTime", aliases=("ExecuteReplicatedTime",))
@@ -49,7 +50,7 @@ def run_cells(cells, wait: bool = False):
     return execution
 
 
-_SINGLE_NODE: dict = {}
+_SINGLE_NODE = ExecutableCache()  # eager mode: (op, input signature) -> jitted function
 
 
 def clear_executables() -> None:

@@ -79,19 +79,26 @@ class Program:
             vals.append(ref.value)
             return (2, len(prog.scalar_slots) - 1)
 
+        constrained = []  # meshes of mark_sharding constraints on pending values
         for node in _topological_order([c.value.node for c in cells]):
             codes = tuple(code_of(r) for r in node.inputs)
             node_pos[id(node)] = len(prog.steps)
             prog.steps.append((node.caller, codes))
             key_parts.append((node.key, codes))
+            if type(node.key[0]) is str and node.key[0] == "constraint":  # (annotate.mark_sharding's key)
+                constrained.append(node.key[1].mesh)
 
-        mesh = _graph_mesh(cells, arrays)
+        mesh = _graph_mesh(cells, arrays, constrained)
         arrays = [to_mesh(a, mesh) for a in arrays]
         out_keys = []
-        for cell in cells:
+        layouts = [_output_layout(cell, mesh) for cell in cells]
+        # No input arrays and no output layout: jit would run on one device, not the mesh, so the
+        # outputs are replicated over it. With one output laid out on the mesh, the program runs
+        # there and XLA propagates that layout to the others (sharded zeros + 1 stays sharded).
+        on_one_device = not arrays and not constrained and all(sharding is None for _, sharding in layouts)
+        for cell, (pad, sharding) in zip(cells, layouts):
             code = code_of(cell.value)
-            pad, sharding = _output_layout(cell, mesh)
-            if sharding is None and not arrays:  # no inputs: jit would use one device, not the mesh
+            if sharding is None and on_one_device:
                 sharding = NamedSharding(mesh, JaxSpec())
             prog.outputs.append((code, pad, sharding))
             out_keys.append((code, pad, sharding))
@@ -197,8 +204,9 @@ def _is_replicated(array) -> bool:
     return array.sharding.is_fully_replicated
 
 
-def _graph_mesh(cells, arrays):
-    """The one jax mesh of this graph; two meshes holding sharded data are an error."""
+def _graph_mesh(cells, arrays, constrained=()):
+    """The one jax mesh of this graph; two meshes holding sharded data are an error. A graph without
+    any runs on the mesh of its first sharding constraint, if it has one."""
     meshes = {}
     for c in cells:
         if c.mesh is not None:
@@ -211,16 +219,25 @@ def _graph_mesh(cells, arrays):
     if len(meshes) > 1:
         raise ValueError(
             "These tensors are sharded over different meshes "
-            f"({', '.join(str(m) for m in meshes.values())}); one computation can use only one mesh. "
+            f"({', '.join(describe_mesh(m) for m in meshes)}); one computation can use only one mesh. "
             "Reshard them onto one mesh first (st.mark_sharding / st.shard with the same Mesh)."
         )
     if meshes:
         return next(iter(meshes))
+    if constrained:
+        return constrained[0]
     for a in arrays:  # all replicated: stay on the inputs' mesh rather than moving them
         m = mesh_of(a)
         if m is not None:
             return m
     return default_mesh().get_jax_mesh()
+
+
+def describe_mesh(mesh) -> str:
+    """A jax mesh as users wrote it, e.g. ``Mesh(devices [0..7], shape (4, 2), axes ('x', 'y'))``."""
+    ids = [int(i) for i in mesh.device_ids.flat]
+    shown = f"[{ids[0]}..{ids[-1]}]" if ids == list(range(ids[0], ids[-1] + 1)) else str(ids)
+    return f"Mesh(devices {shown}, shape {tuple(mesh.shape.values())}, axes {tuple(mesh.axis_names)})"
 
 
 def to_mesh(array, mesh):
