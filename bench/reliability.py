@@ -253,7 +253,8 @@ def _failed_execution(kind, where):
     try:
         if where == "address-space":
             # a real limit, nothing configured: 8 devices x 300 MiB of activations do not fit in 1 GiB more
-            used = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
             resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), limit[1]))
         elif where == "frozen":
             st.set_device_memory_limit("1KiB")  # the replay's own (small) program no longer fits

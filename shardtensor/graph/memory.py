@@ -157,13 +157,14 @@ _HOST_TOTAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasatt
 def _host_free(needed):
     """(bytes the host can still give this process, where that number comes from)."""
     free, where = float("inf"), "available"
+    if _HOST_TOTAL and needed <= _SKIP_FRACTION * _HOST_TOTAL:
+        return free, where  # small next to the host's RAM: not worth two system calls a step
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY:
         free, where = soft - _address_space_used(), "left under the address-space limit (ulimit -v)"
-    if _HOST_TOTAL and needed > _SKIP_FRACTION * _HOST_TOTAL:
-        available = _mem_available()
-        if available is not None and available < free:
-            free, where = available, "of host RAM available"
+    available = _mem_available()
+    if available is not None and available < free:
+        free, where = available, "of host RAM available"
     return free, where
 
 
