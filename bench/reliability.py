@@ -14,7 +14,9 @@ Failed executions: steps whose program cannot fit (a batch too big for a memory 
 in a first ``st.compile`` call, in a frozen ``st.compile`` replay, in eager mode; and a real
 address-space limit with no configured limit) must raise ``torch.OutOfMemoryError`` at the step,
 keep every parameter and optimizer state at its value before the step, and a retry with a small
-batch must train exactly as eager torch.
+batch must train exactly as eager torch. Last, in a subprocess, a program that runs out of memory
+while it runs on some devices only (nothing configured refuses it) must raise when its result is read,
+not hang while the other devices wait for them in a collective.
 
 Usage::
 
@@ -37,6 +39,7 @@ import copy  # noqa: E402
 import random  # noqa: E402
 import resource  # noqa: E402
 import signal  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -278,11 +281,46 @@ def _failed_execution(kind, where):
     return not refused or bool(lost) or not _trains_alike(rng, twin, twin_opt, model, opt, device_step)
 
 
+def async_failure():
+    """Run out of memory while running, on some devices only (no limit refuses the program first):
+    the others wait for them in a collective. Reading the result must raise, not hang. Returns the
+    error's first line, or None when nothing was raised."""
+    st.set_device_memory_limit("1TB")  # pretend the devices are big: the program is not refused
+    mesh = st.Mesh(range(8), (8,), ("x",))
+    w = st.shard(torch.rand(8192, 256), mesh, ("x", None))
+    total = (w.repeat(1, 8) * 2).sort(1).values[:, :8].sum()  # ~350 MiB per device, then an all-reduce
+    with open("/proc/self/statm") as f:
+        used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    try:
+        total.item()
+    except st.ExecutionFailedError as error:
+        return str(error).splitlines()[0][:200]
+    return None
+
+
+def _async_failure_in_subprocess(timeout=120):
+    """(tried, raised, hung): the scenario in its own process (the devices that waited stay stuck)."""
+    try:
+        result = subprocess.run([sys.executable, __file__, "--async-failure"], capture_output=True, text=True,
+                                timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return 1, 0, 1
+    raised = "raised:" in result.stdout
+    print("  " + (result.stdout.strip().splitlines() or [result.stderr[-300:]])[-1], flush=True)
+    return 1, int(raised), 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--interrupts", type=int, default=200, help="interrupted steps per mode (default 200)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--async-failure", action="store_true", help="only the failure while running (a subprocess)")
     args = p.parse_args()
+    if args.async_failure:
+        message = async_failure()
+        print(f"raised: {message}" if message else "nothing raised")
+        return
     lost_any = False
     total = lost_total = 0
     for kind, label in (("sgd", "lazy, SGD"), ("adam", "st.compile, Adam")):
@@ -298,7 +336,10 @@ def main():
     for name, lost in results:
         print(f"failed execution, {name}: {'STATE LOST' if lost else 'refused at the step, state kept, retry trains alike'}")
     print(f"failed executions tried / state lost: {len(results)} / {failed}")
-    lost_any |= bool(failed)
+    tried, raised, hung = _async_failure_in_subprocess()
+    print(f"failures while running (out of memory on some devices): {tried} tried, {raised} raised on read, "
+          f"{hung} hung")
+    lost_any |= bool(failed) or raised < tried
     sys.exit(1 if lost_any else 0)
 
 

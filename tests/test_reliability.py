@@ -1,6 +1,7 @@
 """Nothing lost: Ctrl-C at any point of a training step, programs that cannot fit, waits that end.
 
-The interrupt loop and the failed-execution scenarios are ``bench/reliability.py``, run here in one
+The interrupt loop and the failed-execution scenarios (the memory refusals, and a program that
+runs out of memory on some devices while it runs) are ``bench/reliability.py``, run here in one
 subprocess with fewer interrupts (signals and address-space limits must not touch the test process).
 The rest checks the pieces in this process: the memory limit knob and its errors, the deferral of
 SIGINT, and that a failed result raises on read.
@@ -28,11 +29,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_interrupted_and_failed_steps_lose_nothing():
     env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDTENSOR_CPU_DEVICES="8", SHARDTENSOR_PLATFORM="cpu")
     env.pop("SHARDTENSOR_DEVICE_MEMORY", None)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "reliability.py"), "--interrupts", "30"],
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "reliability.py"), "--interrupts", "25"],
                             check=False, env=env, capture_output=True, text=True, timeout=600)
     print(result.stdout)
-    assert "interrupts tried / state lost: 60 / 0" in result.stdout, result.stdout + result.stderr
+    assert "interrupts tried / state lost: 50 / 0" in result.stdout, result.stdout + result.stderr
     assert "failed executions tried / state lost: 5 / 0" in result.stdout, result.stdout + result.stderr
+    assert "1 tried, 1 raised on read, 0 hung" in result.stdout, result.stdout + result.stderr
     assert result.returncode == 0, result.stderr
 
 

@@ -3,7 +3,9 @@
 ``jax.block_until_ready`` waits in C++ for one shard at a time: Python never sees a Ctrl-C, and when
 one device of a mesh fails (e.g. runs out of memory), the others wait forever in a collective for
 it, so a wait that starts on their shards never returns. ``wait_until_ready`` polls every shard
-instead, sleeping briefly between polls, and raises as soon as any shard holds an error.
+instead, sleeping briefly between polls, and raises as soon as any shard holds an error. (On CPU,
+XLA still ends the process about 40 s later if the devices left waiting in a collective never meet:
+refusing programs that cannot fit before they run, ``memory``, is the real defence.)
 """
 from __future__ import annotations
 
