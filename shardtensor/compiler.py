@@ -226,7 +226,7 @@ class _Frozen:
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
                 return _STALE
         counters.increment("CompileReplay")
-        memory.check(self.executable.memory, f"compiled function {name}")
+        memory.check(getattr(self.executable, "memory", None), f"compiled function {name}")
         cells, results = [], list(self.out_flat)
         for kind, ident, ref in self.targets:
             if kind == "arg":

@@ -119,7 +119,7 @@ def run_single_node(node, cells) -> None:
     counters.increment("CachedCompile")
     vectors = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalars.items()}
     try:
-        memory.check(fn.memory, "this op's program")
+        memory.check(getattr(fn, "memory", None), "this op's program")
         with deferred_interrupts():
             outs = call_executable(fn, arrays, vectors)
             assign_outputs(fn.program, cells, outs)
@@ -207,7 +207,7 @@ class Execution:
         return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
 
     def run(self, wait=False):
-        memory.check(self.executable.memory, f"this program ({len(self.program.steps)} ops, "
+        memory.check(getattr(self.executable, "memory", None), f"this program ({len(self.program.steps)} ops, "
                                              f"{len(self.cells)} outputs)")
         with deferred_interrupts():  # from donating the inputs to storing every output
             outs = call_executable(self.executable, self.arrays, self.scalars)

@@ -111,18 +111,25 @@ def parse_size(value) -> int:
 def check(memory, what: str) -> None:
     """Raise ``OutOfDeviceMemoryError`` if the program of ``memory`` cannot fit now (``what``: the
     program, for the message). Cheap when it clearly fits."""
-    if memory is None:
+    if memory is None:  # no analysis (a backend without one)
         return
     limit = device_memory_limit()
     if limit is not None:
         if memory.peak > limit:
             _refuse(memory, what, f"the limit of {_size(limit)} per device ({ENV} / st.set_device_memory_limit)")
         return
-    stats = _device_stats(memory.devices[0])
-    if stats is not None:
+    device = memory.devices[0]
+    total = _DEVICE_TOTAL.get(device)
+    if total is not None and memory.allocated <= _SKIP_FRACTION * total:
+        return  # small next to the device's memory: not worth querying what is free
+    stats = None if device in _NO_STATS else _device_stats(device)
+    if stats is None:
+        _NO_STATS.add(device)
+    else:
         total, in_use = stats
+        _DEVICE_TOTAL[device] = total
         if memory.allocated > _SKIP_FRACTION * total and memory.allocated > total - in_use:
-            _refuse(memory, what, f"{_size(total - in_use)} free on device {memory.devices[0]}")
+            _refuse(memory, what, f"{_size(total - in_use)} free on device {device}")
         return
     if memory.platform == "cpu":
         needed = memory.allocated * len(memory.devices)  # simulated CPU devices share the host's RAM
@@ -138,6 +145,10 @@ def _refuse(memory, what, available):
         "would have overwritten (parameters, optimizer state) keeps its value, the tensors it would have "
         "computed raise this error when read. Use a smaller batch, shard the largest tensors over more "
         f"devices, or set {ENV} (or st.set_device_memory_limit) if the limit is wrong.")
+
+
+_DEVICE_TOTAL: dict = {}  # device -> its bytes limit, once seen
+_NO_STATS: set = set()  # devices without memory statistics (CPU)
 
 
 def _device_stats(device):
