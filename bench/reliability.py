@@ -331,14 +331,17 @@ def main():
         total, lost_total = total + tried, lost_total + lost
         lost_any |= bool(lost) or not resumed
     print(f"interrupts tried / state lost: {total} / {lost_total}")
+    start = time.perf_counter()
     results = failed_executions()
     failed = sum(lost for _, lost in results)
     for name, lost in results:
         print(f"failed execution, {name}: {'STATE LOST' if lost else 'refused at the step, state kept, retry trains alike'}")
-    print(f"failed executions tried / state lost: {len(results)} / {failed}")
+    print(f"failed executions tried / state lost: {len(results)} / {failed} "
+          f"({time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
     tried, raised, hung = _async_failure_in_subprocess()
     print(f"failures while running (out of memory on some devices): {tried} tried, {raised} raised on read, "
-          f"{hung} hung")
+          f"{hung} hung ({time.perf_counter() - start:.1f} s)")
     lost_any |= bool(failed) or raised < tried
     sys.exit(1 if lost_any else 0)
 
