@@ -207,8 +207,8 @@ class Execution:
         return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
 
     def run(self, wait=False):
-        memory.check(getattr(self.executable, "memory", None), f"this program ({len(self.program.steps)} ops, "
-                                             f"{len(self.cells)} outputs)")
+        what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
+        memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
         with deferred_interrupts():  # from donating the inputs to storing every output
             outs = call_executable(self.executable, self.arrays, self.scalars)
             self.dispatched = True

@@ -37,7 +37,7 @@ def wait_until_ready(arrays) -> None:
             ready_ids = {id(s) for s in ready}
             shards = [s for s in shards if id(s) not in ready_ids]
             time.sleep(pause)  # a Ctrl-C lands here
-            pause = min(pause * 2, 5e-3)
+            pause = min(pause * 2, 1e-3)  # a long wait overshoots by at most 1 ms
         else:
             shards = []
 
@@ -49,7 +49,7 @@ def _raise_failure(ready) -> None:
             a.block_until_ready()
         except Exception as error:  # jax raises its runtime errors as several types
             raise ExecutionFailedError(
-                f"a program failed while it ran on the devices ({str(error).rstrip('.')}). The tensors it was computing "
-                "have no value; reading them raises this error. If it ran out of memory, set "
+                f"a program failed while it ran on the devices ({str(error).rstrip('.')}). The tensors it "
+                "was computing have no value; reading them raises this error. If it ran out of memory, set "
                 "SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the memory a device really "
                 "has, so that programs which cannot fit are refused before they run.") from error
