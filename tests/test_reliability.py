@@ -138,3 +138,27 @@ def test_waiting_for_a_result_can_be_interrupted():
     wait_until_ready([y])
     if not interrupted_while_running:
         pytest.skip("the program finished before the signal arrived (a fast machine)")
+
+
+def test_a_run_that_fails_gives_back_what_it_would_have_overwritten(monkeypatch):
+    """A program whose call fails keeps its donated inputs: the tensors it overwrites get their values
+    from before it back; the ones it computes raise its error when read."""
+    from shardtensor.graph import execute
+
+    w = st.shard(torch.ones(8, 4), MESH_42, ("x", None))
+    st.sync()
+    w.mul_(2)
+    total = w.sum()
+
+    def failing(fn, arrays, scalars):
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(execute, "call_executable", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        st.sync()
+    monkeypatch.undo()
+    torch.testing.assert_close(w.cpu(), torch.ones(8, 4))
+    with pytest.raises(RuntimeError, match="device fault"):
+        total.item()
+    w.mul_(3)  # training goes on from the value before the failed step
+    torch.testing.assert_close(w.cpu(), torch.full((8, 4), 3.0))
