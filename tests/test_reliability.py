@@ -162,3 +162,19 @@ def test_a_run_that_fails_gives_back_what_it_would_have_overwritten(monkeypatch)
         total.item()
     w.mul_(3)  # training goes on from the value before the failed step
     torch.testing.assert_close(w.cpu(), torch.full((8, 4), 3.0))
+
+
+def test_an_eager_op_that_does_not_fit_keeps_its_inputs(limit):
+    w = st.shard(torch.ones(64, 64), MESH_42, ("x", None))
+    with st.eager_mode(True):
+        w.add_(1)  # compiled and cached while they fit
+        (w * 2).cpu()
+        limit("1KiB")
+        with pytest.raises(torch.OutOfMemoryError, match="needs .* per device"):
+            w.add_(1)  # donates w: refused before
+        with pytest.raises(torch.OutOfMemoryError, match="needs .* per device"):
+            w * 2  # eager mode's cached single-op path
+        limit(None)
+        torch.testing.assert_close(w.cpu(), torch.full((64, 64), 2.0))
+        w.add_(1)
+    torch.testing.assert_close(w.cpu(), torch.full((64, 64), 3.0))

@@ -124,8 +124,19 @@ def run_single_node(node, cells) -> None:
             outs = call_executable(fn, arrays, vectors)
             assign_outputs(fn.program, cells, outs)
     except Exception as error:
-        _isolate_failure(cells, error, {})
+        _isolate_failure(cells, error, _node_values_before(node, cells))
         raise
+
+
+def _node_values_before(node, cells) -> dict:
+    """id(cell) -> the array each of ``cells`` had before ``node`` overwrote it (an input of it)."""
+    targets = {id(c) for c in cells}
+    before = {}
+    for ref in node.inputs:
+        cell = ref.cell_ref() if type(ref) is Leaf and ref.cell_ref is not None else None
+        if cell is not None and id(cell) in targets:
+            before[id(cell)] = ref.array
+    return before
 
 
 def recover(cells, execution, error):
