@@ -15,8 +15,6 @@ import threading
 from _signal import SIGINT, getsignal
 from _signal import signal as set_handler
 
-_MAIN_THREAD = threading.main_thread()
-
 
 class deferred_interrupts:
     """A block that SIGINT cannot interrupt: a Ctrl-C arriving inside is delivered when it ends.
@@ -36,7 +34,7 @@ class deferred_interrupts:
         self._received = None
 
     def __enter__(self):
-        if deferred_interrupts._active or threading.current_thread() is not _MAIN_THREAD:
+        if deferred_interrupts._active or threading.current_thread() is not threading.main_thread():
             return self
         handler = getsignal(SIGINT)
         if not callable(handler):  # SIG_IGN / SIG_DFL / set outside Python: the user's semantics stand
