@@ -299,16 +299,23 @@ def async_failure():
     return None
 
 
-def _async_failure_in_subprocess(timeout=120):
-    """(tried, raised, hung): the scenario in its own process (the devices that waited stay stuck)."""
+def _start_async_failure():
+    """The scenario in its own process (the devices left waiting stay stuck), started at once so it
+    runs beside the rest."""
+    return subprocess.Popen([sys.executable, __file__, "--async-failure"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _async_failure_result(process, timeout=120):
+    """(tried, raised, hung) of the scenario started by ``_start_async_failure``."""
     try:
-        result = subprocess.run([sys.executable, __file__, "--async-failure"], capture_output=True, text=True,
-                                timeout=timeout, check=False)
+        out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
         return 1, 0, 1
-    raised = "raised:" in result.stdout
-    print("  " + (result.stdout.strip().splitlines() or [result.stderr[-300:]])[-1], flush=True)
-    return 1, int(raised), 0
+    print("  " + (out.strip().splitlines() or [err[-300:]])[-1], flush=True)
+    return 1, int("raised:" in out), 0
 
 
 def main():
@@ -321,6 +328,7 @@ def main():
         message = async_failure()
         print(f"raised: {message}" if message else "nothing raised")
         return
+    running = _start_async_failure()
     lost_any = False
     total = lost_total = 0
     for kind, label in (("sgd", "lazy, SGD"), ("adam", "st.compile, Adam")):
@@ -338,10 +346,9 @@ def main():
         print(f"failed execution, {name}: {'STATE LOST' if lost else 'refused at the step, state kept, retry trains alike'}")
     print(f"failed executions tried / state lost: {len(results)} / {failed} "
           f"({time.perf_counter() - start:.1f} s)")
-    start = time.perf_counter()
-    tried, raised, hung = _async_failure_in_subprocess()
+    tried, raised, hung = _async_failure_result(running)
     print(f"failures while running (out of memory on some devices): {tried} tried, {raised} raised on read, "
-          f"{hung} hung ({time.perf_counter() - start:.1f} s)")
+          f"{hung} hung")
     lost_any |= bool(failed) or raised < tried
     sys.exit(1 if lost_any else 0)
 
