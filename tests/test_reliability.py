@@ -3,8 +3,8 @@
 The interrupt loop and the failed-execution scenarios (the memory refusals, and a program that
 runs out of memory on some devices while it runs) are ``bench/reliability.py``, run here in one
 subprocess with fewer interrupts (signals and address-space limits must not touch the test process).
-The rest checks the pieces in this process: the memory limit knob and its errors, the deferral of
-SIGINT, and that a failed result raises on read.
+The rest checks the pieces in this process: the memory limit knob, the deferral of SIGINT, an
+interruptible wait, and what a refused or failed run leaves (inputs intact, results raising).
 """
 from __future__ import annotations
 
