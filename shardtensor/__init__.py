@@ -17,6 +17,8 @@ from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedE
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.rng import manual_seed  # noqa: F401
 from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
+from shardtensor.graph.memory import OutOfDeviceMemoryError, set_device_memory_limit, device_memory_limit  # noqa: F401
+from shardtensor.graph.waiting import ExecutionFailedError  # noqa: F401
 from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
 from shardtensor.tensor.device import device, devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)

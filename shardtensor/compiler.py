@@ -18,9 +18,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor.graph import execute, recompile
+from shardtensor.graph import execute, memory, recompile
 from shardtensor.graph.capture import capture
-from shardtensor.graph.execute import Execution, assign_outputs, run_cells
+from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
+from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import check_execution_allowed, pending_cells
@@ -68,7 +69,7 @@ class CompiledFunction:
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat)
+            result = frozen.replay(flat, self.name)
             if result is not _STALE:
                 return result
             del self._frozen[signature]
@@ -91,7 +92,11 @@ class CompiledFunction:
             execution = Execution.prepare(cells) if cells else None
         trace = _Trace(execution, flat, out, seen.first_serial, broken)
         if execution is not None:
-            execution.run()
+            try:
+                execution.run()
+            except Exception as error:
+                recover(cells, execution, error)
+                raise
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
         if trace.broken is None and last is not None and last == trace.fingerprint:
@@ -198,7 +203,7 @@ class _Frozen:
         self.leaf_sigs = ex.program.key[2] if ex else ()
         self.donated = set(ex.program.donated) if ex else set()
 
-    def replay(self, flat):
+    def replay(self, flat, name):
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
         arrays = []
@@ -221,9 +226,9 @@ class _Frozen:
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
                 return _STALE
         counters.increment("CompileReplay")
-        outs = execute.call_executable(self.executable, arrays, self.scalars)
+        memory.check(getattr(self.executable, "memory", None), f"compiled function {name}")
         cells, results = [], list(self.out_flat)
-        for (kind, ident, ref), out in zip(self.targets, outs):
+        for kind, ident, ref in self.targets:
             if kind == "arg":
                 cell = flat[ident]._cell
             elif kind == "ret":
@@ -233,10 +238,12 @@ class _Frozen:
             else:
                 cell = ref()
             cells.append(cell)
-        assign_outputs(program, cells, outs)
-        for c in cells:
-            if c is not None:
-                c.version += 1
+        with deferred_interrupts():  # from donating the inputs to storing every output
+            outs = execute.call_executable(self.executable, arrays, self.scalars)
+            assign_outputs(program, cells, outs)
+            for c in cells:
+                if c is not None:
+                    c.version += 1
         return pytree.tree_unflatten(results, self.out_spec)
 
 

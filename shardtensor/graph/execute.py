@@ -4,6 +4,12 @@
 its executable up under the program's structural key (compiling it the first time), runs it and
 gives the cells their values. When a run fails, every cell that can be computed alone still is, and
 only the rest keep the error (reading one raises it again).
+
+A run is safe to interrupt and to fail: a program that cannot fit in memory is refused before it
+runs (``memory``), Ctrl-C is held back from the call that donates buffers until every output is
+stored (``interrupts``), waiting can be interrupted and never hangs on a failed device (``waiting``),
+and after a failure every cell the program would have overwritten gets its value from before back
+when its buffer is intact (it was not donated, or the program never ran).
 """
 from __future__ import annotations
 
@@ -16,11 +22,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import recompile
+from shardtensor.graph import memory, recompile
 from shardtensor.graph.executable_cache import ExecutableCache
+from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
+from shardtensor.graph.waiting import wait_until_ready
 
 _EXECUTABLES = ExecutableCache()  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -39,13 +47,14 @@ def run_cells(cells, wait: bool = False):
         return None
     if STATE.tracing:
         STATE.trace_broken = "a value was computed in the middle of the function"
+    execution = None
     try:
         # Donating is safe only when no other pending value still needs an input of this graph.
         complete = has_only_pending(cells)
         execution = Execution.prepare(cells, donate=complete)
         execution.run(wait=wait)
     except Exception as error:
-        _isolate_failure(cells, error)
+        recover(cells, execution, error)
         raise
     return execution
 
@@ -111,18 +120,47 @@ def run_single_node(node, cells) -> None:
     counters.increment("CachedCompile")
     vectors = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalars.items()}
     try:
-        outs = call_executable(fn, arrays, vectors)
+        memory.check(getattr(fn, "memory", None), "this op's program")
+        with deferred_interrupts():
+            outs = call_executable(fn, arrays, vectors)
+            assign_outputs(fn.program, cells, outs)
     except Exception as error:
-        _isolate_failure(cells, error)
+        _isolate_failure(cells, error, _node_values_before(node, cells))
         raise
-    assign_outputs(fn.program, cells, outs)
 
 
-def _isolate_failure(cells, error):
-    """After a graph failed, compute what can be computed alone and mark only the rest as failed,
-    so one bad tensor neither loses other results nor poisons every later read."""
+def _node_values_before(node, cells) -> dict:
+    """id(cell) -> the array each of ``cells`` had before ``node`` overwrote it (an input of it)."""
+    targets = {id(c) for c in cells}
+    before = {}
+    for ref in node.inputs:
+        cell = ref.cell_ref() if type(ref) is Leaf and ref.cell_ref is not None else None
+        if cell is not None and id(cell) in targets:
+            before[id(cell)] = ref.array
+    return before
+
+
+def recover(cells, execution, error):
+    """After the graph of ``cells`` failed with ``error`` (``execution``: its run, None if it was
+    never built): every cell it would have overwritten gets its value from before back when that
+    buffer is intact; a program refused for memory leaves the other cells failed, any other failure
+    computes alone what can be (one bad tensor neither loses other results nor poisons every read).
+    """
+    before = execution.values_before() if execution is not None else {}
+    if isinstance(error, memory.OutOfDeviceMemoryError):
+        for cell in cells:
+            if cell.is_pending():
+                _fail(cell, error, before)
+    elif execution is not None and execution.dispatched:  # failed on the devices: outputs stored
+        for cell in cells:
+            _fail(cell, error, before)
+    else:
+        _isolate_failure(cells, error, before)
+
+
+def _isolate_failure(cells, error, before):
     if len(cells) == 1:
-        _fail(cells[0], error)
+        _fail(cells[0], error, before)
         return
     for cell in cells:
         if not cell.is_pending():
@@ -130,11 +168,16 @@ def _isolate_failure(cells, error):
         try:
             Execution.prepare([cell], donate=False).run()
         except Exception as e:
-            _fail(cell, e)
+            _fail(cell, e, before)
 
 
-def _fail(cell, error):
-    set_failed(cell, Failed(error))
+def _fail(cell, error, before):
+    """``cell`` lost its new value: back to its value from before the graph if intact, else failed."""
+    array = before.get(id(cell))
+    if array is not None and not array.is_deleted():
+        set_computed(cell, array, owned=cell.owned)
+    else:
+        set_failed(cell, Failed(error))
 
 
 class Execution:
@@ -144,6 +187,7 @@ class Execution:
         self.cells, self.program, self.executable = cells, program, executable
         self.arrays, self.scalars = arrays, scalars
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
+        self.dispatched = False  # the program was called: its outputs are stored, perhaps failed
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -166,21 +210,33 @@ class Execution:
                 # donation is best effort: a buffer XLA cannot reuse (another layout) is simply not
                 # reused; the filter is scoped to our own compile, not the user's process
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                fn.lower(*_call_arguments(program, arrays, scalars)).compile()
+                compiled = fn.lower(*_call_arguments(program, arrays, scalars)).compile()
             _COMPILE_TIME.add_since(start)
+            fn.memory = memory.analyse(compiled, program.mesh)
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
         return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
 
     def run(self, wait=False):
-        outs = call_executable(self.executable, self.arrays, self.scalars, wait)
-        assign_outputs(self.program, self.cells, outs)
-        for i in self.program.forwarded_leaves:
-            leaf_cell = self.leaf_cells[i]
-            if leaf_cell is not None:
-                leaf_cell.owned = False
+        what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
+        memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
+        with deferred_interrupts():  # from donating the inputs to storing every output
+            outs = call_executable(self.executable, self.arrays, self.scalars)
+            self.dispatched = True
+            assign_outputs(self.program, self.cells, outs)
+            for i in self.program.forwarded_leaves:
+                leaf_cell = self.leaf_cells[i]
+                if leaf_cell is not None:
+                    leaf_cell.owned = False
+        if wait:
+            wait_until_ready(outs)
         return outs
+
+    def values_before(self) -> dict:
+        """id(cell) -> the array each cell this run overwrites had before it (its input buffer)."""
+        overwritten = {id(c) for c in self.cells}
+        return {id(c): a for c, a in zip(self.leaf_cells, self.arrays) if c is not None and id(c) in overwritten}
 
 
 _SCALAR_CACHE: dict = {}
@@ -203,12 +259,12 @@ def _call_arguments(program, arrays, scalars):
     return donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
 
 
-def call_executable(fn, arrays, scalars, wait=False):
+def call_executable(fn, arrays, scalars):
+    """Call a cached executable: donated inputs are consumed, so callers hold Ctrl-C back around
+    this and the storing of its outputs (``deferred_interrupts``)."""
     start = time.perf_counter_ns()
     outs = fn(*_call_arguments(fn.program, arrays, scalars))
     counters.increment("ExecuteReplicated")
-    if wait:
-        jax.block_until_ready(outs)
     _EXECUTE_TIME.add_since(start)
     return outs
 

@@ -10,6 +10,7 @@ from shardtensor import metrics as counters
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.graph import execute, state, views
 from shardtensor.graph.ir import Cell, Failed
+from shardtensor.graph.waiting import wait_until_ready
 
 
 def materialize(t):
@@ -44,6 +45,7 @@ def to_cpu(t) -> torch.Tensor:
     Example: ``to_cpu(st.shard(torch.ones(2), mesh, (None,)))`` is ``tensor([1., 1.])``.
     """
     a = materialize(t)
+    wait_until_ready([a])  # interruptible, and raises (never hangs) when its program failed
     with counters.timed("TransferFromDeviceTime"):
         if a.is_fully_addressable:
             host = np.asarray(a)
