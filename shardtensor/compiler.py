@@ -18,7 +18,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor.graph import execute, recompile
+from shardtensor.graph import checks, execute, recompile
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, run_cells
 from shardtensor.graph.ir import Cell
@@ -70,9 +70,12 @@ class CompiledFunction:
         if frozen is not None:
             result = frozen.replay(flat)
             if result is not _STALE:
+                checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
             del self._frozen[signature]
-        return self._trace(signature, flat, args, kwargs)
+        out = self._trace(signature, flat, args, kwargs)
+        checks.verify()
+        return out
 
     def _trace(self, signature, flat, args, kwargs):
         counters.increment("CompileTrace")
@@ -196,6 +199,7 @@ class _Frozen:
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
         self.leaf_sigs = ex.program.key[2] if ex else ()
+        self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
 
     def replay(self, flat):
@@ -233,7 +237,7 @@ class _Frozen:
             else:
                 cell = ref()
             cells.append(cell)
-        assign_outputs(program, cells, outs)
+        assign_outputs(program, cells, outs, self.sites)
         for c in cells:
             if c is not None:
                 c.version += 1

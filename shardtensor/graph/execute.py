@@ -16,10 +16,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import recompile
+from shardtensor.graph import checks, recompile
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
+from shardtensor.ops.checks import checks_enabled
 
 _EXECUTABLES: dict = {}  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -31,8 +32,10 @@ _LAZY_TRACING = counters.metric("LazyTracing")
 def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
-    Returns the ``Execution`` that ran (None when nothing was pending).
+    Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
+    an earlier run raises first: nothing new runs on results that must not be used.
     """
+    checks.verify()
     cells = [c for c in cells if c.is_pending()]
     if not cells:
         return None
@@ -98,7 +101,7 @@ def run_single_node(node, cells) -> None:
             return run_cells(cells)
     if not arrays or STATE.tracing:
         return run_cells(cells)
-    key = (node.key, tuple(sig))
+    key = (node.key, tuple(sig), checks_enabled())
     fn = _SINGLE_NODE.get(key)
     if fn is None:
         execution = run_cells(cells)
@@ -114,7 +117,7 @@ def run_single_node(node, cells) -> None:
     except Exception as error:
         _isolate_failure(cells, error)
         raise
-    assign_outputs(fn.program, cells, outs)
+    assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None)
 
 
 def _isolate_failure(cells, error):
@@ -139,10 +142,11 @@ def _fail(cell, error):
 class Execution:
     """One graph run: its program (structure), executable and concrete inputs."""
 
-    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells):
+    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells, sites=None):
         self.cells, self.program, self.executable = cells, program, executable
         self.arrays, self.scalars = arrays, scalars
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
+        self.sites = sites  # this run's user lines of checked ops, by program step
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -170,11 +174,11 @@ class Execution:
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
-        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
+        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites)
 
     def run(self, wait=False):
         outs = call_executable(self.executable, self.arrays, self.scalars, wait)
-        assign_outputs(self.program, self.cells, outs)
+        assign_outputs(self.program, self.cells, outs, self.sites)
         for i in self.program.forwarded_leaves:
             leaf_cell = self.leaf_cells[i]
             if leaf_cell is not None:
@@ -202,9 +206,20 @@ def _call_arguments(program, arrays, scalars):
     return donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
 
 
+class Results(list):
+    """A run's results; ``check_rows``: its on-device check rows (None without checks)."""
+
+    check_rows = None
+
+
 def call_executable(fn, arrays, scalars, wait=False):
+    """Run ``fn`` (a program's executable) on ``arrays`` and the scalar vectors: its ``Results``."""
     start = time.perf_counter_ns()
     outs = fn(*_call_arguments(fn.program, arrays, scalars))
+    if fn.program.checks:
+        outs, rows = outs
+        outs = Results(outs)
+        outs.check_rows = rows
     counters.increment("ExecuteReplicated")
     if wait:
         jax.block_until_ready(outs)
@@ -212,11 +227,17 @@ def call_executable(fn, arrays, scalars, wait=False):
     return outs
 
 
-def assign_outputs(program, cells, outs):
+def assign_outputs(program, cells, outs, sites=None):
+    """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step."""
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
         if cell is not None:
             set_computed(cell, out, owned=i not in forwarded)
     STATE.epoch += 1
+    rows = getattr(outs, "check_rows", None)
+    if rows is not None:
+        checks.watch(program, rows, sites, cells, outs)
+        if STATE.eager:  # eager mode raises at the op
+            checks.verify()
 
 
