@@ -7,9 +7,10 @@ maps to one cached executable. Inputs stored padded are sliced on entry; outputs
 a sharding are padded and constrained on exit; arrays of cells that the graph overwrites are donated.
 
 With on-device checks on (``ops.checks``), the program has one more output: the rows of the checks its
-lowerings declared. If any fails, each overwritten cell whose new value depends on a checked op gets
-its value from before the program back (a select on the device), so parameters and optimizer state
-stay those before the step; ``graph.checks`` reads the rows after the run and fails the rest.
+lowerings declared. If any fails, every cell the program overwrites gets its value from before the
+program back (a select on the device), so parameters, optimizer state and step counters stay those
+before the step; ``graph.checks`` reads the rows after the run and fails the new results that depend
+on a checked op.
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ class Program:
                 if code[0] == 1 and not leaf_shapes[code[1]][1]:
                     forwarded.add(i)
                     forwarded_leaves.add(code[1])
-                if checked and failed is not None and i in self.tainted and i in rollback:
+                if checked and failed is not None and i in rollback:
                     old = leaves[rollback[i]]
                     if old.shape == x.shape and old.dtype == x.dtype:
                         x = jnp.where(failed, old, x)  # a failed check keeps the value before the step

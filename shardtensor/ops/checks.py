@@ -21,8 +21,14 @@ import threading
 import jax.numpy as jnp
 import torch
 
-_OFF = ("0", "false", "no", "off")
-_enabled = os.environ.get("SHARDTENSOR_CHECKS", "1").strip().lower() not in _OFF
+
+
+def enabled_by_environment(environ) -> bool:
+    """Whether ``environ`` leaves checks on: anything but ``SHARDTENSOR_CHECKS=0`` (or false/no/off)."""
+    return environ.get("SHARDTENSOR_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+_enabled = enabled_by_environment(os.environ)
 
 
 def set_checks(enabled: bool) -> None:
@@ -53,7 +59,7 @@ class Check:
     """A declared check's static part: which step of the program, which exception, which message
     (a ``str.format`` template that may use ``{value}`` and ``{position}``)."""
 
-    __slots__ = ("step", "error", "message")
+    __slots__ = ("error", "message", "step")
 
     def __init__(self, step, error, message):
         self.step, self.error, self.message = step, error, message
