@@ -24,6 +24,7 @@ from shardtensor.graph.execute import Execution, assign_outputs, run_cells
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import check_execution_allowed, pending_cells
+from shardtensor.ops.checks import checks_enabled
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -205,6 +206,8 @@ class _Frozen:
     def replay(self, flat):
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
+        if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
+            return _STALE
         arrays = []
         for i, (kind, ident, ref) in enumerate(self.sources):
             if kind == "arg":
