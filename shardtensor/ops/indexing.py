@@ -424,6 +424,14 @@ def embedding_renorm(weight, indices, max_norm, norm_type):
     return (w * scale[:, None]).astype(weight.dtype)
 
 
+@register(aten.one_hot.default, checked=True)
+def one_hot(x, num_classes=-1):
+    """``F.one_hot`` with a known number of classes (the dispatcher finds it from the data otherwise)."""
+    fail_where(x < 0, RuntimeError, "Class values must be non-negative.")
+    fail_where(x >= num_classes, RuntimeError, "Class values must be smaller than num_classes.")
+    return (x[..., None] == jnp.arange(num_classes, dtype=x.dtype)).astype(jnp.int64)
+
+
 @register(aten.nonzero_static.default)
 def nonzero_static(x, *, size, fill_value=-1):
     """``nonzero`` padded (with ``fill_value`` rows) or cut to ``size`` rows: a fixed shape, so no host
