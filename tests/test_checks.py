@@ -244,3 +244,12 @@ def test_export_has_no_check_output():
     exported = st.export(lambda i: F.embedding(i, w), _put(_t(0, 1, 2, 3, 4, 5)))
     out = exported(_put(_t(5, 4, 3, 2, 1, 0)))
     torch.testing.assert_close(out.cpu(), X.flip(0))
+
+
+def test_torch_compile_backend_raises_on_the_call():
+    x = _put(X)
+    f = torch.compile(lambda x, i: x.index_select(0, i) * 2, backend="shardtensor")
+    torch.testing.assert_close(f(x, _put(_t(0, 5))).cpu(), X[[0, 5]] * 2)
+    with pytest.raises(IndexError, match="index out of range in self") as info:
+        f(x, _put(_t(0, 6)))
+    assert "test_checks.py" in str(info.value)

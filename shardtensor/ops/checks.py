@@ -134,7 +134,8 @@ def user_site():
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(_SKIPPED) and not name.startswith("<frozen"):
+        # (torch.compile's FX graphs run as "<eval_with_key>.N": the user's call of the compiled function)
+        if not name.startswith(_SKIPPED) and not name.startswith(("<frozen", "<eval_with_key>")):
             return name, frame.f_lineno
         frame = frame.f_back
     return None
