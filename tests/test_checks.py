@@ -161,6 +161,15 @@ def test_lazy_failure_raises_at_next_sync_and_keeps_other_results():
         bad + 1
 
 
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+def test_failed_inplace_op_keeps_its_target(mode):
+    y = _put(X.clone())
+    with st.eager_mode(mode == "eager"), pytest.raises(IndexError):
+        y.index_fill_(0, _put(_t(0, 9)), 1.0)
+        y.cpu()
+    torch.testing.assert_close(y.cpu(), X)  # the value before the failed op
+
+
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()

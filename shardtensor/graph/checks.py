@@ -6,10 +6,10 @@ lowerings declared (``ops.checks``). After a run, ``watch`` keeps those rows on 
 value is read back to the host, at the end of an ``st.compile`` call and, in eager mode, at once —
 and raises the first failure with torch's exception type and message and the user's line.
 
-What a failed run leaves: cells it overwrote that depend on the failed check hold their values from
-before the run (the program restored them); other results that depend on it become ``Failed`` (reading
-them raises the same error), and so do pending values recorded from them. Results that do not depend
-on it are kept.
+What a failed run leaves: the cells it overwrote hold their values from before the run (the program
+restored them on the device); its new results that depend on the failed check become ``Failed``
+(reading one raises the same error), and so do pending values recorded from them. New results that
+do not depend on it are kept.
 """
 from __future__ import annotations
 
@@ -33,11 +33,6 @@ def watch(program, rows, sites, cells, results) -> None:
         if cell is not None and i not in program.restored:
             suspects.append((weakref.ref(cell), results[i]))
     _UNREAD.append((rows, program, sites, suspects))
-
-
-def unread() -> bool:
-    """Whether some run's checks are not read yet."""
-    return bool(_UNREAD)
 
 
 def verify() -> None:

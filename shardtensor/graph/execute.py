@@ -49,6 +49,8 @@ def run_cells(cells, wait: bool = False):
     except Exception as error:
         _isolate_failure(cells, error)
         raise
+    if STATE.eager:  # eager mode raises a failed check at the op
+        checks.verify()
     return execution
 
 
@@ -118,6 +120,7 @@ def run_single_node(node, cells) -> None:
         _isolate_failure(cells, error)
         raise
     assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None)
+    checks.verify()  # eager mode raises a failed check at the op
 
 
 def _isolate_failure(cells, error):
@@ -237,7 +240,5 @@ def assign_outputs(program, cells, outs, sites=None):
     rows = getattr(outs, "check_rows", None)
     if rows is not None:
         checks.watch(program, rows, sites, cells, outs)
-        if STATE.eager:  # eager mode raises at the op
-            checks.verify()
 
 

@@ -8,9 +8,9 @@ a sharding are padded and constrained on exit; arrays of cells that the graph ov
 
 With on-device checks on (``ops.checks``), the program has one more output: the rows of the checks its
 lowerings declared. If any fails, every cell the program overwrites gets its value from before the
-program back (a select on the device), so parameters, optimizer state and step counters stay those
-before the step; ``graph.checks`` reads the rows after the run and fails the new results that depend
-on a checked op.
+program back (one conditional on the device), so parameters, optimizer state and step counters stay
+those before the step; ``graph.checks`` reads the rows after the run and fails the new results that
+depend on a checked op.
 """
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ class Program:
                 return leaves[code[1]] if code[0] == 1 else scalars[code[1]]
 
             collector = op_checks.Collector() if checked else None
-            failed, restored = None, set()
+            failed, restored = None, {}
             if collector is None:
                 for caller, codes in steps:
                     values.append(caller(*[resolve(c) for c in codes]))
@@ -181,16 +181,24 @@ class Program:
                 if code[0] == 1 and not leaf_shapes[code[1]][1]:
                     forwarded.add(i)
                     forwarded_leaves.add(code[1])
-                if checked and failed is not None and i in rollback:
-                    old = leaves[rollback[i]]
-                    if old.shape == x.shape and old.dtype == x.dtype:
-                        x = jnp.where(failed, old, x)  # a failed check keeps the value before the step
-                        restored.add(i)
                 if pad is not None:
                     x = jnp.pad(x, pad)
+                if checked and failed is not None and i in rollback:
+                    old = arrays[rollback[i]]  # as stored (padded)
+                    if old.shape == x.shape and old.dtype == x.dtype:
+                        restored[i] = old
                 if sharding is not None:
                     x = jax.lax.with_sharding_constraint(x, sharding)
                 results.append(x)
+            if restored:
+                # a failed check keeps the values before the step: one conditional for all of them
+                # (per-output selects make XLA:CPU's older fusion emitter compute wrong updates)
+                keys = sorted(restored)
+                chosen = jax.lax.cond(failed, lambda old, new: old, lambda old, new: new,
+                                      [restored[i] for i in keys], [results[i] for i in keys])
+                for i, x in zip(keys, chosen):
+                    sharding = outputs[i][2]
+                    results[i] = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
             if checked:
                 self.restored = frozenset(restored)
                 return results, rows

@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import torch
 
 
-
 def enabled_by_environment(environ) -> bool:
     """Whether ``environ`` leaves checks on: anything but ``SHARDTENSOR_CHECKS=0`` (or false/no/off)."""
     return environ.get("SHARDTENSOR_CHECKS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -108,12 +107,17 @@ def fail_where(bad, error, message: str, value=None) -> None:
     flat = jnp.reshape(bad, (-1,))
     if flat.shape[0] == 0:
         return
-    pos = jnp.argmax(flat)
+    # plain min/sum reductions (no argmax, no dynamic index): one small all-reduce each on sharded data
+    n = flat.shape[0]
+    positions = jnp.arange(n, dtype=jnp.int64)
+    pos = jnp.min(jnp.where(flat, positions, n))
+    failed = pos < n
     if value is None:
         v = jnp.zeros((), jnp.int64)
     else:
-        v = jnp.reshape(jnp.broadcast_to(value, jnp.shape(bad)), (-1,))[pos]
-    row = jnp.stack([flat[pos].astype(jnp.int64), pos.astype(jnp.int64), v.astype(jnp.int64)])
+        v = jnp.reshape(jnp.broadcast_to(value, jnp.shape(bad)), (-1,)).astype(jnp.int64)
+        v = jnp.sum(jnp.where(positions == pos, v, 0))
+    row = jnp.stack([failed.astype(jnp.int64), jnp.where(failed, pos, 0), v])
     collector.checks.append(Check(collector.step, error, message))
     collector.rows.append(row)
 
