@@ -161,6 +161,14 @@ def test_lazy_failure_raises_at_next_sync_and_keeps_other_results():
         bad + 1
 
 
+def test_sync_wait_raises_for_this_step():
+    bad = _put(X).index_select(0, _put(_t(9)))
+    with pytest.raises(IndexError, match="index out of range in self"):
+        st.sync(wait=True)
+    with pytest.raises(IndexError):
+        bad.cpu()
+
+
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
 def test_failed_inplace_op_keeps_its_target(mode):
     y = _put(X.clone())
