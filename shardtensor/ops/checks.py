@@ -129,7 +129,8 @@ def out_of_range(index, size: int, *, negative_ok: bool):
     return (index < low) | (index >= size)
 
 
-_SKIPPED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+_SKIPPED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # shardtensor
+            os.path.dirname(torch.__file__) + os.sep)
 
 
 def user_site():
