@@ -13,6 +13,7 @@ from shardtensor.runtime import (  # noqa: F401  (configures jax before anything
 from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
 from shardtensor import ops  # noqa: F401  (fills the lowering table)
+from shardtensor.ops.checks import set_checks, checks_enabled  # noqa: F401
 from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.rng import manual_seed  # noqa: F401

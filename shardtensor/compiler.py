@@ -18,13 +18,14 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor.graph import execute, memory, recompile
+from shardtensor.graph import checks, execute, memory, recompile
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import check_execution_allowed, pending_cells
+from shardtensor.ops.checks import checks_enabled
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -71,9 +72,12 @@ class CompiledFunction:
         if frozen is not None:
             result = frozen.replay(flat, self.name)
             if result is not _STALE:
+                checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
             del self._frozen[signature]
-        return self._trace(signature, flat, args, kwargs)
+        out = self._trace(signature, flat, args, kwargs)
+        checks.verify()
+        return out
 
     def _trace(self, signature, flat, args, kwargs):
         counters.increment("CompileTrace")
@@ -201,11 +205,14 @@ class _Frozen:
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
         self.leaf_sigs = ex.program.key[2] if ex else ()
+        self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
 
     def replay(self, flat, name):
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
+        if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
+            return _STALE
         arrays = []
         for i, (kind, ident, ref) in enumerate(self.sources):
             if kind == "arg":
@@ -240,7 +247,7 @@ class _Frozen:
             cells.append(cell)
         with deferred_interrupts():  # from donating the inputs to storing every output
             outs = execute.call_executable(self.executable, arrays, self.scalars)
-            assign_outputs(program, cells, outs)
+            assign_outputs(program, cells, outs, self.sites)
             for c in cells:
                 if c is not None:
                     c.version += 1

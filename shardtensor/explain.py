@@ -341,7 +341,10 @@ def _compile(cells):
     # the same graph compiled earlier is in the cache: its jit finds the executable again; otherwise
     # one outside the cache, so sync() later counts (and caches) its compile as usual
     compiled = lowered.compile()
-    return list(compiled.output_shardings), compiled.as_text(), mesh_for_jax_mesh(lowered.mesh)
+    shardings = compiled.output_shardings
+    if lowered.program.checks:  # (values, on-device check rows)
+        shardings = shardings[0]
+    return list(shardings), compiled.as_text(), mesh_for_jax_mesh(lowered.mesh)
 
 
 def _output_sharding(cell, compiled_sharding, mesh: Mesh):

@@ -76,7 +76,9 @@ def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
     out_cells = [x._cell for x in out_flat if isinstance(x, ShardedTensor)]
     if not out_cells:
         raise ExportError("st.export: the function returns no tensor computed on the devices")
-    lowered = lower(out_cells)
+    # no on-device checks in an exported program: its outputs are exactly the function's, and the
+    # runtime that loads it has nothing that would read them
+    lowered = lower(out_cells, checks=False)
     program, arrays, scalars, leaf_cells = lowered.program, lowered.arrays, lowered.scalars, lowered.leaf_cells
     jitted = _with_output_shardings(lowered)
     arg_of_cell = {id(a._cell): i for i, a in enumerate(flat_args) if isinstance(a, ShardedTensor)}

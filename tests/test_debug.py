@@ -224,8 +224,15 @@ def test_explain_elementwise_has_no_collectives():
 def test_explain_batch_sharded_cross_entropy_matches_jax():
     logits, targets = torch.randn(32, 10), torch.randint(0, 10, (32,))
     sl, stg = st.shard(logits, MESH_8, ("x", None)), st.shard(targets, MESH_8, ("x",))
-    ex = st.explain(F.cross_entropy, sl, stg)
-    assert ex.collectives["all-gather"].count == 0
+    checked = st.explain(F.cross_entropy, sl, stg)
+    st.set_checks(False)  # the loss's own collectives (the on-device target check adds scalar all-reduces)
+    try:
+        ex = st.explain(F.cross_entropy, sl, stg)
+    finally:
+        st.set_checks(True)
+    assert ex.collectives["all-gather"].count == 0 and checked.collectives["all-gather"].count == 0
+    extra = checked.collectives["all-reduce"].count - ex.collectives["all-reduce"].count
+    assert extra == 2 and checked.collectives["all-reduce"].bytes - ex.collectives["all-reduce"].bytes == 2 * 8
 
     def reference(lg, t):  # torch's mean over the targets that are not ignore_index
         valid = t != -100

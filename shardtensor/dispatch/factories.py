@@ -16,6 +16,9 @@ _FACTORIES = ("_copy_from", "empty.memory_format", "empty_strided", "arange", "a
               "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
               "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
               "normal.float_float")
+# torch's composite one_hot skips its class checks on PrivateUse1 (it relies on a device assert):
+# a kernel of our own keeps it one op, whose lowering checks on the device
+_CHECKED_COMPOSITES = ("one_hot",)
 
 
 def _copy_from_kernel(src, dst, non_blocking=False):
@@ -55,6 +58,8 @@ def _register() -> torch.library.Library:
             lib.impl(name, _empty_kernel, "PrivateUse1")
         elif lookup(op) is not None:
             lib.impl(name, _factory_kernel(op), "PrivateUse1")
+    for name in _CHECKED_COMPOSITES:
+        lib.impl(name, _factory_kernel(getattr(aten, name).default), "PrivateUse1")
     return lib
 
 

@@ -178,6 +178,17 @@ def _index(func, args, kwargs):
     return record_and_wrap(func, (x, indices), kwargs)
 
 
+@special(aten.one_hot.default)
+def _one_hot(func, args, kwargs):
+    """``F.one_hot(x)`` without ``num_classes`` reads the largest class from the data, as torch does."""
+    x, num_classes = args[0], (args[1] if len(args) > 1 else kwargs.get("num_classes", -1))
+    if num_classes == -1:
+        if x.numel() == 0:
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        num_classes = int(x.max().item()) + 1
+    return record_and_wrap(func, (x, num_classes), {})
+
+
 @special(aten.clone.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
          aten.full_like.default, aten.rand_like.default, aten.randn_like.default)
 def _same_sharding(func, args, kwargs):

@@ -19,7 +19,7 @@ from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
 from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
 from shardtensor.graph.state import STATE, set_pending
-from shardtensor.ops import lookup
+from shardtensor.ops import checks, lookup
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 
@@ -145,7 +145,8 @@ def record(func, args, kwargs):
     plan = plan_for(func, template, args, kwargs, lowering)
     if plan.random:
         refs.insert(0, rng.current())
-    node = Node(plan.caller, plan.key, tuple(refs))
+    site = checks.user_site() if lowering.checked and checks.checks_enabled() else None
+    node = Node(plan.caller, plan.key, tuple(refs), site)
     n = len(plan.outs)
     out_refs = [None if o is None else Pending(node, i) for i, o in enumerate(plan.outs)]
     if plan.random:

@@ -116,14 +116,15 @@ class Lowered:
         return self.jitted().lower(*self.abstract_arguments()).compile()
 
 
-def lower(cells, donate: bool = False) -> Lowered:
+def lower(cells, donate: bool = False, checks: bool | None = None) -> Lowered:
     """The program that computes the pending values of ``cells`` (``donate``: may reuse the buffers
-    of the cells it overwrites, as a real run does).
+    of the cells it overwrites, as a real run does; ``checks``: with the on-device checks' output,
+    by default as a run would have them — its results are then ``(values, check rows)``).
 
     Example::
 
         lower([t._cell]).compile().as_text()
     """
-    program, arrays, scalars = Program.build(cells, donate)
+    program, arrays, scalars = Program.build(cells, donate, checks)
     leaf_cells, program.leaf_cells = program.leaf_cells, None  # a program must keep no cells alive
     return Lowered(program, arrays, scalars, leaf_cells)

@@ -22,13 +22,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import memory, recompile
+from shardtensor.graph import checks, memory, recompile
 from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
 from shardtensor.graph.waiting import wait_until_ready
+from shardtensor.ops.checks import checks_enabled
 
 _EXECUTABLES = ExecutableCache()  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -40,8 +41,10 @@ _LAZY_TRACING = counters.metric("LazyTracing")
 def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
-    Returns the ``Execution`` that ran (None when nothing was pending).
+    Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
+    an earlier run raises first: nothing new runs on results that must not be used.
     """
+    checks.verify()
     cells = [c for c in cells if c.is_pending()]
     if not cells:
         return None
@@ -56,6 +59,8 @@ def run_cells(cells, wait: bool = False):
     except Exception as error:
         recover(cells, execution, error)
         raise
+    if STATE.eager:  # eager mode raises a failed check at the op
+        checks.verify()
     return execution
 
 
@@ -108,7 +113,7 @@ def run_single_node(node, cells) -> None:
             return run_cells(cells)
     if not arrays or STATE.tracing:
         return run_cells(cells)
-    key = (node.key, tuple(sig))
+    key = (node.key, tuple(sig), checks_enabled())
     fn = _SINGLE_NODE.get(key)
     if fn is None:
         execution = run_cells(cells)
@@ -123,10 +128,11 @@ def run_single_node(node, cells) -> None:
         memory.check(getattr(fn, "memory", None), "this op's program")
         with deferred_interrupts():
             outs = call_executable(fn, arrays, vectors)
-            assign_outputs(fn.program, cells, outs)
+            assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None)
     except Exception as error:
         _isolate_failure(cells, error, _node_values_before(node, cells))
         raise
+    checks.verify()  # eager mode raises a failed check at the op
 
 
 def _node_values_before(node, cells) -> dict:
@@ -183,11 +189,12 @@ def _fail(cell, error, before):
 class Execution:
     """One graph run: its program (structure), executable and concrete inputs."""
 
-    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells):
+    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells, sites=None):
         self.cells, self.program, self.executable = cells, program, executable
         self.arrays, self.scalars = arrays, scalars
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
         self.dispatched = False  # the program was called: its outputs are stored, perhaps failed
+        self.sites = sites  # this run's user lines of checked ops, by program step
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -216,7 +223,7 @@ class Execution:
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
-        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells)
+        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites)
 
     def run(self, wait=False):
         what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
@@ -224,7 +231,7 @@ class Execution:
         with deferred_interrupts():  # from donating the inputs to storing every output
             outs = call_executable(self.executable, self.arrays, self.scalars)
             self.dispatched = True
-            assign_outputs(self.program, self.cells, outs)
+            assign_outputs(self.program, self.cells, outs, self.sites)
             for i in self.program.forwarded_leaves:
                 leaf_cell = self.leaf_cells[i]
                 if leaf_cell is not None:
@@ -259,21 +266,36 @@ def _call_arguments(program, arrays, scalars):
     return donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
 
 
+class Results(list):
+    """A run's results; ``check_rows``: its on-device check rows (None without checks)."""
+
+    check_rows = None
+
+
 def call_executable(fn, arrays, scalars):
-    """Call a cached executable: donated inputs are consumed, so callers hold Ctrl-C back around
-    this and the storing of its outputs (``deferred_interrupts``)."""
+    """Call a cached executable (a program's) on ``arrays`` and the scalar vectors: its ``Results``.
+    Donated inputs are consumed, so callers hold Ctrl-C back around this and the storing of its
+    outputs (``deferred_interrupts``)."""
     start = time.perf_counter_ns()
     outs = fn(*_call_arguments(fn.program, arrays, scalars))
+    if fn.program.checks:
+        outs, rows = outs
+        outs = Results(outs)
+        outs.check_rows = rows
     counters.increment("ExecuteReplicated")
     _EXECUTE_TIME.add_since(start)
     return outs
 
 
-def assign_outputs(program, cells, outs):
+def assign_outputs(program, cells, outs, sites=None):
+    """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step."""
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
         if cell is not None:
             set_computed(cell, out, owned=i not in forwarded)
     STATE.epoch += 1
+    rows = getattr(outs, "check_rows", None)
+    if rows is not None:
+        checks.watch(program, rows, sites, cells, outs)
 
 

@@ -19,12 +19,13 @@ class Node:
     graphs made of equal keys wired the same way compile to the same program.
     """
 
-    __slots__ = ("caller", "key", "inputs", "__weakref__")
+    __slots__ = ("caller", "key", "inputs", "site", "__weakref__")
 
-    def __init__(self, caller, key, inputs):
+    def __init__(self, caller, key, inputs, site=None):
         self.caller = caller
         self.key = key
         self.inputs = inputs  # tuple of Pending | Leaf | ScalarLeaf
+        self.site = site  # (file, line) of the user's code, kept for ops with on-device checks
 
 
 class Pending:

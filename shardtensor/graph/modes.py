@@ -5,12 +5,16 @@ import contextlib
 import functools
 
 from shardtensor import metrics as counters
+from shardtensor.graph import checks
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.state import STATE, check_execution_allowed, has_pending, pending_cells
 
 
 def sync(wait: bool = False) -> None:
     """Compile (or fetch from the cache) and run everything pending.
+
+    A failed on-device check (an index out of range, ...) raises here for the runs before this one,
+    or, with ``wait=True``, for this one too.
 
     Example::
 
@@ -20,6 +24,8 @@ def sync(wait: bool = False) -> None:
     counters.increment("MarkStep")
     check_execution_allowed("sync()")
     run_cells(pending_cells(), wait=wait)
+    if wait:
+        checks.verify()
 
 
 class eager_mode:

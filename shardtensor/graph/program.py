@@ -5,6 +5,12 @@ A ``Program`` is everything about a graph except its input values, and its ``key
 (ops, static arguments, input shapes, dtypes and shardings, donation), so a loop of identical steps
 maps to one cached executable. Inputs stored padded are sliced on entry; outputs whose cell asks for
 a sharding are padded and constrained on exit; arrays of cells that the graph overwrites are donated.
+
+With on-device checks on (``ops.checks``), the program has one more output: the rows of the checks its
+lowerings declared. If any fails, every cell the program overwrites gets its value from before the
+program back (one conditional on the device), so parameters, optimizer state and step counters stay
+those before the step; ``graph.checks`` reads the rows after the run and fails the new results that
+depend on a checked op.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.graph.ir import Cell, Leaf, Pending
 from shardtensor.mesh import default_mesh
+from shardtensor.ops import checks as op_checks
 
 
 def scalar_kind(value) -> str:
@@ -51,10 +58,21 @@ class Program:
         self.forwarded_leaves = set()
         self.key = None
         self.mesh = None
+        # on-device checks: whether traced, this build's user lines per step, output -> leaf restored
+        # on failure; filled by the trace: the declared checks, outputs depending on a checked op
+        self.checks = False
+        self.sites = {}
+        self.rollback = {}
+        self.check_table = []
+        self.tainted = frozenset()
+        self.restored = frozenset()
 
     @classmethod
-    def build(cls, cells, donate=True):
+    def build(cls, cells, donate=True, checks=None):
+        """(program, input arrays, scalar vectors) computing ``cells``; ``checks``: trace the on-device
+        checks (default: ``ops.checks.checks_enabled()``)."""
         prog = cls()
+        prog.checks = op_checks.checks_enabled() if checks is None else checks
         node_pos: dict[int, int] = {}
         leaf_pos: dict[int, int] = {}
         arrays: list = []
@@ -82,6 +100,8 @@ class Program:
         constrained = []  # meshes of mark_sharding constraints on pending values
         for node in _topological_order([c.value.node for c in cells]):
             codes = tuple(code_of(r) for r in node.inputs)
+            if node.site is not None:
+                prog.sites[len(prog.steps)] = node.site
             node_pos[id(node)] = len(prog.steps)
             prog.steps.append((node.caller, codes))
             key_parts.append((node.key, codes))
@@ -110,17 +130,25 @@ class Program:
             reusable = (donate and c is not None and id(c) in overwritten and c.owned
                         and layouts[id(c)] in (None, arrays[i].sharding))
             (prog.donated if reusable else prog.kept).append(i)
+        if prog.checks:  # an overwritten cell whose old value is an input can be restored
+            leaf_of = {id(c): k for k, c in enumerate(prog.leaf_cells) if c is not None}
+            for i, cell in enumerate(cells):
+                k = leaf_of.get(id(cell))
+                if k is not None and prog.leaf_shapes[k][0] == cell.shape:
+                    prog.rollback[i] = k
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
         scalars = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
         prog.mesh = mesh
+        checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
         prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
-                    mesh)
+                    mesh, checked)
         return prog, arrays, scalars
 
     def make_executable(self):
         steps, leaf_shapes, slots, outputs = self.steps, self.leaf_shapes, self.scalar_slots, self.outputs
         order = self.donated + self.kept
         forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
+        checked, rollback = self.checks, self.rollback
 
         def replay(donated, kept, vecs):
             arrays = [None] * len(order)
@@ -136,8 +164,24 @@ class Program:
                     return values[code[1]][code[2]]
                 return leaves[code[1]] if code[0] == 1 else scalars[code[1]]
 
-            for caller, codes in steps:
-                values.append(caller(*[resolve(c) for c in codes]))
+            collector = op_checks.Collector() if checked else None
+            failed, restored = None, {}
+            if collector is None:
+                for caller, codes in steps:
+                    values.append(caller(*[resolve(c) for c in codes]))
+            else:
+                tainted = set()  # steps whose values depend on a checked op
+                with op_checks.collecting(collector):
+                    for j, (caller, codes) in enumerate(steps):
+                        collector.step, declared = j, len(collector.rows)
+                        values.append(caller(*[resolve(c) for c in codes]))
+                        if len(collector.rows) > declared or any(c[0] == 0 and c[1] in tainted for c in codes):
+                            tainted.add(j)
+                rows = collector.output()
+                self.check_table = collector.checks
+                self.tainted = frozenset(i for i, (code, _, _) in enumerate(outputs)
+                                         if code[0] == 0 and code[1] in tainted)
+                failed = None if rows is None else jnp.any(rows[:, 0] != 0)
             results = []
             for i, (code, pad, sharding) in enumerate(outputs):
                 x = resolve(code)
@@ -146,12 +190,30 @@ class Program:
                     forwarded_leaves.add(code[1])
                 if pad is not None:
                     x = jnp.pad(x, pad)
+                if checked and failed is not None and i in rollback:
+                    old = arrays[rollback[i]]  # as stored (padded)
+                    if old.shape == x.shape and old.dtype == x.dtype:
+                        restored[i] = old
                 if sharding is not None:
                     x = jax.lax.with_sharding_constraint(x, sharding)
                 results.append(x)
+            if restored:
+                # a failed check keeps the values before the step: one conditional for all of them
+                # (per-output selects make XLA:CPU's older fusion emitter compute wrong updates)
+                keys = sorted(restored)
+                chosen = jax.lax.cond(failed, lambda old, new: old, lambda old, new: new,
+                                      [restored[i] for i in keys], [results[i] for i in keys])
+                for i, x in zip(keys, chosen):
+                    sharding = outputs[i][2]
+                    results[i] = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+            if checked:
+                self.restored = frozenset(restored)
+                return results, rows
             return results
 
         out_shardings = [sharding for _, _, sharding in outputs]
+        if checked:  # (results, check rows or None): the rows travel replicated
+            out_shardings = (out_shardings, NamedSharding(self.mesh, JaxSpec()))
         fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
         fn.program = self
         return fn

@@ -226,9 +226,13 @@ def _describe_input(i, sig, cell) -> str:
 
 def _differences(new, old, leaf_cells) -> list[str]:
     """Human-readable differences between two program keys of the same skeleton."""
-    new_parts, new_outs, new_leaves, new_slots, new_donated, new_mesh = new
-    old_parts, old_outs, old_leaves, old_slots, old_donated, old_mesh = old
+    new_parts, new_outs, new_leaves, new_slots, new_donated, new_mesh, new_checks = new
+    old_parts, old_outs, old_leaves, old_slots, old_donated, old_mesh, old_checks = old
     reasons = []
+    if (new_checks is None) != (old_checks is None):
+        reasons.append(f"on-device checks turned {'off' if new_checks is None else 'on'} (st.set_checks)")
+    elif new_checks != old_checks:
+        reasons.append("another set of overwritten tensors is restored if a check fails")
     if new_mesh != old_mesh:
         reasons.append(f"the mesh changed: {dict(old_mesh.shape)} -> {dict(new_mesh.shape)}")
     if len(new_leaves) != len(old_leaves):
@@ -303,7 +307,7 @@ def _nearest(key, executables):
         # every changed input attribute counts, so a graph with one change beats one with three
         score = (sum((a[2] != b[2]) + (a[1] != b[1]) + (a[3] != b[3]) for a, b in zip(key[2], other[2]))
                  + (key[1] != other[1]) + (key[3] != other[3])
-                 + (key[4] != other[4]) + (key[5] != other[5])
+                 + (key[4] != other[4]) + (key[5] != other[5]) + (key[6] != other[6])
                  + sum(a[0] != b[0] for a, b in zip(key[0], other[0])))
         if best_score is None or score <= best_score:  # ties: the most recent
             best, best_score = other, score

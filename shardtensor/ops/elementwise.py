@@ -34,6 +34,7 @@ from shardtensor.ops._promote import (
     result_type,
     to_compute,
 )
+from shardtensor.ops.checks import fail_where
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -363,8 +364,16 @@ def true_divide(self, other):
     return cast(to_compute(self, rt, ct) / to_compute(other, rt, ct, exact=True), rt)
 
 
+def _check_int_divisor(a, b):
+    """torch's integer division and modulo raise on a zero divisor."""
+    fail_where(jnp.broadcast_to(b == 0, jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))), RuntimeError,
+               "ZeroDivisionError")
+
+
 def floor_divide(self, other):
     rt, ct, a, b = promote(self, other, exact_last=True)
+    if is_int(ct):
+        _check_int_divisor(a, b)
     if is_int(ct) or ct == BOOL:
         return cast(_int_div_floor(cast(a, np.int64) if ct == BOOL else a, b), rt)
     return cast(_float_div_floor(a, b), rt)
@@ -372,6 +381,8 @@ def floor_divide(self, other):
 
 def trunc_divide(self, other):
     rt, ct, a, b = promote(self, other, exact_last=True)
+    if is_int(ct):
+        _check_int_divisor(a, b)
     if is_int(ct) or ct == BOOL:
         return cast(lax.div(*jnp.broadcast_arrays(a, b)), rt)
     return cast(jnp.trunc(a / b), rt)
@@ -382,7 +393,7 @@ def div(self, other):
     return true_divide(self, other)
 
 
-@register(aten.div.Tensor_mode, aten.div.Scalar_mode)
+@register(aten.div.Tensor_mode, aten.div.Scalar_mode, checked=True)
 def div_mode(self, other, *, rounding_mode=None):
     if rounding_mode is None:
         return true_divide(self, other)
@@ -393,21 +404,25 @@ def div_mode(self, other, *, rounding_mode=None):
     raise ValueError(f"div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{rounding_mode}'")
 
 
-register(aten.floor_divide.default, aten.floor_divide.Scalar)(floor_divide)
+register(aten.floor_divide.default, aten.floor_divide.Scalar, checked=True)(floor_divide)
 
 
-@register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor)
+@register(aten.remainder.Tensor, aten.remainder.Scalar, aten.remainder.Scalar_Tensor, checked=True)
 def remainder(self, other):
     rt, ct, a, b = promote(self, other)
+    if is_int(ct):
+        _check_int_divisor(a, b)
     a, b = jnp.broadcast_arrays(a, b)
     r = lax.rem(a, b)
     r = jnp.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
     return cast(r, rt)
 
 
-@register(aten.fmod.Tensor, aten.fmod.Scalar)
+@register(aten.fmod.Tensor, aten.fmod.Scalar, checked=True)
 def fmod(self, other):
     rt, ct, a, b = promote(self, other)
+    if is_int(ct):
+        _check_int_divisor(a, b)
     return cast(lax.rem(*jnp.broadcast_arrays(a, b)), rt)
 
 

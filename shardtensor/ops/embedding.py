@@ -23,6 +23,7 @@ import torch
 
 from shardtensor.ops.indexing import _highest, _lowest, write_at
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -77,6 +78,10 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
     if per_sample_weights is not None and mode != SUM:
         raise NotImplementedError("embedding_bag: per_sample_weights was not None. per_sample_weights is only "
                                   "supported for mode='sum'")
+    n = weight.shape[0]
+    fail_where(out_of_range(indices, n, negative_ok=False), RuntimeError,
+               f"Index {{position}} of input takes value {{value}} which is not in the valid range [0, {n})",
+               value=indices)
     acc = acc_dtype(weight.dtype)
     bag, n_bags = _bags(indices, offsets, include_last_offset)
     keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
@@ -102,7 +107,7 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, 
     return out.astype(weight.dtype), bag, bag_size, jnp.zeros((0,), indices.dtype)
 
 
-register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)(embedding_bag)
+register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, checked=True)(embedding_bag)
 
 
 @register(aten._embedding_bag_dense_backward.default)

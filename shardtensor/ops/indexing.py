@@ -19,6 +19,7 @@ import torch
 
 from shardtensor.ops._layout import mesh_size
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import wrap_dim
 
@@ -129,41 +130,90 @@ def _as_nd(x):
     return x.reshape(1) if x.ndim == 0 else x
 
 
+# torch's messages for an index out of range (``{value}``: the first offending index)
+_BOUNDS = "index {{value}} is out of bounds for dimension {dim} with size {size}"
+_IN_SELF = "index out of range in self"
+
+
+def check_indices(x, indices):
+    """torch's IndexError for advanced indexing: each integer index tensor within [-size, size) of
+    the dimension it indexes (a bool mask covers as many dimensions as it has)."""
+    d = 0
+    for i in indices:
+        if i is None:
+            d += 1
+        elif i.dtype in (jnp.bool_, jnp.uint8):
+            d += i.ndim
+        else:
+            fail_where(out_of_range(i, x.shape[d], negative_ok=True), IndexError,
+                       _BOUNDS.format(dim=d, size=x.shape[d]), value=i)
+            d += 1
+
+
+def check_along(x, dim, index, error, message, negative_ok=False):
+    """torch's ``error`` when ``index`` leaves dimension ``dim`` of ``x`` (0-d x: one element)."""
+    x1 = _as_nd(x)
+    d = wrap_dim(dim, x1.ndim)
+    n = x1.shape[d]
+    fail_where(out_of_range(index, n, negative_ok=negative_ok), error, message.format(dim=d, size=n), value=index)
+
+
 # ------------------------------------------------------------------------------ advanced indexing
 
 
-@register(aten.index.Tensor, aten._unsafe_index.Tensor)
-def index(x, indices):
+@register(aten._unsafe_index.Tensor)  # indices known to be in range (decompositions'): no check
+def unsafe_index(x, indices):
     return x[_index_tuple(indices)]
 
 
-@register(aten.index_put.default, aten._unsafe_index_put.default)
-def index_put(x, indices, values, accumulate=False):
+@register(aten.index.Tensor, checked=True)
+def index(x, indices):
+    check_indices(x, indices)
+    return unsafe_index(x, indices)
+
+
+@register(aten._unsafe_index_put.default)
+def unsafe_index_put(x, indices, values, accumulate=False):
     return write_at(x, _index_tuple(indices), values, "add" if accumulate else "set")
 
 
-@register(aten._index_put_impl.default)
+@register(aten.index_put.default, checked=True)
+def index_put(x, indices, values, accumulate=False):
+    check_indices(x, indices)
+    return unsafe_index_put(x, indices, values, accumulate)
+
+
+@register(aten._index_put_impl.default, checked=True)
 def index_put_impl(x, indices, values, accumulate=False, unsafe=False):
     return index_put(x, indices, values, accumulate)
 
 
-@register(aten.index_select.default)
+@register(aten.index_select.default, checked=True)
 def index_select(x, dim, index):
     if index.ndim > 1:
         raise IndexError("index_select(): Index is supposed to be a vector")
+    check_along(x, dim, index, IndexError, _IN_SELF)
     if x.ndim == 0:
         return jnp.take(x.reshape(1), index.reshape(-1), axis=0).reshape(())
     d = wrap_dim(dim, x.ndim)
     return jnp.take(x, index.reshape(-1), axis=d)
 
 
-@register(aten.take.default)
+def _check_flat(x, index):
+    n = int(np.prod(x.shape, dtype=np.int64))
+    fail_where(out_of_range(index, n, negative_ok=True), IndexError,
+               f"out of range: tried to access index {{value}} on a tensor of {n} elements.", value=index)
+
+
+@register(aten.take.default, checked=True)
 def take(x, index):
+    _check_flat(x, index)
     return jnp.reshape(x, (-1,))[index]
 
 
-@register(aten.put.default)
+@register(aten.put.default, checked=True)
 def put(x, index, source, accumulate=False):
+    _check_flat(x, index)
     out = write_at(jnp.reshape(x, (-1,)), (index.reshape(-1),), source.reshape(-1), "add" if accumulate else "set")
     return out.reshape(x.shape)
 
@@ -171,10 +221,11 @@ def put(x, index, source, accumulate=False):
 # --------------------------------------------------------------------------------- gather/scatter
 
 
-@register(aten.gather.default)
+@register(aten.gather.default, checked=True)
 def gather(x, dim, index, *, sparse_grad=False):
     if index.size == 0:
         return jnp.zeros(index.shape, x.dtype)
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     x1, i1 = _as_nd(x), _as_nd(index)
     d = wrap_dim(dim, x1.ndim)
     if i1.ndim != x1.ndim:
@@ -196,23 +247,26 @@ def _scatter_apply(x, dim, index, src, mode):
     return write_at(x1, _scatter_index(i1, d), src, mode).reshape(x.shape)
 
 
-@register(aten.scatter.src, aten.scatter.value)
+@register(aten.scatter.src, aten.scatter.value, checked=True)
 def scatter(x, dim, index, src):
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     return _scatter_apply(x, dim, index, src, "set")
 
 
 _LEGACY_REDUCE = {"add": "add", "multiply": "mul"}
 
 
-@register(aten.scatter.reduce, aten.scatter.value_reduce)
+@register(aten.scatter.reduce, aten.scatter.value_reduce, checked=True)
 def scatter_reduce_legacy(x, dim, index, src, *, reduce):
     if reduce not in _LEGACY_REDUCE:
         raise RuntimeError(f"reduce argument must be either add or multiply, got {reduce!r}")
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     return _scatter_apply(x, dim, index, src, _LEGACY_REDUCE[reduce])
 
 
-@register(aten.scatter_add.default)
+@register(aten.scatter_add.default, checked=True)
 def scatter_add(x, dim, index, src):
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     return _scatter_apply(x, dim, index, src, "add")
 
 
@@ -245,10 +299,11 @@ def _reduce_into(x, reduce, include_self, scatter_fn):
     return out
 
 
-@register(aten.scatter_reduce.two)
+@register(aten.scatter_reduce.two, checked=True)
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     if reduce == "mean" and x.dtype == jnp.bool_:
         raise RuntimeError('"scatter_gather_tensor_cpu_reduce_mean" not implemented for \'Bool\'')
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     def fn(base, mode, values):
         return _scatter_apply(base, dim, index, src if values is None else values, mode)
 
@@ -268,29 +323,33 @@ def _index_dim_apply(x, dim, index, source, mode):
     return write_at(x1, _along(x1.ndim, d, idx), src, mode).reshape(x.shape)
 
 
-@register(aten.index_add.default)
+@register(aten.index_add.default, checked=True)
 def index_add(x, dim, index, source, *, alpha=1):
+    check_along(x, dim, index, RuntimeError, _BOUNDS)
     if not (isinstance(alpha, (int, float)) and alpha == 1):
         source = source * alpha
     return _index_dim_apply(x, dim, index, source, "add")
 
 
-@register(aten.index_copy.default)
+@register(aten.index_copy.default, checked=True)
 def index_copy(x, dim, index, source):
+    check_along(x, dim, index, IndexError, "index_copy_(): " + _BOUNDS)
     return _index_dim_apply(x, dim, index, source, "set")
 
 
-@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, checked=True)
 def index_fill(x, dim, index, value):
+    check_along(x, dim, index, IndexError, _BOUNDS, negative_ok=True)
     x1 = _as_nd(x)
     d = wrap_dim(dim, x1.ndim)
     return x1.at[_along(x1.ndim, d, index.reshape(-1))].set(jnp.asarray(value).astype(x.dtype)).reshape(x.shape)
 
 
-@register(aten.index_reduce.default)
+@register(aten.index_reduce.default, checked=True)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     if x.dtype == jnp.bool_:
         raise RuntimeError('"index_func_" not implemented for \'Bool\'')
+    check_along(x, dim, index, IndexError, _IN_SELF)
     def fn(base, mode, values):
         src = source if values is None else jnp.broadcast_to(values, ())
         return _index_dim_apply(base, dim, index, src, mode)
@@ -323,10 +382,11 @@ def masked_scatter_backward(grad, mask, sizes):
 # --------------------------------------------------------------------------------------- embedding
 
 
-@register(aten.embedding.default)
+@register(aten.embedding.default, checked=True)
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     if weight.ndim != 2:
         raise RuntimeError("'weight' must be 2-D")
+    check_along(weight, 0, indices, IndexError, _IN_SELF)
     return jnp.take(weight, indices, axis=0)
 
 
@@ -362,6 +422,14 @@ def embedding_renorm(weight, indices, max_norm, norm_type):
     used = jnp.zeros((weight.shape[0],), jnp.bool_).at[indices.reshape(-1)].set(True)
     scale = jnp.where(used & (norm > max_norm), max_norm / (norm + 1e-7), jnp.ones((), acc))
     return (w * scale[:, None]).astype(weight.dtype)
+
+
+@register(aten.one_hot.default, checked=True)
+def one_hot(x, num_classes=-1):
+    """``F.one_hot`` with a known number of classes (the dispatcher finds it from the data otherwise)."""
+    fail_where(x < 0, RuntimeError, "Class values must be non-negative.")
+    fail_where(x >= num_classes, RuntimeError, "Class values must be smaller than num_classes.")
+    return (x[..., None] == jnp.arange(num_classes, dtype=x.dtype)).astype(jnp.int64)
 
 
 @register(aten.nonzero_static.default)

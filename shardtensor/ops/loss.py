@@ -19,6 +19,7 @@ import torch
 
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -109,8 +110,12 @@ def nll_backward(grad, x, target, weight, reduction, ignore_index, total_weight)
     return jnp.where(onehot, jnp.expand_dims(coef, cdim), jnp.zeros((), acc)).astype(x.dtype)
 
 
-@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+@register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, checked=True)
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    if target.ndim == x.ndim - 1:
+        n_classes = x.shape[0 if x.ndim == 1 else 1]
+        fail_where((target != ignore_index) & out_of_range(target, n_classes, negative_ok=False), IndexError,
+                   "Target {value} is out of bounds.", value=target)
     return nll_forward(x, target, weight, reduction, ignore_index)
 
 
@@ -248,9 +253,10 @@ def _margin_args(x, target, p):
     return xs, target.reshape(nframe), (nframe,) if target.ndim else ()
 
 
-@register(aten.multi_margin_loss.default, static_scalars=True)
+@register(aten.multi_margin_loss.default, static_scalars=True, checked=True)
 def multi_margin_loss(x, target, p=1, margin=1, weight=None, reduction=MEAN):
     xs, t, shape = _margin_args(x, target, p)
+    fail_where(out_of_range(t, xs.shape[-1], negative_ok=False), RuntimeError, "target out of range")
     return reduce_loss(_multi_margin(xs, t, p, margin, weight).reshape(shape), reduction, x.dtype)
 
 
@@ -289,9 +295,11 @@ def _check_multilabel(x, target):
                            f"{list(x.shape)}")
 
 
-@register(aten.multilabel_margin_loss_forward.default)
+@register(aten.multilabel_margin_loss_forward.default, checked=True)
 def multilabel_margin_loss_forward(x, target, reduction):
     _check_multilabel(x, target)
+    n_classes = x.shape[-1] if x.ndim else 1  # -1 ends a row's targets; any entry past that is checked too
+    fail_where((target < -1) | (target >= n_classes), RuntimeError, "argument #2 'target' is out of range")
     loss, is_target = _multilabel(x, target)
     return reduce_loss(loss, reduction, x.dtype), is_target.astype(x.dtype)
 

@@ -26,6 +26,7 @@ from shardtensor.ops._promote import (
     opmath,
     result_type,
 )
+from shardtensor.ops.checks import fail_where
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -264,10 +265,13 @@ def _standard_gamma(key, self, generator=None):
     return cast(jax.random.gamma(key, cast(self, ct), jnp.shape(self), ct), dt)
 
 
-@register(aten.multinomial.default, random=True)
+@register(aten.multinomial.default, random=True, checked=True)
 def multinomial(key, self, num_samples, replacement=False, *, generator=None):
     ct = _float_draw_dtype(dtype_of(self)) if not is_complex(dtype_of(self)) else FLOAT32
     w = cast(self, ct)
+    fail_where(~jnp.isfinite(w) | (w < 0), RuntimeError,
+               "probability tensor contains either `inf`, `nan` or element < 0")
+    fail_where(jnp.sum(w, axis=-1) <= 0, RuntimeError, "invalid multinomial distribution (sum of probabilities <= 0)")
     logits = jnp.log(w)  # zero weight -> -inf: never drawn
     n = int(num_samples)
     if replacement:

@@ -33,6 +33,7 @@ class Lowering:
     # torch's CPU kernel gives other result dtypes than its meta kernel: take them from the lowering
     dtypes_from_lowering: bool = False
     platforms: tuple = ()  # (platform name, fn) pairs: a variant of fn for that PJRT platform
+    checked: bool = False  # fn may declare on-device checks (ops.checks): record the user's line
 
     def for_platform(self, platform: str) -> Callable:
         """The function to run on ``platform`` ('cpu', 'cuda', 'tpu'): its variant, else ``fn``."""
@@ -43,10 +44,11 @@ _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
 
 
 def register(*ops, static_scalars: bool = False, random: bool = False, dtypes_from_lowering: bool = False,
-             platform: str | None = None):
+             platform: str | None = None, checked: bool = False):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
 
     ``platform="cpu"`` registers a variant for that platform of an op registered before.
+    ``checked=True``: the lowering may call ``ops.checks.fail_where`` (torch raises on some values).
 
     Example::
 
@@ -68,7 +70,7 @@ def register(*ops, static_scalars: bool = False, random: bool = False, dtypes_fr
             if op in _TABLE:
                 raise ValueError(f"{op} has two lowerings")
             _TABLE[op] = Lowering(fn, static_scalars=static_scalars, random=random,
-                                  dtypes_from_lowering=dtypes_from_lowering)
+                                  dtypes_from_lowering=dtypes_from_lowering, checked=checked)
         return fn
 
     return deco

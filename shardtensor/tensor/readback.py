@@ -8,7 +8,7 @@ import torch
 
 from shardtensor import metrics as counters
 from shardtensor.dtypes import numpy_to_torch
-from shardtensor.graph import execute, state, views
+from shardtensor.graph import checks, execute, state, views
 from shardtensor.graph.ir import Cell, Failed
 from shardtensor.graph.waiting import wait_until_ready
 
@@ -34,6 +34,7 @@ def materialize(t):
             # another pending tensor failed; it keeps its error for whoever reads it
             warnings.warn(f"a pending computation failed ({error}); reading that tensor raises the error",
                           RuntimeWarning, stacklevel=3)
+    checks.verify()  # a failed on-device check of this or an earlier run raises before a value is read
     if isinstance(cell.value, Failed):
         cell.value.reraise()
     return cell.value

@@ -1,0 +1,92 @@
+"""Reading a run's on-device checks and raising torch's exception for the first that failed.
+
+A program with checks (``program.Program``) returns, beside its results, one row per check its
+lowerings declared (``ops.checks``). After a run, ``watch`` keeps those rows on the device, unread;
+``verify`` reads them (one tiny transfer) — at the latest before the next program runs, before any
+value is read back to the host, at the end of an ``st.compile`` call and, in eager mode, at once —
+and raises the first failure with torch's exception type and message and the user's line.
+
+What a failed run leaves: the cells it overwrote hold their values from before the run (the program
+restored them on the device); its new results that depend on the failed check become ``Failed``
+(reading one raises the same error), and so do pending values recorded from them. New results that
+do not depend on it are kept.
+"""
+from __future__ import annotations
+
+import linecache
+import weakref
+
+import numpy as np
+
+from shardtensor.graph.ir import Failed, Leaf, Pending
+from shardtensor.graph.program import _topological_order
+from shardtensor.graph.state import pending_cells, set_failed
+
+_UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
+
+
+def watch(program, rows, sites, cells, results) -> None:
+    """Keep the check ``rows`` of a run of ``program`` until ``verify`` reads them."""
+    suspects = []
+    for i in program.tainted:
+        cell = cells[i]
+        if cell is not None and i not in program.restored:
+            suspects.append((weakref.ref(cell), results[i]))
+    _UNREAD.append((rows, program, sites, suspects))
+
+
+def verify() -> None:
+    """Read every unread run's checks; raise the first failure (torch's exception, the user's line).
+
+    Example::
+
+        loss = F.cross_entropy(logits, bad_targets); st.sync()
+        checks.verify()   # IndexError: Target 7 is out of bounds. ... (at train.py:12)
+    """
+    if not _UNREAD:
+        return
+    runs = list(_UNREAD)
+    _UNREAD.clear()
+    first = None
+    for rows, program, sites, suspects in runs:
+        error = _error(np.asarray(rows), program, sites)
+        if error is not None:
+            _poison(suspects, error)
+            first = first or error
+    if first is not None:
+        raise first
+
+
+def _error(rows, program, sites):
+    failed = np.flatnonzero(rows[:, 0])
+    if failed.size == 0:
+        return None
+    i = int(failed[0])
+    check = program.check_table[i]
+    message = check.message.format(value=int(rows[i, 2]), position=int(rows[i, 1]))
+    site = (sites or {}).get(check.step)
+    if site is not None:
+        code = linecache.getline(site[0], site[1]).strip()
+        message += f"\n  (checked on the device; raised by {site[0]}:{site[1]}" + (f": {code})" if code else ")")
+    return check.error(message)
+
+
+def _poison(suspects, error):
+    """The results of a failed run that depend on the failed check, and pending values computed
+    from them, raise ``error`` when read."""
+    bad = {id(result) for _, result in suspects}
+    for ref, result in suspects:
+        cell = ref()
+        if cell is not None and cell.value is result:
+            set_failed(cell, Failed(error))
+    if not bad:
+        return
+    cells = pending_cells()
+    poisoned = set()
+    for node in _topological_order([c.value.node for c in cells]):
+        if any((isinstance(r, Leaf) and id(r.array) in bad) or (isinstance(r, Pending) and id(r.node) in poisoned)
+               for r in node.inputs):
+            poisoned.add(id(node))
+    for cell in cells:
+        if id(cell.value.node) in poisoned:
+            set_failed(cell, Failed(error))
