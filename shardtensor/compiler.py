@@ -7,6 +7,14 @@ the same Python scalars, and touch no host state (no ``.item()`` on CPU tensors,
 CPU tensors such as Adam's default step counters), the program is frozen: later calls feed the
 current values in, run the executable and write the results back, running no Python of ``fn``.
 Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
+
+A frozen replay is exact: it runs only while the Python state the trace depended on is unchanged
+(``replay_guard``: gradients present on entry, ``requires_grad``, hooks, parameters, optimizer
+groups and hyperparameters, training mode, grad mode); otherwise the call runs ``fn`` again. A
+function that changes that state itself (it leaves ``.grad`` set, say) is never frozen.
+
+Threads: a compiled function may be called from several threads; each call traces in its own
+thread's state (graph/state.py), and a replay runs under the engine lock.
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, run_cells
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
-from shardtensor.graph.state import check_execution_allowed, pending_cells
+from shardtensor.graph.state import ENGINE_LOCK, check_execution_allowed, others_pending, pending_cells
+from shardtensor.replay_guard import snapshot, watch
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -59,6 +68,7 @@ class CompiledFunction:
         self.name = name or getattr(fn, "__name__", "compiled")
         self._frozen: dict = {}
         self._last_trace: dict = {}
+        self._watched: dict = {}  # signature -> the objects the last trace's replay would depend on
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -68,34 +78,49 @@ class CompiledFunction:
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat)
+            with ENGINE_LOCK:
+                result = frozen.replay(flat)
             if result is not _STALE:
                 return result
-            del self._frozen[signature]
+            self._frozen.pop(signature, None)
         return self._trace(signature, flat, args, kwargs)
 
     def _trace(self, signature, flat, args, kwargs):
         counters.increment("CompileTrace")
+        previous = self._watched.get(signature)
+        tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
+        entry_state = snapshot(previous, tensor_args) if previous is not None else None  # before fn runs
         monitor = _HostStateMonitor()
         guard = None
         if self.full_graph:
             guard = (f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
                      "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
                      "full_graph=False.")
-        with capture(tracing=True, guard=guard) as seen, monitor:
+        with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor:
+            monitor.watched = watched
             out = self.fn(*args, **kwargs)
         broken = seen.broken or monitor.reason
-        cells = seen.pending()  # nothing else is pending: the call started with a sync
+        cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
-        with recompile.naming(arguments, self.name):
-            execution = Execution.prepare(cells) if cells else None
-        trace = _Trace(execution, flat, out, seen.first_serial, broken)
-        if execution is not None:
-            execution.run()
+        with ENGINE_LOCK:
+            with recompile.naming(arguments, self.name):
+                # another thread's pending graph may read a buffer this one would donate
+                execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
+            trace = _Trace(execution, flat, out, seen.first_serial, broken)
+            if execution is not None:
+                execution.run()
+        objects = watched.objects()
+        keep = []
+        exit_state = snapshot(objects, tensor_args, keep)
+        if trace.broken is None and not (previous is not None and _same_objects(previous, objects)
+                                         and entry_state == exit_state):
+            trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
+                            "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
+        self._watched[signature] = objects
         if trace.broken is None and last is not None and last == trace.fingerprint:
-            self._frozen[signature] = trace.freeze()
+            self._frozen[signature] = trace.freeze(objects, exit_state, keep)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
@@ -103,6 +128,10 @@ class CompiledFunction:
 
 
 _STALE = object()
+
+
+def _same_objects(a, b) -> bool:
+    return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
 def _signature(flat, spec):
@@ -162,8 +191,8 @@ class _Trace:
         self.fingerprint = (key, scalars, tuple(s[:2] for s in sources), tuple(targets), self.out_spec,
                             _hashable(plain_outputs))
 
-    def freeze(self):
-        return _Frozen(self)
+    def freeze(self, objects, state, keep):
+        return _Frozen(self, objects, state, keep)
 
 
 def _hashable(values):
@@ -185,7 +214,8 @@ def _source(cell, array, arg_cells, first_serial):
 class _Frozen:
     """A replayable trace: where each input comes from and where each output goes."""
 
-    def __init__(self, trace: _Trace):
+    def __init__(self, trace: _Trace, objects, state, keep):
+        self.objects, self.state, self.keep = objects, state, keep  # what the replay assumes (replay_guard)
         ex = trace.execution
         self.executable = ex.executable if ex else None
         self.scalars = ex.scalars if ex else {}
@@ -199,6 +229,8 @@ class _Frozen:
         self.donated = set(ex.program.donated) if ex else set()
 
     def replay(self, flat):
+        if snapshot(self.objects, [x for x in flat if isinstance(x, ShardedTensor)]) != self.state:
+            return _STALE  # the Python would now do something else: run it
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
         arrays = []
@@ -220,6 +252,8 @@ class _Frozen:
         for a, sig in zip(arrays, self.leaf_sigs):
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
                 return _STALE
+        if self.donated and others_pending():
+            return _STALE  # another thread's pending graph may read a buffer the program donates
         counters.increment("CompileReplay")
         outs = execute.call_executable(self.executable, arrays, self.scalars)
         cells, results = [], list(self.out_flat)
@@ -246,9 +280,14 @@ class _HostStateMonitor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reason = None
+        self.watched = None  # replay_guard.Watched: notes the parameters the ops read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._current_autograd_node() is None:  # backward sees saved parameters as new objects
+            for a in args:
+                if isinstance(a, ShardedTensor):
+                    self.watched.note_tensor(a)
         if self.reason is None:
             if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
                 self.reason = "it reads a CPU tensor's value (.item())"

@@ -19,7 +19,7 @@ from shardtensor import metrics as counters
 from shardtensor.graph import recompile
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
-from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
+from shardtensor.graph.state import ENGINE_LOCK, STATE, has_only_pending, set_computed, set_failed
 
 _EXECUTABLES: dict = {}  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -31,8 +31,14 @@ _LAZY_TRACING = counters.metric("LazyTracing")
 def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
-    Returns the ``Execution`` that ran (None when nothing was pending).
+    Returns the ``Execution`` that ran (None when nothing was pending). Runs one at a time over all
+    threads (``ENGINE_LOCK``).
     """
+    with ENGINE_LOCK:
+        return _run_cells(cells, wait)
+
+
+def _run_cells(cells, wait):
     cells = [c for c in cells if c.is_pending()]
     if not cells:
         return None
