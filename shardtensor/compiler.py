@@ -31,7 +31,12 @@ from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, run_cells
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
-from shardtensor.graph.state import ENGINE_LOCK, check_execution_allowed, others_pending, pending_cells
+from shardtensor.graph.state import (
+    ENGINE_LOCK,
+    check_execution_allowed,
+    others_pending,
+    pending_cells,
+)
 from shardtensor.replay_guard import snapshot, watch
 from shardtensor.tensor import ShardedTensor
 

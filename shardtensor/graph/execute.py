@@ -19,7 +19,13 @@ from shardtensor import metrics as counters
 from shardtensor.graph import recompile
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
-from shardtensor.graph.state import ENGINE_LOCK, STATE, has_only_pending, set_computed, set_failed
+from shardtensor.graph.state import (
+    ENGINE_LOCK,
+    STATE,
+    has_only_pending,
+    set_computed,
+    set_failed,
+)
 
 _EXECUTABLES: dict = {}  # program key -> jitted function (its ``program`` attribute: the Program)
 

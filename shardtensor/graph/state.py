@@ -34,7 +34,7 @@ class _State(threading.local):
     trace_start = None  # perf_counter_ns() of the first op recorded since a graph last ran
 
     def __init__(self):
-        self.pending: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()  # serial -> cell
+        self.pending: weakref.WeakValueDictionary[int, Cell] = weakref.WeakValueDictionary()  # serial -> cell
         with ENGINE_LOCK:
             _THREAD_PENDING[:] = [r for r in _THREAD_PENDING if r() is not None]
             _THREAD_PENDING.append(weakref.ref(self.pending))
