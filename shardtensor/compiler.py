@@ -117,8 +117,8 @@ class CompiledFunction:
         objects = watched.objects()
         keep = []
         exit_state = snapshot(objects, tensor_args, keep)
-        if trace.broken is None and not (previous is not None and _same_objects(previous, objects)
-                                         and entry_state == exit_state):
+        if trace.broken is None and previous is not None and not (
+                _same_objects(previous, objects) and entry_state == exit_state):
             trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
                             "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)

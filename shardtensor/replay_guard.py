@@ -9,8 +9,8 @@ holds and whether it is training, each optimizer's parameter groups and hyperpar
 
 ``watch()`` is active while a trace runs and notes the objects that matter: the modules called (a
 global forward pre-hook, registered only for the trace and only counting the tracing thread), the
-optimizers stepped (a global optimizer pre-hook, likewise), the leaf tensors that require grad seen
-by an op. ``snapshot(objects)`` reduces their state to a tuple of plain values; a replay compares
+optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
+``snapshot(objects)`` reduces their state to a tuple of plain values; a replay compares
 the tuple taken now with the one taken at capture (``==`` on ints, bools, floats: a few µs for a
 small model). Plain Python attributes a function reads besides these (a global ``scale = 0.5``) are
 not seen: they stay captured as they were.
@@ -56,8 +56,9 @@ class Watched:
         self.tensors: dict = {}
 
     def note_tensor(self, t) -> None:
-        """An op read ``t``: remember it if it is a leaf that requires grad (a parameter)."""
-        if t.requires_grad and t.grad_fn is None and id(t) not in self.tensors:
+        """An op read ``t``: remember it if it is a parameter (an ``nn.Parameter``, used by a module
+        or not; other tensors made inside the call are new objects each time)."""
+        if id(t) not in self.tensors and isinstance(t, torch.nn.Parameter):
             self.tensors[id(t)] = t
 
     def objects(self) -> tuple:
