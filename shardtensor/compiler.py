@@ -88,9 +88,10 @@ class CompiledFunction:
             if result is not _STALE:
                 return result
             self._frozen.pop(signature, None)
-        return self._trace(signature, flat, args, kwargs)
+        return self._trace(signature, flat, args, kwargs, frozen)
 
-    def _trace(self, signature, flat, args, kwargs):
+    def _trace(self, signature, flat, args, kwargs, stale=None):
+        """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay."""
         counters.increment("CompileTrace")
         previous = self._watched.get(signature)
         tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
@@ -124,7 +125,10 @@ class CompiledFunction:
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
         self._watched[signature] = objects
-        if trace.broken is None and last is not None and last == trace.fingerprint:
+        # a trace equal to the last one freezes; so does one that differs from the frozen trace that
+        # just went stale only in its Python scalars (a new learning rate): one Python run, not two
+        again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
+        if trace.broken is None and (last == trace.fingerprint or again):
             self._frozen[signature] = trace.freeze(objects, exit_state, keep)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
@@ -133,6 +137,10 @@ class CompiledFunction:
 
 
 _STALE = object()
+
+
+def _without_scalars(fingerprint):
+    return fingerprint[:1] + fingerprint[2:]  # (key, scalars, sources, ...): see _Trace
 
 
 def _same_objects(a, b) -> bool:
@@ -221,6 +229,7 @@ class _Frozen:
 
     def __init__(self, trace: _Trace, objects, state, keep):
         self.objects, self.state, self.keep = objects, state, keep  # what the replay assumes (replay_guard)
+        self.fingerprint = trace.fingerprint
         ex = trace.execution
         self.executable = ex.executable if ex else None
         self.scalars = ex.scalars if ex else {}
