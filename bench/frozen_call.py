@@ -18,14 +18,14 @@ import os
 os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
+import argparse
+import statistics
+import time
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import shardtensor as st  # noqa: E402
+import shardtensor as st
 
 
 def main():
