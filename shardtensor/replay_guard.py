@@ -8,7 +8,7 @@ backward hooks, tensor hooks, the global ones), which parameters, buffers and su
 holds and whether it is training, each optimizer's parameter groups and hyperparameters, grad mode.
 
 ``watch()`` is active while a trace runs and notes the objects that matter: the modules called (a
-global forward pre-hook, registered only for the trace and only counting the tracing thread), the
+global forward pre-hook, registered only for the trace, counting the tracing thread's calls), the
 optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
 ``snapshot(objects)`` reduces their state to a tuple of plain values; a replay compares
 the tuple taken now with the one taken at capture (``==`` on ints, bools, floats: a few µs for a
@@ -75,29 +75,44 @@ class Watched:
         return tuple(self.modules.values()), tuple(self.optimizers.values()), tuple(tensors.values())
 
 
+_WATCHING = threading.local()  # .seen: the Watched of the trace running on this thread, or None
+_OPTIMIZER_HOOK: list = []  # the global optimizer pre-hook, once installed
+
+
+def _module_called(module, args):
+    seen = getattr(_WATCHING, "seen", None)
+    if seen is not None:
+        seen.modules.setdefault(id(module), module)
+
+
+def _optimizer_stepped(optimizer, args, kwargs):
+    seen = getattr(_WATCHING, "seen", None)
+    if seen is not None:
+        seen.optimizers.setdefault(id(optimizer), optimizer)
+
+
 @contextlib.contextmanager
 def watch():
-    """Note the modules called and the optimizers stepped by this thread inside the block."""
+    """Note the modules called and the optimizers stepped by this thread inside the block.
+
+    The module hook is registered for the block only (a global forward hook takes every module
+    call off torch's fast path); the optimizer hook stays once installed (``step()`` has no fast
+    path, and removing it could change the dict another thread's ``step()`` is iterating).
+    """
     seen = Watched()
-    me = threading.get_ident()
-
-    def module_called(module, args):
-        if threading.get_ident() == me:
-            seen.modules.setdefault(id(module), module)
-
-    def optimizer_stepped(optimizer, args, kwargs):
-        if threading.get_ident() == me:
-            seen.optimizers.setdefault(id(optimizer), optimizer)
-
-    handles = [torch_module.register_module_forward_pre_hook(module_called),
-               torch_optimizer.register_optimizer_step_pre_hook(optimizer_stepped)]
-    _OURS.update(h.id for h in handles)
+    if not _OPTIMIZER_HOOK:
+        handle = torch_optimizer.register_optimizer_step_pre_hook(_optimizer_stepped)
+        _OPTIMIZER_HOOK.append(handle)
+        _OURS.add(handle.id)
+    handle = torch_module.register_module_forward_pre_hook(_module_called)
+    _OURS.add(handle.id)
+    outer, _WATCHING.seen = getattr(_WATCHING, "seen", None), seen
     try:
         yield seen
     finally:
-        for h in handles:
-            h.remove()
-            _OURS.discard(h.id)
+        _WATCHING.seen = outer
+        handle.remove()
+        _OURS.discard(handle.id)
 
 
 def snapshot(objects, args=(), keep: list | None = None) -> tuple:
