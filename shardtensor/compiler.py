@@ -37,7 +37,7 @@ from shardtensor.graph.state import (
     others_pending,
     pending_cells,
 )
-from shardtensor.replay_guard import snapshot, watch
+from shardtensor.replay_guard import Guard, watch
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -95,7 +95,7 @@ class CompiledFunction:
         counters.increment("CompileTrace")
         previous = self._watched.get(signature)
         tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
-        entry_state = snapshot(previous, tensor_args) if previous is not None else None  # before fn runs
+        entry = Guard(previous, tensor_args) if previous is not None else None  # the state before fn runs
         monitor = _HostStateMonitor()
         guard = None
         if self.full_graph:
@@ -116,10 +116,8 @@ class CompiledFunction:
             if execution is not None:
                 execution.run()
         objects = watched.objects()
-        keep = []
-        exit_state = snapshot(objects, tensor_args, keep)
         if trace.broken is None and previous is not None and not (
-                _same_objects(previous, objects) and entry_state == exit_state):
+                _same_objects(previous, objects) and entry.holds(tensor_args)):
             trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
                             "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)
@@ -129,7 +127,7 @@ class CompiledFunction:
         # just went stale only in its Python scalars (a new learning rate): one Python run, not two
         again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
         if trace.broken is None and (last == trace.fingerprint or again):
-            self._frozen[signature] = trace.freeze(objects, exit_state, keep)
+            self._frozen[signature] = trace.freeze(Guard(objects, tensor_args))
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
@@ -204,8 +202,8 @@ class _Trace:
         self.fingerprint = (key, scalars, tuple(s[:2] for s in sources), tuple(targets), self.out_spec,
                             _hashable(plain_outputs))
 
-    def freeze(self, objects, state, keep):
-        return _Frozen(self, objects, state, keep)
+    def freeze(self, guard):
+        return _Frozen(self, guard)
 
 
 def _hashable(values):
@@ -227,8 +225,8 @@ def _source(cell, array, arg_cells, first_serial):
 class _Frozen:
     """A replayable trace: where each input comes from and where each output goes."""
 
-    def __init__(self, trace: _Trace, objects, state, keep):
-        self.objects, self.state, self.keep = objects, state, keep  # what the replay assumes (replay_guard)
+    def __init__(self, trace: _Trace, guard: Guard):
+        self.guard = guard  # the Python state the replay assumes (replay_guard)
         self.fingerprint = trace.fingerprint
         ex = trace.execution
         self.executable = ex.executable if ex else None
@@ -243,7 +241,7 @@ class _Frozen:
         self.donated = set(ex.program.donated) if ex else set()
 
     def replay(self, flat):
-        if snapshot(self.objects, [x for x in flat if isinstance(x, ShardedTensor)]) != self.state:
+        if not self.guard.holds([x for x in flat if isinstance(x, ShardedTensor)]):
             return _STALE  # the Python would now do something else: run it
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)

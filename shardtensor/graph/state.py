@@ -13,6 +13,7 @@ Donating a buffer is allowed only when no other thread has pending work that mig
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -22,6 +23,17 @@ from shardtensor.graph.ir import Cell, Pending
 ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
 _THREAD_PENDING: list = []  # weak references to every thread's pending dict
 _EPOCH = [0]  # shared by all threads: any run invalidates every view cache
+
+
+def locked(fn):
+    """``fn`` runs holding ``ENGINE_LOCK`` (for entries that change shared cells outside an op)."""
+
+    @functools.wraps(fn)
+    def run_locked(*args, **kwargs):
+        with ENGINE_LOCK:
+            return fn(*args, **kwargs)
+
+    return run_locked
 
 
 class _State(threading.local):
