@@ -131,3 +131,38 @@ def test_frozen_replays_happened():
     if not _REPLAYS:
         test_frozen_replay_equals_eager_torch()
     assert sum(_REPLAYS) > 0
+
+
+def _pair(set_to_none=True):
+    reset_state()
+    torch.manual_seed(0)
+    model = Net()
+    ref = World(model, OPTIMIZERS["sgd_momentum"], set_to_none, device=False)
+    dev = World(copy.deepcopy(model).to(st.device()), OPTIMIZERS["sgd_momentum"], set_to_none, device=True)
+    return ref, dev
+
+
+def _steps(ref, dev, events, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    for event, value in events:
+        x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+        ref.apply(event, value, x, y)
+        dev.apply(event, value, x, y)
+        _check(ref, dev, event)
+
+
+def test_gradient_set_before_a_frozen_call_is_accumulated_then_cleared():
+    """The issue's case: an auxiliary backward before the call; torch adds to that gradient."""
+    ref, dev = _pair()
+    _steps(ref, dev, [("step", 1.0)] * 3)
+    replays = st.counter_value("CompileReplay") or 0
+    _steps(ref, dev, [("step", 1.0), ("aux_backward", 1.0), ("step", 1.0), ("step", 1.0), ("step", 1.0)])
+    assert (st.counter_value("CompileReplay") or 0) > replays  # frozen before and after
+
+
+def test_new_learning_rate_reruns_the_python_once():
+    ref, dev = _pair()
+    _steps(ref, dev, [("step", 1.0)] * 3)
+    traces = st.counter_value("CompileTrace")
+    _steps(ref, dev, [("lr", 0.5), ("step", 1.0), ("step", 1.0), ("step", 1.0)])
+    assert st.counter_value("CompileTrace") == traces + 1

@@ -10,7 +10,8 @@ from shardtensor.graph.state import STATE, check_execution_allowed, has_pending,
 
 
 def sync(wait: bool = False) -> None:
-    """Compile (or fetch from the cache) and run everything pending.
+    """Compile (or fetch from the cache) and run everything pending in this thread (each thread
+    records its own graph).
 
     Example::
 
@@ -23,7 +24,8 @@ def sync(wait: bool = False) -> None:
 
 
 class eager_mode:
-    """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default).
+    """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default),
+    in the calling thread (other threads keep their own mode).
 
     Works as a call and as a context manager that restores the previous mode::
 
