@@ -73,7 +73,7 @@ class CompiledFunction:
         self.name = name or getattr(fn, "__name__", "compiled")
         self._frozen: dict = {}
         self._last_trace: dict = {}
-        self._watched: dict = {}  # signature -> the objects the last trace's replay would depend on
+        self._watched: dict = {}  # signature -> the Guard taken after its last trace
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -93,7 +93,8 @@ class CompiledFunction:
     def _trace(self, signature, flat, args, kwargs, stale=None):
         """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay."""
         counters.increment("CompileTrace")
-        previous = self._watched.get(signature)
+        last_guard = self._watched.get(signature)
+        previous = last_guard.objects() if last_guard is not None else None  # None: dropped since
         tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
         entry = Guard(previous, tensor_args) if previous is not None else None  # the state before fn runs
         monitor = _HostStateMonitor()
@@ -122,12 +123,14 @@ class CompiledFunction:
                             "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
-        self._watched[signature] = objects
+        guard = Guard(objects, tensor_args)
+        self._watched[signature] = guard
         # a trace equal to the last one freezes; so does one that differs from the frozen trace that
         # just went stale only in its Python scalars (a new learning rate): one Python run, not two
         again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
-        if trace.broken is None and (last == trace.fingerprint or again):
-            self._frozen[signature] = trace.freeze(Guard(objects, tensor_args))
+        # (and only with the state on entry known: a dropped object leaves it unknown for one call)
+        if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
+            self._frozen[signature] = trace.freeze(guard)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")

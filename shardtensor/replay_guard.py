@@ -25,15 +25,15 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import operator
 import threading
+import weakref
 
 import torch
 import torch.nn.modules.module as torch_module
 import torch.optim.optimizer as torch_optimizer
-
-from shardtensor.tensor import ShardedTensor
 
 _OURS: set = set()  # ids of the global hooks watch() registered (left out of guards)
 _GLOBAL_HOOK_DICTS = (  # torch's global hook dicts (never rebound, only mutated)
@@ -120,30 +120,54 @@ class Guard:
     taken now; ``holds(args)`` says whether it is still the same.
 
     The check runs on every frozen call, so it is made of C-level passes over flat lists (``map``
-    with attribute getters, list equality, identity tests), with torch-function handling off while
-    tensor attributes are read: well under a microsecond per parameter or module. Objects are
-    compared by identity (a gradient, a parameter, a storage cell), hook dicts by their contents,
-    flags and hyperparameters by value. The guard holds the objects it compares, so their ids
-    cannot be reused while it lives.
+    with attribute getters, list equality), with torch-function handling off while tensor
+    attributes are read: well under a microsecond per parameter or module. Objects are compared by
+    identity (a gradient, a parameter, a storage cell), hooks by their handles' ids, flags and
+    hyperparameters by value. The guard keeps nothing alive (a dropped model is freed): it holds
+    weak references, and any of those objects dying makes it fail, so an id cannot be reused.
     """
 
     def __init__(self, objects, args=()):
-        modules, optimizers, tensors = objects
-        self.modules, self.optimizers = modules, optimizers
-        self.tensors = tensors
-        self.sharded = tuple(t for t in tensors if isinstance(t, ShardedTensor))
-        self.containers = tuple(c for m in modules for c in (m._parameters, m._buffers, m._modules))
-        self.state = self._state(args, copy=True)
+        self.alive = True
+        self._refs = []  # weak references (their callbacks mark the guard dead), or the object itself
+        self.counts = tuple(map(len, objects))
+        self._roots = [self._watch(o) for o in itertools.chain(*objects)]
+        plain, identities, hooks = self._state(*objects, args)
+        for o in identities:
+            if o is not None:
+                self._watch(o)
+        self.state = plain, list(map(id, identities)), hooks
+
+    def objects(self):
+        """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
+        if not self.alive:
+            return None
+        roots = list(map(operator.call, self._roots))  # all alive: a death marks the guard dead
+        m, o, _ = self.counts
+        return tuple(roots[:m]), tuple(roots[m:m + o]), tuple(roots[m + o:])
 
     def holds(self, args=()) -> bool:
         """Whether everything is as it was when the guard was taken."""
-        plain, identities, hooks = self._state(args, copy=False)
-        return plain == self.state[0] and _same(identities, self.state[1]) and hooks == self.state[2]
+        objects = self.objects()
+        if objects is None:
+            return False
+        plain, identities, hooks = self._state(*objects, args)
+        return plain == self.state[0] and list(map(id, identities)) == self.state[1] and hooks == self.state[2]
 
-    def _state(self, args, copy):
-        """(plain values, objects compared by identity, hook dicts): copies of the hook dicts when
-        taking the guard, the live dicts when checking it."""
-        modules, tensors = self.modules, self.tensors
+    def _watch(self, obj):
+        try:
+            ref = weakref.ref(obj, self._died)
+        except TypeError:  # not weakly referenceable (a dict, say): keep it
+            ref = functools.partial(_same_object, obj)
+        self._refs.append(ref)
+        return ref
+
+    def _died(self, _ref):
+        self.alive = False
+
+    @staticmethod
+    def _state(modules, optimizers, tensors, args):
+        """(plain values, objects to compare by identity, hook ids)."""
         with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
             requires_grad = list(map(_REQUIRES_GRAD, tensors))
             grads = list(map(_GRAD, tensors))
@@ -151,12 +175,13 @@ class Guard:
             arg_requires_grad = [a.requires_grad for a in args]
             arg_grads = [a.grad if a.grad_fn is None else None for a in args]  # only a leaf's
             arg_hooks = [_HOOKS(a) for a in args]
-        identities = grads + arg_grads + list(map(_CELL, self.sharded))
-        identities += itertools.chain.from_iterable(map(dict.values, self.containers))
+        containers = list(itertools.chain.from_iterable(map(_CONTAINERS, modules)))
+        identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
+        identities += itertools.chain.from_iterable(map(dict.values, containers))
         plain = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), requires_grad, arg_requires_grad,
-                 list(map(_TRAINING, modules)), list(map(len, self.containers))]
-        for opt in self.optimizers:
-            identities.append(opt.state)
+                 list(map(_TRAINING, modules)), list(map(len, containers))]
+        for opt in optimizers:
+            plain.append(id(opt.state))  # the optimizer holds it
             plain.append(len(opt.state))
             for group in opt.param_groups:
                 identities += group["params"]
@@ -167,27 +192,24 @@ class Guard:
                             plain.append(v)
                         else:
                             identities.append(v)
-        hooks = [_global_hooks(d) for d in _GLOBAL_HOOK_DICTS]
-        hooks += itertools.chain.from_iterable(tensor_hooks + arg_hooks)
-        hooks += itertools.chain.from_iterable(map(_MODULE_HOOKS, modules))
-        for opt in self.optimizers:
-            hooks += (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
-        if copy:
-            hooks = [None if h is None else dict(h) for h in hooks]
+        # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
+        # so the ids of all hooks together say whether one was added or removed
+        dicts = list(itertools.chain.from_iterable(tensor_hooks + arg_hooks))
+        dicts += itertools.chain.from_iterable(map(_MODULE_HOOKS, modules))
+        for opt in optimizers:
+            dicts += (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
+        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
+        hooks += itertools.chain.from_iterable(filter(None, dicts))  # (None: a tensor without hooks)
         return plain, identities, hooks
 
 
-def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _global_hooks(d):
-    return {k: v for k, v in d.items() if k not in _OURS} if d else {}
+def _same_object(obj):
+    return obj
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
 _HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
-_CELL = operator.attrgetter("_cell")  # .data = ... gives a tensor another cell
+_CONTAINERS = operator.attrgetter("_parameters", "_buffers", "_modules")
 _TRAINING = operator.attrgetter("training")
 _MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

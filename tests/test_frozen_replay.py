@@ -166,3 +166,28 @@ def test_new_learning_rate_reruns_the_python_once():
     traces = st.counter_value("CompileTrace")
     _steps(ref, dev, [("lr", 0.5), ("step", 1.0), ("step", 1.0), ("step", 1.0)])
     assert st.counter_value("CompileTrace") == traces + 1
+
+
+def test_a_frozen_function_keeps_no_model_alive():
+    """What a replay checks is held weakly: a model passed in and dropped is freed."""
+    import gc
+    import weakref
+
+    reset_state()
+
+    @st.compile
+    def forward(model, x):
+        with torch.no_grad():
+            return model(x)
+
+    model = nn.Linear(6, 3).to(st.device())
+    x = torch.randn(4, 6)
+    frozen = st.counter_value("CompileFrozen") or 0
+    for _ in range(3):
+        out = forward(model, x.to(st.device()))
+    assert (st.counter_value("CompileFrozen") or 0) == frozen + 1
+    assert_close(out.cpu(), model(x.to(st.device())).detach().cpu())
+    dropped = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dropped() is None
