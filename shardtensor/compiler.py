@@ -123,14 +123,14 @@ class CompiledFunction:
                             "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
-        guard = Guard(objects, tensor_args)
-        self._watched[signature] = guard
+        exit_guard = Guard(objects, tensor_args)
+        self._watched[signature] = exit_guard
         # a trace equal to the last one freezes; so does one that differs from the frozen trace that
         # just went stale only in its Python scalars (a new learning rate): one Python run, not two
         again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
         # (and only with the state on entry known: a dropped object leaves it unknown for one call)
         if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
-            self._frozen[signature] = trace.freeze(guard)
+            self._frozen[signature] = trace.freeze(exit_guard)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")

@@ -11,8 +11,9 @@ holds and whether it is training, each optimizer's parameter groups and hyperpar
 global forward pre-hook, registered only for the trace, counting the tracing thread's calls), the
 optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
 ``Guard(objects, args)`` takes their state; a replay asks ``guard.holds(args)`` (C-level passes
-over flat lists: about 0.3 µs per parameter or module). Plain Python attributes a function reads besides these (a global ``scale = 0.5``) are
-not seen: they stay captured as they were.
+over flat lists: about a microsecond per parameter with its module, ~14 µs for a 4-layer MLP with
+SGD). Plain Python attributes a function reads besides these (a global ``scale = 0.5``) are not
+seen: they stay captured as they were.
 
 Example::
 
@@ -121,7 +122,7 @@ class Guard:
 
     The check runs on every frozen call, so it is made of C-level passes over flat lists (``map``
     with attribute getters, list equality), with torch-function handling off while tensor
-    attributes are read: well under a microsecond per parameter or module. Objects are compared by
+    attributes are read. Objects are compared by
     identity (a gradient, a parameter, a storage cell), hooks by their handles' ids, flags and
     hyperparameters by value. The guard keeps nothing alive (a dropped model is freed): it holds
     weak references, and any of those objects dying makes it fail, so an id cannot be reused.
