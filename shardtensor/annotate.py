@@ -11,7 +11,7 @@ from shardtensor.dtypes import to_torch, torch_to_numpy
 from shardtensor.graph import views
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Node, Pending
-from shardtensor.graph.state import STATE, set_concrete, set_pending
+from shardtensor.graph.state import STATE, locked, set_concrete, set_pending
 from shardtensor.mesh import Mesh
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import cell_from_host
@@ -53,6 +53,7 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
     return out
 
 
+@locked
 def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec) -> ShardedTensor:
     """Shard ``t`` in place over ``mesh`` as ``partition_spec`` and return it.
 
@@ -97,6 +98,7 @@ def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec) -> ShardedTensor
     return t
 
 
+@locked
 def clear_sharding(t: ShardedTensor) -> ShardedTensor:
     """Forget the sharding annotation of ``t`` (its data stays where it is) and return it.
 

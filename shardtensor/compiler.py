@@ -7,6 +7,14 @@ the same Python scalars, and touch no host state (no ``.item()`` on CPU tensors,
 CPU tensors such as Adam's default step counters), the program is frozen: later calls feed the
 current values in, run the executable and write the results back, running no Python of ``fn``.
 Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
+
+A frozen replay is exact: it runs only while the Python state the trace depended on is unchanged
+(``replay_guard``: gradients present on entry, ``requires_grad``, hooks, parameters, optimizer
+groups and hyperparameters, training mode, grad mode); otherwise the call runs ``fn`` again. A
+function that changes that state itself (it leaves ``.grad`` set, say) is never frozen.
+
+Threads: a compiled function may be called from several threads; each call traces in its own
+thread's state (graph/state.py), and a replay runs under the engine lock.
 """
 from __future__ import annotations
 
@@ -24,8 +32,14 @@ from shardtensor.graph.execute import Execution, assign_outputs, recover, run_ce
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
-from shardtensor.graph.state import check_execution_allowed, pending_cells
+from shardtensor.graph.state import (
+    ENGINE_LOCK,
+    check_execution_allowed,
+    others_pending,
+    pending_cells,
+)
 from shardtensor.ops.checks import checks_enabled
+from shardtensor.replay_guard import Guard, watch
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -61,6 +75,7 @@ class CompiledFunction:
         self.name = name or getattr(fn, "__name__", "compiled")
         self._frozen: dict = {}
         self._last_trace: dict = {}
+        self._watched: dict = {}  # signature -> the Guard taken after its last trace
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args, **kwargs):
@@ -70,41 +85,61 @@ class CompiledFunction:
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat, self.name)
+            with ENGINE_LOCK:
+                result = frozen.replay(flat, self.name)
             if result is not _STALE:
                 checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
-            del self._frozen[signature]
-        out = self._trace(signature, flat, args, kwargs)
+            self._frozen.pop(signature, None)
+        out = self._trace(signature, flat, args, kwargs, frozen)
         checks.verify()
         return out
 
-    def _trace(self, signature, flat, args, kwargs):
+    def _trace(self, signature, flat, args, kwargs, stale=None):
+        """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay."""
         counters.increment("CompileTrace")
+        last_guard = self._watched.get(signature)
+        previous = last_guard.objects() if last_guard is not None else None  # None: dropped since
+        tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
+        entry = Guard(previous, tensor_args) if previous is not None else None  # the state before fn runs
         monitor = _HostStateMonitor()
         guard = None
         if self.full_graph:
             guard = (f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
                      "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
                      "full_graph=False.")
-        with capture(tracing=True, guard=guard) as seen, monitor:
+        with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor:
+            monitor.watched = watched
             out = self.fn(*args, **kwargs)
         broken = seen.broken or monitor.reason
-        cells = seen.pending()  # nothing else is pending: the call started with a sync
+        cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
-        with recompile.naming(arguments, self.name):
-            execution = Execution.prepare(cells) if cells else None
-        trace = _Trace(execution, flat, out, seen.first_serial, broken)
-        if execution is not None:
-            try:
-                execution.run()
-            except Exception as error:
-                recover(cells, execution, error)
-                raise
+        with ENGINE_LOCK:
+            with recompile.naming(arguments, self.name):
+                # another thread's pending graph may read a buffer this one would donate
+                execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
+            trace = _Trace(execution, flat, out, seen.first_serial, broken)
+            if execution is not None:
+                try:
+                    execution.run()
+                except Exception as error:
+                    recover(cells, execution, error)
+                    raise
+        objects = watched.objects()
+        if trace.broken is None and previous is not None and not (
+                _same_objects(previous, objects) and entry.holds(tensor_args)):
+            trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
+                            "hooks, parameters, requires_grad, optimizer groups)")
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
-        if trace.broken is None and last is not None and last == trace.fingerprint:
-            self._frozen[signature] = trace.freeze()
+        exit_guard = Guard(objects, tensor_args)
+        self._watched[signature] = exit_guard
+        # a trace equal to the last one freezes; so does one that differs from the frozen trace that
+        # just went stale only in its Python scalars (a new learning rate): one Python run, not two
+        again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
+        # (and only with the state on entry known: a dropped object leaves it unknown for one call)
+        if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
+            self._frozen[signature] = trace.freeze(exit_guard)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and recompile.enabled():
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
@@ -112,6 +147,14 @@ class CompiledFunction:
 
 
 _STALE = object()
+
+
+def _without_scalars(fingerprint):
+    return fingerprint[:1] + fingerprint[2:]  # (key, scalars, sources, ...): see _Trace
+
+
+def _same_objects(a, b) -> bool:
+    return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
 def _signature(flat, spec):
@@ -171,8 +214,8 @@ class _Trace:
         self.fingerprint = (key, scalars, tuple(s[:2] for s in sources), tuple(targets), self.out_spec,
                             _hashable(plain_outputs))
 
-    def freeze(self):
-        return _Frozen(self)
+    def freeze(self, guard):
+        return _Frozen(self, guard)
 
 
 def _hashable(values):
@@ -194,7 +237,9 @@ def _source(cell, array, arg_cells, first_serial):
 class _Frozen:
     """A replayable trace: where each input comes from and where each output goes."""
 
-    def __init__(self, trace: _Trace):
+    def __init__(self, trace: _Trace, guard: Guard):
+        self.guard = guard  # the Python state the replay assumes (replay_guard)
+        self.fingerprint = trace.fingerprint
         ex = trace.execution
         self.executable = ex.executable if ex else None
         self.scalars = ex.scalars if ex else {}
@@ -209,6 +254,8 @@ class _Frozen:
         self.donated = set(ex.program.donated) if ex else set()
 
     def replay(self, flat, name):
+        if not self.guard.holds([x for x in flat if isinstance(x, ShardedTensor)]):
+            return _STALE  # the Python would now do something else: run it
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
         if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
@@ -232,6 +279,8 @@ class _Frozen:
         for a, sig in zip(arrays, self.leaf_sigs):
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
                 return _STALE
+        if self.donated and others_pending():
+            return _STALE  # another thread's pending graph may read a buffer the program donates
         counters.increment("CompileReplay")
         memory.check(getattr(self.executable, "memory", None), f"compiled function {name}")
         cells, results = [], list(self.out_flat)
@@ -260,9 +309,14 @@ class _HostStateMonitor(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.reason = None
+        self.watched = None  # replay_guard.Watched: notes the parameters the ops read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch._C._current_autograd_node() is None:  # backward sees saved parameters as new objects
+            for a in args:
+                if isinstance(a, ShardedTensor):
+                    self.watched.note_tensor(a)
         if self.reason is None:
             if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
                 self.reason = "it reads a CPU tensor's value (.item())"

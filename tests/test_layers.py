@@ -20,7 +20,7 @@ LAYERS = [
     ("L3", {"graph"}),
     ("L4", {"tensor"}),
     ("L5", {"dispatch"}),
-    ("L6", {"annotate", "compiler", "exporter", "explain", "debug", "nn_utils", "dynamo_backend",
+    ("L6", {"annotate", "compiler", "replay_guard", "exporter", "explain", "debug", "nn_utils", "dynamo_backend",
             "checkpoint", "distributed"}),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo"}),
 ]

@@ -31,7 +31,7 @@ class Capture:
     """What a ``capture()`` block recorded: which cells it created, which existing ones it wrote."""
 
     def __init__(self):
-        self.first_serial = Cell._next_serial  # cells made inside the block have this serial or more
+        self.first_serial = Cell.serial_mark()  # cells made inside the block have this serial or more
         self._before = {c.serial: c.version for c in pending_cells()}
         self.broken = None  # with tracing=True: why the block cannot be replayed without its Python
 

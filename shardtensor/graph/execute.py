@@ -27,7 +27,13 @@ from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
-from shardtensor.graph.state import STATE, has_only_pending, set_computed, set_failed
+from shardtensor.graph.state import (
+    ENGINE_LOCK,
+    STATE,
+    has_only_pending,
+    set_computed,
+    set_failed,
+)
 from shardtensor.graph.waiting import wait_until_ready
 from shardtensor.ops.checks import checks_enabled
 
@@ -42,9 +48,15 @@ def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
     Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
-    an earlier run raises first: nothing new runs on results that must not be used.
+    an earlier run raises first: nothing new runs on results that must not be used. Runs one at a
+    time over all threads (``ENGINE_LOCK``).
     """
-    checks.verify()
+    with ENGINE_LOCK:
+        checks.verify()
+        return _run_cells(cells, wait)
+
+
+def _run_cells(cells, wait):
     cells = [c for c in cells if c.is_pending()]
     if not cells:
         return None

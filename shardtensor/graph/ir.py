@@ -7,6 +7,7 @@ in-place ops replace the Cell's value.
 """
 from __future__ import annotations
 
+import itertools
 import weakref
 
 from shardtensor.sharding import ShardingSpec
@@ -80,7 +81,7 @@ class Cell:
 
     __slots__ = ("value", "shape", "dtype", "sharding", "version", "owned", "_leaf", "serial",
                  "layout", "root", "__weakref__")
-    _next_serial = 0
+    _serials = itertools.count()  # next() is atomic: threads creating cells never share a serial
 
     def __init__(self, value, shape, dtype, sharding: ShardingSpec | None = None, owned=False):
         self.value = value
@@ -94,8 +95,12 @@ class Cell:
         # (strides, storage offset) torch gives the value when it is seen as storage (as_strided,
         # resize_): those of the first tensor made without a view chain; None means contiguous
         self.root = None
-        self.serial = Cell._next_serial  # creation order: compile() tells old cells from new ones
-        Cell._next_serial += 1
+        self.serial = next(Cell._serials)  # creation order: compile() tells old cells from new ones
+
+    @staticmethod
+    def serial_mark() -> int:
+        """A serial below that of every cell created from now on (it uses one serial up)."""
+        return next(Cell._serials)
 
     @property
     def mesh(self):

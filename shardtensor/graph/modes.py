@@ -11,7 +11,8 @@ from shardtensor.graph.state import STATE, check_execution_allowed, has_pending,
 
 
 def sync(wait: bool = False) -> None:
-    """Compile (or fetch from the cache) and run everything pending.
+    """Compile (or fetch from the cache) and run everything pending in this thread (each thread
+    records its own graph).
 
     A failed on-device check (an index out of range, ...) raises here for the runs before this one,
     or, with ``wait=True``, for this one too.
@@ -29,7 +30,8 @@ def sync(wait: bool = False) -> None:
 
 
 class eager_mode:
-    """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default).
+    """Run each op at once (``eager_mode(True)``) or record lazily (``eager_mode(False)``, default),
+    in the calling thread (other threads keep their own mode).
 
     Works as a call and as a context manager that restores the previous mode::
 

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Cell
-from shardtensor.graph.state import set_concrete, set_pending
+from shardtensor.graph.state import locked, set_concrete, set_pending
 from shardtensor.mesh import default_mesh
 
 _CELL: Cell | None = None
@@ -28,6 +28,7 @@ def _cell() -> Cell:
     return _CELL
 
 
+@locked
 def manual_seed(seed: int) -> None:
     """Reset the key from ``seed``; kept replicated over all devices (a key committed to one device
     would make a later jit over the mesh fail).
@@ -63,6 +64,7 @@ def pending_cells() -> list:
     return [cell] if cell.is_pending() else []
 
 
+@locked
 def set_state(state: np.ndarray) -> None:
     """Restore a key saved by ``get_state`` (keeping the current layout)."""
     cell = _cell()
@@ -72,6 +74,7 @@ def set_state(state: np.ndarray) -> None:
     set_concrete(cell, key, owned=True)
 
 
+@locked
 def get_state() -> np.ndarray:
     """The current key as numpy (for checkpoints)."""
     cell = _cell()

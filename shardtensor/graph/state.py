@@ -4,24 +4,61 @@ Ops record nodes and give cells ``Pending`` values (``set_pending``); a run give
 (``set_concrete``, or the execution's outputs). ``pending_cells()`` is what the next ``sync()``
 computes. ``STATE`` holds the mode: eager, tracing (inside ``st.compile``), why a trace cannot be
 replayed, and the guard that ``compile(full_graph=True)`` sets against any execution.
+
+Threads: the mode and the pending cells are per thread (``STATE`` is a ``threading.local``), as in
+PyTorch/XLA, so each thread records and syncs its own graph. What threads share — cells, the
+executable cache, the random key — is changed only under ``ENGINE_LOCK``, which the dispatch entry,
+runs and replays hold (one op or one run at a time; Python's GIL serializes that work anyway).
+Donating a buffer is allowed only when no other thread has pending work that might read it.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import time
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
 
-_PENDING: "weakref.WeakValueDictionary[int, Cell]" = weakref.WeakValueDictionary()  # serial -> cell
+ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
+_THREAD_PENDING: list = []  # weak references to every thread's pending dict
+_EPOCH = [0]  # shared by all threads: any run invalidates every view cache
 
 
-class _State:
+def locked(fn):
+    """``fn`` runs holding ``ENGINE_LOCK`` (for entries that change shared cells outside an op)."""
+
+    @functools.wraps(fn)
+    def run_locked(*args, **kwargs):
+        with ENGINE_LOCK:
+            return fn(*args, **kwargs)
+
+    return run_locked
+
+
+class _State(threading.local):
+    """The calling thread's engine state (class attributes are each new thread's defaults)."""
+
     eager = False
     tracing = False  # inside compile(): record everything, run nothing until the end
     trace_broken = None  # why the current compile() trace cannot be replayed without Python
-    epoch = 0  # bumped by every run; view caches are valid within one epoch
     execution_guard = None  # set by compile(full_graph=True): a message to raise on any execution
     trace_start = None  # perf_counter_ns() of the first op recorded since a graph last ran
+
+    def __init__(self):
+        self.pending: weakref.WeakValueDictionary[int, Cell] = weakref.WeakValueDictionary()  # serial -> cell
+        with ENGINE_LOCK:
+            _THREAD_PENDING[:] = [r for r in _THREAD_PENDING if r() is not None]
+            _THREAD_PENDING.append(weakref.ref(self.pending))
+
+    @property
+    def epoch(self) -> int:
+        """Bumped by every run (in any thread); view caches are valid within one epoch."""
+        return _EPOCH[0]
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        _EPOCH[0] = value
 
 
 STATE = _State()
@@ -33,7 +70,8 @@ class UnexpectedExecutionError(RuntimeError):
 
 def set_pending(cell: Cell, ref: Pending) -> None:
     """Give ``cell`` a new (lazy) value."""
-    if STATE.trace_start is None or not _PENDING.data:  # the first op of a new graph (.data: C-speed test)
+    pending = STATE.pending
+    if STATE.trace_start is None or not pending.data:  # the first op of a new graph (.data: C-speed test)
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
     if cell.sharding is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
@@ -43,7 +81,7 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     cell.value = ref
     cell.version += 1
     cell._leaf = None
-    _PENDING[cell.serial] = cell
+    pending[cell.serial] = cell
 
 
 def set_concrete(cell: Cell, array, owned: bool) -> None:
@@ -52,14 +90,14 @@ def set_concrete(cell: Cell, array, owned: bool) -> None:
     cell.version += 1
     cell._leaf = None
     cell.owned = owned
-    _PENDING.pop(cell.serial, None)
+    STATE.pending.pop(cell.serial, None)
 
 
 def set_failed(cell: Cell, failed) -> None:
     """Give ``cell`` the ``Failed`` value of a graph that could not compute it."""
     cell.value = failed
     cell._leaf = None
-    _PENDING.pop(cell.serial, None)
+    STATE.pending.pop(cell.serial, None)
 
 
 def set_computed(cell: Cell, array, owned: bool) -> None:
@@ -67,24 +105,27 @@ def set_computed(cell: Cell, array, owned: bool) -> None:
     cell.value = array
     cell._leaf = None
     cell.owned = owned
-    _PENDING.pop(cell.serial, None)
+    STATE.pending.pop(cell.serial, None)
 
 
 def pending_cells() -> list:
-    """Every live cell with a pending value, oldest first (a stable order keeps graph keys stable)."""
-    items = list(_PENDING.items())
+    """Every live cell this thread left pending, oldest first (a stable order keeps graph keys stable).
+
+    (A cell another thread has computed since is left out.)
+    """
+    items = list(STATE.pending.items())
     items.sort(key=lambda kv: kv[0])
-    return [c for _, c in items]
+    return [c for _, c in items if c.is_pending()]
 
 
 def has_pending() -> bool:
-    """Whether any live cell's value is pending."""
-    return bool(_PENDING)
+    """Whether any live cell this thread recorded is still pending."""
+    return any(c.is_pending() for c in STATE.pending.values())
 
 
 def forget_pending() -> None:
-    """Drop every pending value (tests reset the engine between cases with it)."""
-    _PENDING.clear()
+    """Drop this thread's pending values (tests reset the engine between cases with it)."""
+    STATE.pending.clear()
 
 
 def check_execution_allowed(what: str) -> None:
@@ -97,6 +138,20 @@ def check_execution_allowed(what: str) -> None:
 
 
 def has_only_pending(cells) -> bool:
-    """Whether ``cells`` are all the cells whose values are pending (nothing else needs this graph's inputs)."""
+    """Whether ``cells`` are all the cells whose values are pending, in every thread (nothing else
+    needs this graph's inputs, so they may be donated)."""
     chosen = {id(c) for c in cells}
-    return all(id(c) in chosen for c in _PENDING.values())
+    mine = STATE.pending
+    if not all(id(c) in chosen or not c.is_pending() for c in mine.values()):
+        return False
+    return not others_pending(mine)
+
+
+def others_pending(mine=None) -> bool:
+    """Whether a thread other than this one has pending values (which may read any buffer)."""
+    mine = STATE.pending if mine is None else mine
+    for ref in _THREAD_PENDING:
+        other = ref()
+        if other is not None and other is not mine and any(c.is_pending() for c in list(other.values())):
+            return True
+    return False

@@ -82,8 +82,31 @@ def _engine_wrapper(run):
     return run_backward
 
 
+_CPU = torch.device("cpu")
+
+
+def _on_calling_thread(run):
+    """torch's ``_engine_run_backward``, running backward on the calling thread.
+
+    torch's engine runs a non-CPU device's backward ops on its own device thread, shared by every
+    thread's backward. shardtensor keeps its mode and pending graph per thread (graph/state.py), so
+    the ops of a backward must be recorded by the thread that called it: multithreaded backward is
+    turned off for the call (torch's own switch, a thread-local flag; CPU backward always runs on
+    the calling thread anyway). Roots on another device (CUDA) keep torch's default."""
+
+    @functools.wraps(run)
+    def run_backward(t_outputs, *args, **kwargs):
+        ours = ("cpu", torch._C._get_privateuse1_backend_name())  # the name st.device() was given
+        if not all(getattr(t, "device", _CPU).type in ours for t in t_outputs):
+            return run(t_outputs, *args, **kwargs)
+        with torch.autograd.set_multithreading_enabled(False):
+            return run(t_outputs, *args, **kwargs)
+
+    return run_backward
+
+
 def install():
     """Wrap torch's backward engine (once, when the device is installed)."""
-    wrapped = _engine_wrapper(_run_engine_then_wait(torch.autograd.graph._engine_run_backward))
+    wrapped = _engine_wrapper(_on_calling_thread(_run_engine_then_wait(torch.autograd.graph._engine_run_backward)))
     torch.autograd.graph._engine_run_backward = wrapped
     torch.autograd._engine_run_backward = wrapped
