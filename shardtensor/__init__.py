@@ -38,3 +38,27 @@ from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 
 P = PartitionSpec
+
+__all__ = [
+    # runtime and processes
+    "use_spmd", "is_spmd", "global_runtime_device_count", "addressable_runtime_device_count",
+    "global_runtime_device_attributes", "runtime_device_attributes", "process_index", "process_count",
+    "initialize_cache",
+    # meshes and specs
+    "Mesh", "HybridMesh", "MeshError", "get_1d_mesh", "set_global_mesh", "get_global_mesh",
+    "PartitionSpec", "P", "ShardingSpec", "ShardingSpecError", "ShardingType",
+    # tensors and the device
+    "ShardedTensor", "Shard", "device", "devices", "shard", "mark_sharding", "clear_sharding",
+    # execution
+    "sync", "step", "eager_mode", "is_eager_mode", "UnexpectedExecutionError", "clear_executables",
+    "executable_cache_size", "set_executable_cache_size", "manual_seed", "RecompilationWarning",
+    "set_checks", "checks_enabled", "OutOfDeviceMemoryError", "set_device_memory_limit", "device_memory_limit",
+    "ExecutionFailedError", "compile", "CompiledFunction", "export", "deserialize", "ExportedProgram",
+    "ExportError",
+    # metrics
+    "counter_value", "counter_names", "counters", "clear_counters", "metrics_report", "short_metrics_report",
+    "metric_data", "metric_names", "clear_metrics", "clear_all",
+    # data, utilities, debugging
+    "MpDeviceLoader", "clip_grad_norm_", "visualize_sharding", "visualize_tensor_sharding", "explain",
+    "Explanation",
+]

@@ -199,7 +199,7 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
 def train(steps: int = DEFAULT_STEPS, mode: str = "lazy", mesh_shape=(8, 1), seed: int = 0,
           progress: bool = True) -> Result:
     """Train the FSDPv2-wrapped GPT for ``steps`` steps in ``mode`` on a mesh of ``mesh_shape``."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in a terminal
 
     mesh_shape = tuple(mesh_shape)
     axes = ("fsdp", "model")[: len(mesh_shape)]

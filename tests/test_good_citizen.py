@@ -102,3 +102,29 @@ def test_ninja_is_found_without_an_activated_venv(monkeypatch, tmp_path):
     with device._ninja_on_path():
         assert os.environ["PATH"].split(os.pathsep)[0] == str(fake_bin)
     assert os.environ.get("PATH") == path
+
+
+# ------------------------------------------------------------------ the first run says what it does
+def test_a_slow_compile_is_logged_at_info_under_the_shardtensor_logger(monkeypatch, caplog):
+    import logging
+
+    from shardtensor.graph import execute
+
+    monkeypatch.setattr(execute, "SLOW_COMPILE_SECONDS", 0.0)  # every compile counts as slow here
+    x = torch.arange(8.0).to(st.device())
+    with caplog.at_level(logging.INFO, logger="shardtensor"):
+        assert torch.equal((x * 3 + 1.5).cpu(), torch.arange(8.0) * 3 + 1.5)
+    said = [r for r in caplog.records if r.name == "shardtensor" and r.levelno == logging.INFO]
+    assert said and "compiled a program of" in said[-1].getMessage() and " s;" in said[-1].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="shardtensor"):  # the user's level decides
+        (x * 5 - 1).cpu()
+    assert not [r for r in caplog.records if r.name == "shardtensor"]
+
+
+def test_the_demo_progress_bar_is_a_jupyter_widget_there():
+    import inspect
+
+    from shardtensor import demo
+
+    assert "from tqdm.auto import tqdm" in inspect.getsource(demo)

@@ -25,3 +25,13 @@ def test_declared_torch_range_is_the_tested_one():
     assert torch_dep == "torch>=2.13,<2.14"
     assert torch.__version__.startswith("2.13")
     assert "**Supported versions.**" in (ROOT / "README.md").read_text()
+
+
+def test_all_names_the_public_api():
+    import shardtensor as st
+
+    assert len(st.__all__) == len(set(st.__all__))
+    for name in st.__all__:
+        assert hasattr(st, name), name
+    public = {n for n, v in vars(st).items() if not n.startswith("_") and not isinstance(v, type(st))}
+    assert public <= set(st.__all__), sorted(public - set(st.__all__))

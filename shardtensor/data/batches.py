@@ -10,6 +10,7 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import jax
@@ -59,6 +60,7 @@ class Layouts:
         self.default_mesh = get_global_mesh() or get_1d_mesh()  # replicated tensors without a spec
         for mesh in {self.default_mesh, *(s.mesh for s in specs)}:
             mesh.get_jax_mesh()  # built (and cached) here, not concurrently on a worker thread
+        self._warned_ranks: set = set()  # (spec, rank) pairs already reported as replicated
         index = runtime.process_index()
         self.local_device_ids = tuple(
             a["id"] for a in runtime.global_runtime_device_attributes() if a["process_index"] == index)
@@ -91,9 +93,23 @@ class Layouts:
             mesh, stored_spec = spec.mesh, tuple(spec.partition_spec)
             array = upload(host, mesh, stored_spec, shape, tiles)
         else:  # no spec, or one of another rank: replicated (its layout left to XLA later)
+            if spec is not None:
+                self._warn_replicated(spec, leaf)
             mesh, stored_spec, shape = (spec.mesh if spec is not None else self.default_mesh), None, host.shape
             array = upload(host, mesh, (None,) * host.ndim, shape, None)
         return Uploaded(array, tuple(shape), leaf.dtype, mesh, stored_spec, leaf.requires_grad)
+
+    def _warn_replicated(self, spec: ShardingSpec, leaf: torch.Tensor) -> None:
+        # PyTorch/XLA's rule (a spec applies to tensors of its rank only) is kept, but said once
+        key = (id(spec), leaf.dim())
+        if key in self._warned_ranks:
+            return
+        self._warned_ranks.add(key)
+        warnings.warn(
+            f"MpDeviceLoader: input_sharding's ShardingSpec has {len(spec.partition_spec)} dimension(s) but a "
+            f"batch tensor of shape {tuple(leaf.shape)} has {leaf.dim()}: that tensor is uploaded replicated. "
+            "Give a spec of its rank (a dict of specs for dict batches) to shard it.",
+            UserWarning, stacklevel=2)
 
 
 def _specs(input_sharding) -> list:

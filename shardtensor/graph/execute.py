@@ -13,6 +13,7 @@ when its buffer is intact (it was not donated, or the program never ran).
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 
@@ -231,6 +232,7 @@ class Execution:
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
                 compiled = fn.lower(*_call_arguments(program, arrays, scalars)).compile()
             _COMPILE_TIME.add_since(start)
+            _log_slow_compile(program, time.perf_counter_ns() - start)
             fn.memory = memory.analyse(compiled, program.mesh)
             _EXECUTABLES[program.key] = fn
         else:
@@ -256,6 +258,18 @@ class Execution:
         """id(cell) -> the array each cell this run overwrites had before it (its input buffer)."""
         overwritten = {id(c) for c in self.cells}
         return {id(c): a for c, a in zip(self.leaf_cells, self.arrays) if c is not None and id(c) in overwritten}
+
+
+_LOG = logging.getLogger("shardtensor")
+SLOW_COMPILE_SECONDS = 2.0  # a compile this long is said (INFO), so a long first step is explained
+
+
+def _log_slow_compile(program, elapsed_ns: int) -> None:
+    seconds = elapsed_ns / 1e9
+    if seconds >= SLOW_COMPILE_SECONDS:
+        _LOG.info("compiled a program of %d ops (%d inputs, %d outputs) on a mesh of %d devices in %.1f s; "
+                  "later calls with the same shapes reuse it", len(program.steps), len(program.key[2]),
+                  len(program.outputs), program.mesh.size if program.mesh is not None else 1, seconds)
 
 
 _SCALAR_CACHE: dict = {}
