@@ -30,6 +30,10 @@ from shardtensor import dtypes  # noqa: E402
 from shardtensor.ops import registry  # noqa: E402
 
 aten = torch.ops.aten
+# tolerances shared by the lowering tests: float64 lowerings against torch's float64 kernels, and
+# bfloat16 results (8 significant bits)
+TIGHT = {"rtol": 1e-9, "atol": 1e-9}
+BF16 = {"rtol": 2e-2, "atol": 2e-2}
 EAGER = False  # Batch: True computes values op by op (slower here than one jit compile per batch)
 
 

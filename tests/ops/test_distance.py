@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import aten, check, deferred_checks, randn, TIGHT  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
-TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
 r = functools.partial(randn, dtype=F64)

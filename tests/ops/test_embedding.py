@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
-TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
 r = functools.partial(randn, dtype=F64)

@@ -8,13 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, BF16, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
 F64 = torch.float64
-BF16 = {"rtol": 2e-2, "atol": 2e-2}
-TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
 r = randn  # float32 normal samples

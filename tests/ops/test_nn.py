@@ -5,10 +5,9 @@ import jax
 import numpy as np
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
-TIGHT = {"rtol": 1e-9, "atol": 1e-9}
 
 
 r = functools.partial(randn, dtype=F64)

@@ -5,12 +5,11 @@ import functools
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import aten, BF16, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
 F64 = torch.float64
-BF16 = {"rtol": 2e-2, "atol": 2e-2}
 
 
 r = randn  # float32 normal samples
