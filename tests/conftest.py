@@ -2,8 +2,10 @@
 
 The suite compiles thousands of small programs, and XLA's CPU code generation for each is most of
 its time: tests compile with LLVM's cheap settings (``xla_backend_optimization_level=0``, no
-expensive passes) and XLA's older, quicker CPU fusion emitter (``xla_cpu_use_fusion_emitters=false``:
-half the compile time of a small program). XLA's own passes (sharding propagation, SPMD
+expensive passes), XLA's older, quicker CPU fusion emitter (``xla_cpu_use_fusion_emitters=false``:
+half the compile time of a small program) and one LLVM module per program
+(``xla_cpu_parallel_codegen_split_count=1``: the split is for idle cores, and xdist's workers already
+use them all; a fifth less compile time). XLA's own passes (sharding propagation, SPMD
 partitioning, simplification, fusion) run as for a user, so every lowering and partitioning result
 is still checked, and no reference depends on how the code generator fuses multiply-adds; the demo
 and the benches compile with the defaults. Set ``SHARDTENSOR_TEST_FULL_OPT=1`` to run the suite
@@ -19,7 +21,7 @@ if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flag
 _compile_flags = []
 if not os.environ.get("SHARDTENSOR_TEST_FULL_OPT"):
     for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                  "--xla_cpu_use_fusion_emitters=false"):
+                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"):
         if not any(f.startswith(_flag.split("=")[0]) for f in _flags):
             _flags.append(_flag)
             _compile_flags.append(_flag)
