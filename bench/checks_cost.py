@@ -25,6 +25,8 @@ os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 
 import train_vs_jax as tvj  # noqa: E402  (the GPT, its batches and the shardtensor training step)
 
+# isort: split
+
 import torch  # noqa: E402
 
 import shardtensor as st  # noqa: E402

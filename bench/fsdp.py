@@ -50,11 +50,14 @@ os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 import fsdp_memory  # noqa: E402  (compiled_step, memory_mib)
 import train_vs_jax as tvj  # noqa: E402  (the GPT, its JAX twin, JaxRun, ProgramSpy, collectives)
 
+# isort: split
+
 import jax  # noqa: E402
 import torch  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
+
 
 def fsdp_gpt(state_dict, mesh, checkpointed=False):
     """train_vs_jax's GPT with ``state_dict``, each Block auto-wrapped in FSDPv2 (and checkpointed)."""

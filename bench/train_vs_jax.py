@@ -32,11 +32,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as JP  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as JP  # noqa: E402
 
 import shardtensor as st  # noqa: E402
-from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 from shardtensor.explain import collectives_in_hlo  # noqa: E402
+from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 

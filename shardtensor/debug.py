@@ -26,6 +26,7 @@ from shardtensor.mesh import Mesh
 from shardtensor.sharding import ParsedSharding, array_sharding, parse_sharding_string  # noqa: F401
 from shardtensor.tensor import ShardedTensor
 
+
 def tensor_sharding(t: ShardedTensor) -> tuple[str, Mesh | None, sh.PartitionSpec | None]:
     """(sharding string, mesh, spec) of ``t``'s stored value.
 

@@ -48,7 +48,7 @@ class ExportError(RuntimeError):
     """The function cannot be exported as it is (the message says what to change)."""
 
 
-def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
+def export(fn, *example_args, **example_kwargs) -> ExportedProgram:
     """Trace ``fn(*example_args, **example_kwargs)`` into one program with its shardings.
 
     Tensor arguments must be ShardedTensors (their sharding is the input sharding of the program);
@@ -111,7 +111,7 @@ MAX_SIZE = 2**30  # default bound on what st.deserialize inflates: 1 GiB
 _MEMBERS = ("meta.json", "program.bin", "values.npz")
 
 
-def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> "ExportedProgram":
+def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> ExportedProgram:
     """Load what ``ExportedProgram.serialize()`` wrote; the result is callable like the function.
 
     The bytes may come from anywhere: an archive that declares or inflates to more than ``max_size``

@@ -18,11 +18,11 @@ import re
 from collections import OrderedDict, defaultdict
 
 import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType
+from jax.sharding import Mesh as JaxMesh
 
-from shardtensor import runtime  # (configures jax before it is imported)
-from jax.experimental import mesh_utils  # noqa: E402,I001
-from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import Mesh as JaxMesh  # noqa: E402
+from shardtensor import runtime  # jax is configured already: the package's __init__ imports runtime first
 
 
 class MeshError(AssertionError, ValueError):

@@ -11,8 +11,19 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    CNN, CNN_SPECS, MLP, MLP_SPECS, cnn_batches, fresh_executable_cache, make_pair, mesh_1x8, mesh_4x2,
-    mesh_8, mlp_batches, reset_state, shard_params,
+    CNN,
+    CNN_SPECS,
+    MLP,
+    MLP_SPECS,
+    cnn_batches,
+    fresh_executable_cache,
+    make_pair,
+    mesh_1x8,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    shard_params,
 )
 
 

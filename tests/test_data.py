@@ -17,10 +17,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _training_helpers import MLP, fresh_executable_cache, reset_state
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardtensor as st
+from _training_helpers import MLP, fresh_executable_cache, reset_state
 from shardtensor.sharding import minibatch_local_tiles
 
 MESH_8 = st.Mesh(range(8), (8,), ("data",))

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import functools
 import math
-import typing
 
 import pytest
 import torch
@@ -18,7 +17,11 @@ import torch.nn.functional as F
 import shardtensor as st
 from _training_helpers import reset_state
 from shardtensor.fsdp import (
-    FSDPv2, batch_output_sharder, checkpoint_module, optimization_barrier, size_based_auto_wrap_policy,
+    FSDPv2,
+    batch_output_sharder,
+    checkpoint_module,
+    optimization_barrier,
+    size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
 
@@ -311,9 +314,9 @@ class ModelOutputBase(collections.OrderedDict):
 
 @dataclasses.dataclass
 class CausalLMOutput(ModelOutputBase):
-    loss: typing.Optional[torch.Tensor] = None
+    loss: torch.Tensor | None = None
     logits: torch.Tensor = None
-    hidden_states: typing.Optional[tuple] = None
+    hidden_states: tuple | None = None
 
 
 @dataclasses.dataclass

@@ -6,9 +6,9 @@ from collections import OrderedDict
 from unittest import mock
 
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
 import pytest
+from jax.experimental import mesh_utils
 
 import shardtensor.mesh as sm
 from shardtensor.mesh import HybridMesh, Mesh, MeshError

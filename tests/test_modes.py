@@ -6,7 +6,15 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    MLP, MLP_SPECS, fresh_executable_cache, make_pair, mesh_4x2, mesh_8, mlp_batches, reset_state, shard_params,
+    MLP,
+    MLP_SPECS,
+    fresh_executable_cache,
+    make_pair,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    shard_params,
 )
 
 
@@ -118,10 +126,9 @@ def test_step_syncs_at_normal_exit():
 
 def test_step_does_not_sync_when_block_raises():
     a, x = _x()
-    with pytest.raises(ValueError, match="boom"):
-        with st.step():
-            y = x + 1
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), st.step():
+        y = x + 1
+        raise ValueError("boom")
     assert n("MarkStep") == 0
     assert n("ExecuteReplicated") == 0
     # the recorded work is still there and runs when needed

@@ -14,9 +14,29 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    CNN, CNN_SPECS, LM_SPECS_2x2x2, LM_SPECS_4x2, MLP, MLP_SPECS, TinyLM, assert_sharding_kept,
-    assert_trained_alike, cnn_batches, lm_batches, lm_loss, make_pair, mesh_1x8, mesh_2x2x2, mesh_4x2,
-    fresh_executable_cache, mesh_8, mlp_batches, reset_state, run_both, shard_batches, shard_params,
+    CNN,
+    CNN_SPECS,
+    MLP,
+    MLP_SPECS,
+    LM_SPECS_2x2x2,
+    LM_SPECS_4x2,
+    TinyLM,
+    assert_sharding_kept,
+    assert_trained_alike,
+    cnn_batches,
+    fresh_executable_cache,
+    lm_batches,
+    lm_loss,
+    make_pair,
+    mesh_1x8,
+    mesh_2x2x2,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    run_both,
+    shard_batches,
+    shard_params,
 )
 
 MODES = ["lazy", "eager", "compile"]

@@ -6,7 +6,8 @@ inserts the all-gathers (forward, backward) and reduce-scatters (gradients) itse
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn

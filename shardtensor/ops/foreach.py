@@ -26,7 +26,7 @@ def _fn(op):
 # ----------------------------------------------------------------------------------------------
 # unary
 # ----------------------------------------------------------------------------------------------
-_UNARY = ("abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "
+_UNARY = ("abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "  # noqa: SIM905 (reads best as one list)
           "neg reciprocal round rsqrt sigmoid sign sin sinh sqrt tan tanh trunc").split()
 
 

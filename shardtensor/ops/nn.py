@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import torch
 
 from shardtensor.ops import attention, conv, distance, embedding, loss, norm, pooling, resize, sampling  # noqa: F401
-from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

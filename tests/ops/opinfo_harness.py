@@ -30,12 +30,11 @@ import pathlib
 import random
 
 import numpy as np
-
 import torch
 from torch.testing._internal import common_utils
 from torch.testing._internal.common_methods_invocations import op_db
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 import shardtensor as st
 
@@ -467,9 +466,10 @@ def ids_of(kind) -> list[str]:
 def family(op) -> str:
     """Which shardtensor/ops/<family>.py lowers the first aten op the OpInfo entry hits in eager torch;
     'decomposed' if that op has no lowering but a torch decomposition, 'other' otherwise."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from shardtensor.ops.registry import lookup
     import torch._decomp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardtensor.ops.registry import lookup
 
     hits = []
 

@@ -3,7 +3,7 @@ then through the dispatcher: spatially sharded kernels, bfloat16 bias rounding."
 import pytest
 import torch
 
-from _lowering_harness import aten, BF16, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, aten, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 

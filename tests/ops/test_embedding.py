@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
+
+from _lowering_harness import TIGHT, assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 

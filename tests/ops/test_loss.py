@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, BF16, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, TIGHT, assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 

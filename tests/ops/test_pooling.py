@@ -2,10 +2,11 @@
 against eager torch on CPU, forward and backward ops; then bfloat16 adaptive average pooling through
 sharded tensors."""
 import functools
+
 import pytest
 import torch
 
-from _lowering_harness import aten, BF16, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 

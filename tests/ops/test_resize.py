@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from _lowering_harness import aten, BF16, check, deferred_checks, randn, TIGHT  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, TIGHT, aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
