@@ -341,9 +341,9 @@ def bench(kind, steps):
     print(f"tracing: lazy records {trace_ratio:.2f}x"
           " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
           f"traces (CompileReplay={st.counter_value('CompileReplay')})")
-    print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
-    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
-                                     for k, l in losses.items() if k != "jax"})
+    print("losses (first 3):", {k: [round(v, 5) for v in run[:3]] for k, run in losses.items()})
+    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}"
+                                     for k, run in losses.items() if k != "jax"})
     x, y = batches[-1]
     print("collectives (count, per-device result bytes):")
     print(f"  jax      {describe(collectives(runs['jax'].hlo(x, y)))}")

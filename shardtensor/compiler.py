@@ -203,7 +203,7 @@ class _Trace:
                 else:
                     targets.append(("new", new_count))
                     new_count += 1
-        for i, x in enumerate(self.out_flat):
+        for x in self.out_flat:
             if isinstance(x, ShardedTensor) and id(x._cell) in returned and not (
                     execution and any(c is x._cell for c in execution.cells)):
                 self.broken = self.broken or "it returns a tensor it did not compute"

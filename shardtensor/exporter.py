@@ -83,7 +83,7 @@ def export(fn, *example_args, **example_kwargs) -> ExportedProgram:
     jitted = _with_output_shardings(lowered)
     arg_of_cell = {id(a._cell): i for i, a in enumerate(flat_args) if isinstance(a, ShardedTensor)}
     inputs, constants = [], []
-    for k, (array, cell) in enumerate(zip(arrays, leaf_cells)):
+    for k, (_array, cell) in enumerate(zip(arrays, leaf_cells)):
         if cell is not None and id(cell) in arg_of_cell and not flat_args[arg_of_cell[id(cell)]]._chain:
             inputs.append((k, arg_of_cell[id(cell)]))
         else:

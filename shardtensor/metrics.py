@@ -61,7 +61,7 @@ def counter_value(name: str) -> int | None:
 
         counter_value("CachedCompile")
     """
-    return _COUNTS[name] if name in _COUNTS else None
+    return _COUNTS.get(name)
 
 
 def counter_names() -> list[str]:

@@ -250,7 +250,7 @@ def test_uneven_scalar_and_tie_rules():
     out.sum().backward()
     expected.sum().backward()
     for (name, p_ref), p in zip(ref.named_parameters(), m.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, msg=lambda s, name=name: f"{name}: {s}")
 
 
 def test_parameters_already_sharded_are_left_alone():
@@ -374,7 +374,8 @@ def test_default_shard_output_structures(kind):
         got, want = [out[0], *out[1]], [expected[0], *expected[1]]
     elif kind == "dict":
         assert spec(out["logits"]) == batch and spec(out["other"]) is None and out["n"] == 3
-        got, want = [out["logits"], out["other"], out["loss"]], [expected["logits"], expected["other"], expected["loss"]]
+        got = [out["logits"], out["other"], out["loss"]]
+        want = [expected["logits"], expected["other"], expected["loss"]]
     elif kind == "namedtuple":
         assert type(out) is Pair and spec(out.first) == batch and spec(out.second) is None
         got, want = list(out), list(expected)
@@ -713,7 +714,7 @@ def test_training_matches_eager_and_shards_parameters(ckpt, steps):
     losses = [loss.item() for loss in losses]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda s, name=name: f"{name}: {s}")
     assert spec(model.module.blocks[0].module.fc1.weight) == ("fsdp", None)  # 64x16, kept through training
 
 

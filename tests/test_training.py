@@ -77,7 +77,7 @@ def _assert_optimizer_state_alike(ref_opt, dev_opt, ref_params, dev_params):
             got = s_dev[k]
             got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
             torch.testing.assert_close(got, torch.as_tensor(s_ref[k]), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name} {k}: {m}")
+                                       msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
 
 
 def _assert_no_compile_after_warmup(mode, compiles):

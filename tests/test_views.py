@@ -476,7 +476,7 @@ def test_select_write_after_slice_write_on_row_sharded_tensor(eager):
             x[1].add_(5)
             t[1:].mul_(3)
             t[1].add_(5)
-            assert_close(x.cpu(), t, msg=lambda m: f"spec {spec}: {m}")
+            assert_close(x.cpu(), t, msg=lambda m, spec=spec: f"spec {spec}: {m}")
 
 
 @modes()

@@ -162,9 +162,10 @@ class _RecentParameterGradients:
 
     def watch_parameters(self, module: nn.Module):
         for p in module.parameters():
-            ref = self.watched.get(id(p))
+            key = id(p)
+            ref = self.watched.get(key)
             if p.requires_grad and isinstance(p, st.ShardedTensor) and (ref is None or ref() is not p):
-                self.watched[id(p)] = weakref.ref(p, lambda _, key=id(p): self.watched.pop(key, None))
+                self.watched[key] = weakref.ref(p, lambda _, key=key: self.watched.pop(key, None))
                 p.register_hook(self._keep)
 
     def _keep(self, grad):

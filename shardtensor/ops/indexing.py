@@ -366,7 +366,10 @@ def masked_scatter(x, mask, source):
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     flat_src = source.reshape(-1).astype(x.dtype)
     pos = jnp.cumsum(m.astype(jnp.int64)) - 1
-    vals = flat_src[jnp.clip(pos, 0, max(flat_src.shape[0] - 1, 0))] if flat_src.shape[0] else jnp.zeros_like(pos, x.dtype)
+    if flat_src.shape[0]:
+        vals = flat_src[jnp.clip(pos, 0, max(flat_src.shape[0] - 1, 0))]
+    else:
+        vals = jnp.zeros_like(pos, x.dtype)
     return jnp.where(m, vals, jnp.broadcast_to(x, shape).reshape(-1)).reshape(shape)
 
 

@@ -247,7 +247,7 @@ def _compare(got, want, op, what, values=True, exact=None):
                 continue
             w = _closer_of(g.detach(), w.detach(), e, rtol, atol)
             torch.testing.assert_close(g.detach(), w, rtol=rtol, atol=atol, equal_nan=True,
-                                       msg=lambda m: f"{what}[{i}]: {m}")
+                                       msg=lambda m, i=i: f"{what}[{i}]: {m}")
         elif isinstance(w, float) and isinstance(g, float):
             if values:
                 torch.testing.assert_close(g, w, rtol=BASE_TOL[torch.float32][0],
@@ -370,12 +370,12 @@ def check_inplace(op):
             continue
         try:
             want, drew_random = _eager(fn, sample)
-        except Exception:  # noqa: BLE001  (torch refuses this sample in place: so must we)
+        except Exception as torch_error:  # noqa: BLE001  (torch refuses this sample in place: so must we)
             try:
                 _run_sharded(op, fn, sample)
             except Exception:  # noqa: BLE001
                 continue
-            raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not")
+            raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not") from torch_error
         values = not drew_random
         inp, args, kwargs = _sharded_args(op, sample)
         got = fn(inp, *args, **kwargs)

@@ -39,7 +39,7 @@ def draws(*calls, key=KEY):
 
     outs = jax.jit(f)(key)
     results = []
-    for (op, low, args, kwargs), out in zip(norm, outs):
+    for (op, _low, args, kwargs), out in zip(norm, outs):
         want = op(*args, **kwargs)
         pairs = zip(out, want) if isinstance(want, tuple) else [(out, want)]
         res = []
