@@ -262,7 +262,9 @@ class ShardtensorRun:
 
 class JaxRun:
     def __init__(self, kind, state_dict, jmesh, remat=False):
-        shard = lambda a: jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))  # noqa: E731
+        def shard(a):
+            return jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))
+
         self.params = {k: shard(jnp.asarray(v.numpy())) for k, v in state_dict.items()}
         self.m = {k: jnp.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: jnp.zeros_like(v) for k, v in self.params.items()}
@@ -290,8 +292,9 @@ class JaxRun:
         self.trace_seconds.append(time.perf_counter() - t0)
 
     def _batch(self, x, y):
-        put = lambda a: jax.device_put(a.numpy(), NamedSharding(  # noqa: E731
-            self.jmesh, JP("fsdp", *([None] * (a.dim() - 1)))))
+        def put(a):
+            return jax.device_put(a.numpy(), NamedSharding(self.jmesh, JP("fsdp", *([None] * (a.dim() - 1)))))
+
         return put(x), put(y)
 
     def __call__(self, x, y):
