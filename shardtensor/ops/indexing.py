@@ -12,6 +12,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,7 +285,7 @@ def _reduce_into(x, reduce, include_self, scatter_fn):
     elif reduce == "amin":
         ident = _highest(x.dtype)
     base = x
-    hit = None
+    hit: Any = None  # per element: how many indices hit it (when needed)
     if not include_self or reduce == "mean":
         hit = scatter_fn(jnp.zeros(x.shape, jnp.int64), "add", jnp.ones((), jnp.int64))
     if not include_self:

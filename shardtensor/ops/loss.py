@@ -64,7 +64,10 @@ def _target_mask(target, nclass, cdim, ndim):
     onehot = jnp.expand_dims(target, cdim) == classes
     trace = getattr(target, "_trace", None)
     if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
-        _ONEHOTS[key] = (weakref.ref(target, lambda _, k=key, memo=_ONEHOTS: memo.pop(k, None)), onehot)
+        def forget(_ref, k=key, memo=_ONEHOTS):
+            memo.pop(k, None)
+
+        _ONEHOTS[key] = (weakref.ref(target, forget), onehot)
     return onehot
 
 

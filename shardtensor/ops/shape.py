@@ -162,8 +162,12 @@ def _transpose_2d(x):
         return src
     out = x.T
     key = id(out)
+
+    def forget(_ref, k=key, memo=_TRANSPOSED):
+        memo.pop(k, None)
+
     with contextlib.suppress(TypeError):  # a value that takes no weak reference: simply not folded
-        _TRANSPOSED[key] = (weakref.ref(out, lambda _, k=key, memo=_TRANSPOSED: memo.pop(k, None)), weakref.ref(x))
+        _TRANSPOSED[key] = (weakref.ref(out, forget), weakref.ref(x))
     return out
 
 
