@@ -79,3 +79,11 @@ def test_public_api_is_annotated():
             missing[name] = _unannotated(obj)
     assert not missing, missing
 
+
+def test_lint_and_type_check_configuration():
+    """ruff and mypy are configured as the package promises (make lint runs both, make test too)."""
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]
+    assert tool["ruff"]["line-length"] == 120
+    assert {"E", "F", "W", "B", "UP", "I", "SIM"} <= set(tool["ruff"]["lint"]["select"])
+    assert tool["mypy"]["check_untyped_defs"] is True and tool["mypy"]["files"] == ["shardtensor"]
+    assert "lint" in (ROOT / "Makefile").read_text().split("\ntest:")[1].split("\n")[0]
