@@ -2,7 +2,7 @@
 #
 #   make demo    create .venv if missing, install, then run `python -m shardtensor.demo`
 #   make test    create .venv if missing, install, then `make lint` and the whole test suite
-#   make lint    ruff check, ruff format --check and mypy (configured in pyproject.toml)
+#   make lint    ruff check, mypy and ruff format --check (configured in pyproject.toml)
 #   make bench   create .venv if missing, install, then run bench/overhead.py
 #
 # Variables (override on the command line, e.g. `make test PYTEST_ARGS='-k mesh -x'`):
@@ -48,8 +48,8 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINT_PATHS)
-	$(PY) -m ruff format --check $(LINT_PATHS)
 	$(PY) -m mypy
+	$(PY) -m ruff format --check $(LINT_PATHS)
 
 # lint first: it takes under a minute (mypy from a cold cache), the suite many
 test: $(STAMP) lint
