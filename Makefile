@@ -1,7 +1,8 @@
 # shardtensor — the commands.
 #
 #   make demo    create .venv if missing, install, then run `python -m shardtensor.demo`
-#   make test    create .venv if missing, install, then run the whole test suite
+#   make test    create .venv if missing, install, then `make lint` and the whole test suite
+#   make lint    ruff check, mypy and ruff format --check (configured in pyproject.toml)
 #   make bench   create .venv if missing, install, then run bench/overhead.py
 #
 # Variables (override on the command line, e.g. `make test PYTEST_ARGS='-k mesh -x'`):
@@ -10,6 +11,7 @@
 #   TORCH        the torch requirement installed first. Keep it pinned: on this machine any
 #                other version or an open range pulls a multi-GB CUDA build from PyPI.
 #   PYTEST_ARGS  extra arguments for pytest; DEMO_ARGS, BENCH_ARGS likewise.
+#   LINT_PATHS   what ruff checks (mypy checks the package: `files` in pyproject.toml).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -20,13 +22,14 @@ PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
+LINT_PATHS ?= shardtensor tests bench
 
 PY := $(VENV)/bin/python
 # Written after a successful install; redone when pyproject.toml changes (or .venv is removed).
 STAMP := $(VENV)/.shardtensor-installed
 
 .DEFAULT_GOAL := install
-.PHONY: install demo test bench clean distclean
+.PHONY: install demo lint test bench clean distclean
 
 install: $(STAMP)
 
@@ -43,14 +46,20 @@ $(STAMP): pyproject.toml | $(PY)
 demo: $(STAMP)
 	$(PY) -m shardtensor.demo $(DEMO_ARGS)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m mypy
+	$(PY) -m ruff format --check $(LINT_PATHS)
+
+# lint first: it takes under a minute (mypy from a cold cache), the suite many
+test: $(STAMP) lint
 	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 
 clean:
-	rm -rf build dist *.egg-info .pytest_cache .hypothesis
+	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 
 distclean: clean

@@ -6,8 +6,8 @@ Four runs from the same weights on the same batches, interleaved step by step so
 load affects all alike: lazy mode and ``st.compile``, each with checks on (the default) and with
 ``st.set_checks(False)``. Prints each run's median step time, the ratio checks-on / checks-off per
 mode (of the medians, and the median of the per-step ratios; the goal is at most 1.03), the largest
-difference between their losses (they must agree), and how many check rows the step program carries. Each step reads its loss (``float(loss)``), as
-train_vs_jax does.
+difference between their losses (they must agree), and how many check rows the step program carries.
+Each step reads its loss (``float(loss)``), as train_vs_jax does.
 
 Example::
 
@@ -24,6 +24,8 @@ import time
 os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 
 import train_vs_jax as tvj  # noqa: E402  (the GPT, its batches and the shardtensor training step)
+
+# isort: split
 
 import torch  # noqa: E402
 

@@ -50,11 +50,14 @@ os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 import fsdp_memory  # noqa: E402  (compiled_step, memory_mib)
 import train_vs_jax as tvj  # noqa: E402  (the GPT, its JAX twin, JaxRun, ProgramSpy, collectives)
 
+# isort: split
+
 import jax  # noqa: E402
 import torch  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
+
 
 def fsdp_gpt(state_dict, mesh, checkpointed=False):
     """train_vs_jax's GPT with ``state_dict``, each Block auto-wrapped in FSDPv2 (and checkpointed)."""
@@ -116,9 +119,9 @@ def main():
         label = {"lazy": "FSDPv2 lazy", "compile": "FSDPv2 compile", "ckpt": "FSDPv2 lazy + checkpoint",
                  "jax": "jax.jit"}[name]
         print(f"{label:26s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s")
-    print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
-    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
-                                     for k, l in losses.items() if k != "jax"})
+    print("losses (first 3):", {k: [round(v, 5) for v in run[:3]] for k, run in losses.items()})
+    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}"
+                                     for k, run in losses.items() if k != "jax"})
     x, y = batches[-1]
     print("collectives (count, per-device result bytes):")
     print(f"  jax      {tvj.describe(tvj.collectives(runs['jax'].hlo(x, y)))}")

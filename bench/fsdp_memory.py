@@ -29,9 +29,9 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import shardtensor as st  # noqa: E402
+from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
 from shardtensor.graph import state  # noqa: E402
 from shardtensor.graph.capture import lower  # noqa: E402  (white box: the compiled program of the pending graph)
-from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_policy  # noqa: E402
 
 MiB = 2 ** 20
 

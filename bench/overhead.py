@@ -282,6 +282,7 @@ def bench_compile(st, a, b, ja, jb, args, torch_inputs, notes):
 
 def run(args):
     import shardtensor as st  # first: it sets jax up (platform, device count) before jax starts
+    # isort: split
 
     import jax
     import numpy as np

@@ -343,7 +343,8 @@ def main():
     results = failed_executions()
     failed = sum(lost for _, lost in results)
     for name, lost in results:
-        print(f"failed execution, {name}: {'STATE LOST' if lost else 'refused at the step, state kept, retry trains alike'}")
+        outcome = "STATE LOST" if lost else "refused at the step, state kept, retry trains alike"
+        print(f"failed execution, {name}: {outcome}")
     print(f"failed executions tried / state lost: {len(results)} / {failed} "
           f"({time.perf_counter() - start:.1f} s)")
     tried, raised, hung = _async_failure_result(running)

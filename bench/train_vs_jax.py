@@ -32,11 +32,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as JP  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as JP  # noqa: E402
 
 import shardtensor as st  # noqa: E402
-from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 from shardtensor.explain import collectives_in_hlo  # noqa: E402
+from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -261,7 +262,9 @@ class ShardtensorRun:
 
 class JaxRun:
     def __init__(self, kind, state_dict, jmesh, remat=False):
-        shard = lambda a: jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))  # noqa: E731
+        def shard(a):
+            return jax.device_put(a, NamedSharding(jmesh, JP(*fsdp_spec(a.shape))))
+
         self.params = {k: shard(jnp.asarray(v.numpy())) for k, v in state_dict.items()}
         self.m = {k: jnp.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: jnp.zeros_like(v) for k, v in self.params.items()}
@@ -289,8 +292,9 @@ class JaxRun:
         self.trace_seconds.append(time.perf_counter() - t0)
 
     def _batch(self, x, y):
-        put = lambda a: jax.device_put(a.numpy(), NamedSharding(  # noqa: E731
-            self.jmesh, JP("fsdp", *([None] * (a.dim() - 1)))))
+        def put(a):
+            return jax.device_put(a.numpy(), NamedSharding(self.jmesh, JP("fsdp", *([None] * (a.dim() - 1)))))
+
         return put(x), put(y)
 
     def __call__(self, x, y):
@@ -340,9 +344,9 @@ def bench(kind, steps):
     print(f"tracing: lazy records {trace_ratio:.2f}x"
           " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
           f"traces (CompileReplay={st.counter_value('CompileReplay')})")
-    print("losses (first 3):", {k: [round(v, 5) for v in l[:3]] for k, l in losses.items()})
-    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(l, losses['jax'])):.2e}"
-                                     for k, l in losses.items() if k != "jax"})
+    print("losses (first 3):", {k: [round(v, 5) for v in run[:3]] for k, run in losses.items()})
+    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}"
+                                     for k, run in losses.items() if k != "jax"})
     x, y = batches[-1]
     print("collectives (count, per-device result bytes):")
     print(f"  jax      {describe(collectives(runs['jax'].hlo(x, y)))}")

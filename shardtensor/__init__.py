@@ -6,6 +6,8 @@ Example::
     mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
     x = st.shard(torch.randn(64, 16), mesh, ("data", None))
 """
+# The order is deliberate: runtime configures jax first, ops fills the lowering table, dispatch installs the handler.
+# isort: off
 from shardtensor.runtime import (  # noqa: F401  (configures jax before anything else imports it)
     use_spmd, is_spmd, global_runtime_device_count, addressable_runtime_device_count,
     global_runtime_device_attributes, runtime_device_attributes, process_index, process_count,
@@ -36,6 +38,7 @@ from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
+# isort: on
 
 P = PartitionSpec
 

@@ -1,6 +1,8 @@
 """Annotating tensors with shardings: ``shard``, ``mark_sharding``, ``clear_sharding``."""
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import numpy as np
 import torch
@@ -13,11 +15,12 @@ from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Node, Pending
 from shardtensor.graph.state import STATE, locked, set_concrete, set_pending
 from shardtensor.mesh import Mesh
+from shardtensor.sharding import SpecLike
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import cell_from_host
 
 
-def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
+def shard(t: torch.Tensor | np.ndarray | np.generic | jax.Array, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor:
     """A new ShardedTensor holding ``t`` laid out over ``mesh`` as ``partition_spec``.
 
     ``t`` may be a torch CPU tensor, a numpy array, a jax array or a ShardedTensor. Each device
@@ -34,7 +37,7 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
             t = t.detach().cpu()  # one graph cannot span two meshes: go through the host
         else:
             with torch.no_grad():
-                out = t.detach().clone()
+                out = cast(ShardedTensor, t.detach().clone())  # (torch's stubs say Tensor)
             out._cell.sharding = None  # the clone's annotation is replaced below
             return mark_sharding(out, mesh, partition_spec)
     if isinstance(t, torch.Tensor):
@@ -54,7 +57,7 @@ def shard(t, mesh: Mesh, partition_spec) -> ShardedTensor:
 
 
 @locked
-def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec) -> ShardedTensor:
+def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor:
     """Shard ``t`` in place over ``mesh`` as ``partition_spec`` and return it.
 
     The same spec again does nothing; replicated -> sharded is allowed; another non-replicated spec

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
+from typing import Any, overload
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,13 +41,19 @@ from shardtensor.graph.state import (
     pending_cells,
 )
 from shardtensor.ops.checks import checks_enabled
-from shardtensor.replay_guard import Guard, watch
+from shardtensor.replay_guard import Guard, Watched, watch
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
 
 
-def compile(fn=None, *, full_graph: bool = False, name: str | None = None):
+@overload
+def compile(fn: Callable[..., Any], *, full_graph: bool = False, name: str | None = None) -> CompiledFunction: ...
+@overload
+def compile(fn: None = None, *, full_graph: bool = False,
+            name: str | None = None) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+def compile(fn: Callable[..., Any] | None = None, *, full_graph: bool = False,
+            name: str | None = None) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Compile ``fn`` (also usable as ``@st.compile`` or ``@st.compile(full_graph=True)``).
 
     With ``full_graph=True`` anything inside that needs a concrete value (``.item()``,
@@ -70,15 +78,15 @@ def compile(fn=None, *, full_graph: bool = False, name: str | None = None):
 class CompiledFunction:
     """A function traced once per input signature into one JAX program."""
 
-    def __init__(self, fn, full_graph=False, name=None):
+    def __init__(self, fn: Callable[..., Any], full_graph: bool = False, name: str | None = None) -> None:
         self.fn, self.full_graph = fn, full_graph
-        self.name = name or getattr(fn, "__name__", "compiled")
+        self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
         self._last_trace: dict = {}
         self._watched: dict = {}  # signature -> the Guard taken after its last trace
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         check_execution_allowed(f"compiled function {self.name} called inside another")
         run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
         flat, spec = pytree.tree_flatten((args, kwargs))
@@ -126,7 +134,7 @@ class CompiledFunction:
                     recover(cells, execution, error)
                     raise
         objects = watched.objects()
-        if trace.broken is None and previous is not None and not (
+        if trace.broken is None and entry is not None and not (  # (entry: set when previous is)
                 _same_objects(previous, objects) and entry.holds(tensor_args)):
             trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
                             "hooks, parameters, requires_grad, optimizer groups)")
@@ -158,7 +166,7 @@ def _same_objects(a, b) -> bool:
 
 
 def _signature(flat, spec):
-    parts = []
+    parts: list[tuple] = []
     for x in flat:
         if isinstance(x, ShardedTensor):
             parts.append(("T", tuple(x.shape), x.dtype, x._cell.spec, x.requires_grad))
@@ -203,7 +211,7 @@ class _Trace:
                 else:
                     targets.append(("new", new_count))
                     new_count += 1
-        for i, x in enumerate(self.out_flat):
+        for x in self.out_flat:
             if isinstance(x, ShardedTensor) and id(x._cell) in returned and not (
                     execution and any(c is x._cell for c in execution.cells)):
                 self.broken = self.broken or "it returns a tensor it did not compute"
@@ -245,7 +253,8 @@ class _Frozen:
         self.scalars = ex.scalars if ex else {}
         self.sources = trace.sources
         self.out_flat, self.out_spec = trace.out_flat, trace.out_spec
-        self.targets = []
+        # (kind, index, weak reference to the cell of an "old" or "new" target, None for the others)
+        self.targets: list[tuple[str, int, Any]] = []
         for target, cell in zip(trace.targets, ex.cells if ex else ()):
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
@@ -308,12 +317,13 @@ class _HostStateMonitor(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.reason = None
-        self.watched = None  # replay_guard.Watched: notes the parameters the ops read
+        self.reason: str | None = None
+        self.watched: Watched | None = None  # notes the parameters the ops read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch._C._current_autograd_node() is None:  # backward sees saved parameters as new objects
+        # (backward sees saved parameters as new objects)
+        if self.watched is not None and torch._C._current_autograd_node() is None:
             for a in args:
                 if isinstance(a, ShardedTensor):
                     self.watched.note_tensor(a)

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import html
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +26,10 @@ from shardtensor import sharding as sh
 from shardtensor.mesh import Mesh
 from shardtensor.sharding import ParsedSharding, array_sharding, parse_sharding_string  # noqa: F401
 from shardtensor.tensor import ShardedTensor
+
+if TYPE_CHECKING:
+    import rich.table  # imported when a table is drawn (rich is slow to import)
+
 
 def tensor_sharding(t: ShardedTensor) -> tuple[str, Mesh | None, sh.PartitionSpec | None]:
     """(sharding string, mesh, spec) of ``t``'s stored value.
@@ -80,7 +85,7 @@ def _cells_2d(parsed: ParsedSharding, sharding: str) -> list[list[list[int]]]:
 
 
 def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1., min_width: int = 9,
-                       max_width: int = 80):
+                       max_width: int = 80) -> rich.table.Table:
     """Print and return a ``rich`` table of which device holds which block of a sharding.
 
     Shows the first two tile dimensions: a tile's cell reads ``'CPU 0'``; a replica group's (from
@@ -127,14 +132,15 @@ def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1.,
                 bg, fg = _colour(ids[0])
                 pad = [p + 1 for p in pad]
                 style = rich.style.Style(bgcolor=bg, color=fg)
+            top, right, bottom, left = (max(p, 0) for p in pad)
             out.append(rich.padding.Padding(rich.align.Align(text, "center", vertical="middle"),
-                                            tuple(max(p, 0) for p in pad), style=style))
+                                            (top, right, bottom, left), style=style))
         table.add_row(*out)
     console.print(table, end="\n\n")
     return table
 
 
-def visualize_tensor_sharding(t: ShardedTensor, **kwargs):
+def visualize_tensor_sharding(t: ShardedTensor, **kwargs: Any) -> rich.table.Table:
     """``visualize_sharding`` of a tensor's sharding (the one XLA chose when nobody annotated it).
 
     Keyword arguments go to ``visualize_sharding``. A pending tensor without an annotation is
@@ -195,7 +201,8 @@ def _tensor_html(t: ShardedTensor) -> str:
         tds = []
         for j in range(cols):
             lead = (i, j) if len(shape) >= 2 else ((j,) if shape else ())
-            texts, first = [], None
+            texts: list[str] = []
+            first: int | None = None
             for rest in np.ndindex(*grid_dims[len(lead):]):
                 tile = lead + rest
                 ids = devices[tile].reshape(-1).tolist()
@@ -203,6 +210,7 @@ def _tensor_html(t: ShardedTensor) -> str:
                 block = [(min(k * s, n), min((k + 1) * s, n)) for k, s, n in zip(tile, sizes, shape)]
                 texts += [_device_text(ids, platform, as_group=parsed.kind == "replicated"),
                           _ranges_text(shape, block, shown)]
+            assert first is not None  # np.ndindex() yields at least one (possibly empty) index
             tds.append(_td(texts, first))
         lines.append(f"<tr>{''.join(tds)}</tr>")
     dtype = str(t.dtype).removeprefix("torch.")
@@ -218,11 +226,11 @@ def _axis_labels(mesh: Mesh) -> list[str]:
 
 def _mesh_html(mesh: Mesh) -> str:
     """The Jupyter view of a Mesh: device ids laid out along its axes (names and sizes)."""
-    names = _axis_labels(mesh)
+    names: list[str | None] = list(_axis_labels(mesh))
     ids = mesh.get_logical_mesh()
     platform = runtime.device_type()
     if ids.ndim == 1:
-        ids, names = ids.reshape(1, -1), [None] + names
+        ids, names = ids.reshape(1, -1), [None, *names]
     # the last two axes form each grid; one grid per index of the leading axes
     grids = []
     for lead in np.ndindex(*ids.shape[:-2]):
@@ -246,5 +254,5 @@ def _mesh_html(mesh: Mesh) -> str:
 
 # tensor.py and mesh.py sit below this module and must not import it (and tensor.py is edited
 # elsewhere): the Jupyter hooks are attached here, when `import shardtensor` imports this module.
-ShardedTensor._repr_html_ = _tensor_html
-Mesh._repr_html_ = _mesh_html
+ShardedTensor._repr_html_ = _tensor_html  # type: ignore[attr-defined]  # attached here on purpose (above)
+Mesh._repr_html_ = _mesh_html  # type: ignore[attr-defined]

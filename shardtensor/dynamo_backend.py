@@ -51,6 +51,7 @@ import importlib.abc
 import importlib.util
 import itertools
 import sys
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -97,6 +98,9 @@ class _TracingShardedTensor(ShardedTensor):
     aliasing without touching shardtensor's storage, lazy graph or JAX.
     """
 
+    _meta: torch.Tensor  # the meta tensor of the same shape, dtype and strides
+    _ctx: Any  # the sharding context __tensor_flatten__ reports
+
     @staticmethod
     def __new__(cls, meta, ctx=None, size=None, stride=None):
         r = torch.Tensor._make_wrapper_subclass(
@@ -115,7 +119,7 @@ class _TracingShardedTensor(ShardedTensor):
         return ["_dynamo_meta"], self._ctx
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # (see ShardedTensor)
         kwargs = kwargs or {}
         _refuse_aot_autograd()
         inner_args, inner_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
@@ -191,8 +195,8 @@ def _prepare_dynamo():
     # (_torchdynamo_disable), and their frames and everything they call (the lazy graph, JAX) run
     # untraced (SKIP, SKIP: torch._dynamo.skip would still trace the frames they call)
     for fn in (annotate.mark_sharding, annotate.clear_sharding, annotate.shard):
-        fn._torchdynamo_disable = True
-        fn._torchdynamo_disable_msg = "shardtensor changes a tensor's sharding between graphs"
+        fn.__dict__.update(_torchdynamo_disable=True,
+                           _torchdynamo_disable_msg="shardtensor changes a tensor's sharding between graphs")
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 
@@ -223,7 +227,7 @@ class _RegisterWhenDynamoLoads(importlib.abc.MetaPathFinder):
                 run_module(module)
                 register()
 
-            spec.loader.exec_module = exec_module
+            spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this one loader's
         return spec
 
 

@@ -26,8 +26,9 @@ import html
 import itertools
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -47,7 +48,7 @@ _EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
 class Collective(NamedTuple):
     """How many instructions of one collective kind a program has, and the bytes they move."""
 
-    count: int
+    count: int  # type: ignore[assignment]  # a field named like tuple.count, on purpose (it is the count)
     bytes: int
 
 
@@ -249,7 +250,8 @@ class Explanation:
 # --------------------------------------------------------------------------- explain
 
 
-def explain(t_or_fn, *args, **kwargs) -> Explanation:
+def explain(t_or_fn: ShardedTensor | Sequence[ShardedTensor] | Callable[..., Any], *args: Any,
+            **kwargs: Any) -> Explanation:
     """Which shardings XLA gives the outputs, and which collectives it inserts — without running.
 
     ``explain(t)`` / ``explain([t1, t2])``: the pending graph that would compute these tensors is
@@ -303,7 +305,8 @@ def _explain_call(fn, args, kwargs) -> Explanation:
 
 def _explain(tensors: list, effect_cells: list) -> Explanation:
     """tensors: (label, ShardedTensor); effect_cells: (label, pending Cell)."""
-    entries = []  # (label, shape, dtype, cell to compute or None, tensor or None)
+    # (label, shape, dtype, cell to compute or None, tensor or None): one of the last two is None
+    entries: list[tuple[str, tuple, torch.dtype, Cell | None, ShardedTensor | None]] = []
     for label, t in tensors:
         ref = views.read(t)  # a view's value is a new pending node (its base may be computed)
         if isinstance(ref, Pending):
@@ -313,29 +316,33 @@ def _explain(tensors: list, effect_cells: list) -> Explanation:
             entries.append((label, tuple(t.shape), t.dtype, None, t))
     entries += [(label, c.shape, c.dtype, c, None) for label, c in effect_cells]
 
-    cells, position = [], {}
+    cells: list[Cell] = []
+    position: dict[int, int] = {}
     for _, _, _, cell, _ in entries:
         if cell is not None and id(cell) not in position:
             position[id(cell)] = len(cells)
             cells.append(cell)
-    shardings, hlo, mesh = [], "", None
+    shardings: list = []
+    hlo = ""
+    mesh: Mesh | None = None
     if cells:
         shardings, hlo, mesh = _compile(cells)
 
     outputs = []
     for label, shape, dtype, cell, t in entries:
-        if cell is None:
+        if t is not None:  # a computed value: no cell to compute
             string, m, spec = debug.tensor_sharding(t)
             mesh = mesh or m
             outputs.append(OutputSharding(label, shape, dtype, string, spec, pending=False))
             continue
+        assert cell is not None and mesh is not None  # compiled above
         string, spec = _output_sharding(cell, shardings[position[id(cell)]], mesh)
         outputs.append(OutputSharding(label, shape, dtype, string, spec, pending=True))
     ops = collective_ops(hlo)
     return Explanation(outputs, collectives_in_hlo(hlo), mesh, compiled=bool(cells), ops=ops, hlo=hlo)
 
 
-def _compile(cells):
+def _compile(cells: list[Cell]) -> tuple[list, str, Mesh]:
     """(output shardings, compiled HLO text, Mesh) of the program computing ``cells``, not run."""
     lowered = lower(cells)
     # the same graph compiled earlier is in the cache: its jit finds the executable again; otherwise
@@ -369,7 +376,7 @@ def _find_spec(string: str, mesh: Mesh, ndim: int):
     names = mesh.axis_names
     for order in itertools.permutations(axes):
         for dims in itertools.product(range(-1, ndim), repeat=len(order)):
-            per_dim = [[] for _ in range(ndim)]
+            per_dim: list[list] = [[] for _ in range(ndim)]
             for a, d in zip(order, dims):
                 if d >= 0:
                     per_dim[d].append(names[a] if names else a)

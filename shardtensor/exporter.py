@@ -21,6 +21,8 @@ import io
 import json
 import math
 import zipfile
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -48,7 +50,7 @@ class ExportError(RuntimeError):
     """The function cannot be exported as it is (the message says what to change)."""
 
 
-def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
+def export(fn: Callable[..., Any], *example_args: Any, **example_kwargs: Any) -> ExportedProgram:
     """Trace ``fn(*example_args, **example_kwargs)`` into one program with its shardings.
 
     Tensor arguments must be ShardedTensors (their sharding is the input sharding of the program);
@@ -83,7 +85,7 @@ def export(fn, *example_args, **example_kwargs) -> "ExportedProgram":
     jitted = _with_output_shardings(lowered)
     arg_of_cell = {id(a._cell): i for i, a in enumerate(flat_args) if isinstance(a, ShardedTensor)}
     inputs, constants = [], []
-    for k, (array, cell) in enumerate(zip(arrays, leaf_cells)):
+    for k, (_array, cell) in enumerate(zip(arrays, leaf_cells)):
         if cell is not None and id(cell) in arg_of_cell and not flat_args[arg_of_cell[id(cell)]]._chain:
             inputs.append((k, arg_of_cell[id(cell)]))
         else:
@@ -111,7 +113,7 @@ MAX_SIZE = 2**30  # default bound on what st.deserialize inflates: 1 GiB
 _MEMBERS = ("meta.json", "program.bin", "values.npz")
 
 
-def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> "ExportedProgram":
+def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> ExportedProgram:
     """Load what ``ExportedProgram.serialize()`` wrote; the result is callable like the function.
 
     The bytes may come from anywhere: an archive that declares or inflates to more than ``max_size``
@@ -257,10 +259,10 @@ def _check_meta(meta: dict, values: dict) -> None:
 class ExportedProgram:
     """An exported program: ``mlir_text()``, ``serialize()``, and calling it runs it."""
 
-    def __init__(self, exported, meta, values):
+    def __init__(self, exported: jax_export.Exported, meta: dict[str, Any], values: dict[str, np.ndarray]) -> None:
         self._exported, self._meta, self._values = exported, meta, values
-        self._mesh = None
-        self._device_constants = None
+        self._mesh: Mesh | None = None
+        self._device_constants: list[jax.Array] | None = None
 
     def mlir_text(self) -> str:
         """The StableHLO module; inputs and results carry their sharding annotations."""
@@ -273,7 +275,7 @@ class ExportedProgram:
             z.writestr("meta.json", json.dumps(self._meta))
             z.writestr("program.bin", bytes(self._exported.serialize()))
             values = io.BytesIO()
-            np.savez(values, **self._values)
+            np.savez(values, **self._values)  # type: ignore[arg-type]  # (numpy's stub: a key could be allow_pickle)
             z.writestr("values.npz", values.getvalue())
         return buf.getvalue()
 
@@ -289,7 +291,7 @@ class ExportedProgram:
             self._mesh = Mesh(m["device_ids"], tuple(m["shape"]), tuple(m["axis_names"]))
         return self._mesh
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, tree = pytree.tree_flatten((args, kwargs))
         if pytree.treespec_dumps(tree) != self._meta["in_tree"]:
             raise TypeError("the arguments do not have the structure of the exported example arguments")

@@ -16,13 +16,14 @@ import itertools
 import math
 import re
 from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Sequence
 
 import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType
+from jax.sharding import Mesh as JaxMesh
 
-from shardtensor import runtime  # (configures jax before it is imported)
-from jax.experimental import mesh_utils  # noqa: E402,I001
-from jax.sharding import AxisType  # noqa: E402
-from jax.sharding import Mesh as JaxMesh  # noqa: E402
+from shardtensor import runtime  # jax is configured already: the package's __init__ imports runtime first
 
 
 class MeshError(AssertionError, ValueError):
@@ -49,7 +50,8 @@ class Mesh:
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...] | None
 
-    def __init__(self, device_ids, mesh_shape, axis_names=None):
+    def __init__(self, device_ids: Iterable[int], mesh_shape: Sequence[int],
+                 axis_names: Sequence[str] | None = None) -> None:
         ids = np.array(list(device_ids) if isinstance(device_ids, range) else device_ids).reshape(-1)
         mesh_shape = tuple(mesh_shape)
         axis_names = None if axis_names is None else tuple(axis_names)
@@ -59,7 +61,7 @@ class Mesh:
         self.device_ids = ids
         self.mesh_shape = tuple(int(s) for s in mesh_shape)
         self.axis_names = axis_names
-        self._jax_mesh = None
+        self._jax_mesh: JaxMesh | None = None
 
     def size(self) -> int:
         """The number of devices in the mesh. Example: ``Mesh(range(8), (4, 2)).size() == 8``."""
@@ -80,7 +82,7 @@ class Mesh:
         """
         return self.device_ids.reshape(self.mesh_shape).copy()
 
-    def get_axis_name_idx(self, name) -> int | None:
+    def get_axis_name_idx(self, name: str) -> int | None:
         """The index of the axis called `name`, or None if there is none.
 
         Example: ``Mesh(range(8), (4, 2), ('x', 'y')).get_axis_name_idx('y') == 1``.
@@ -89,7 +91,7 @@ class Mesh:
             return None
         return self.axis_names.index(name)
 
-    def get_jax_mesh(self):
+    def get_jax_mesh(self) -> JaxMesh:
         """The same mesh as a ``jax.sharding.Mesh`` with auto axis types (cached).
 
         Unnamed axes are called ``'0'``, ``'1'``, ... .
@@ -296,7 +298,8 @@ class HybridMesh(Mesh):
     ici_mesh_shape: tuple[int, ...]
     dcn_mesh_shape: tuple[int, ...]
 
-    def __init__(self, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None, device_attributes=None):
+    def __init__(self, *, ici_mesh_shape: Sequence[int], dcn_mesh_shape: Sequence[int] | None = None,
+                 axis_names: Sequence[str] | None = None, device_attributes: list[dict] | None = None) -> None:
         ici = tuple(ici_mesh_shape)
         dcn = tuple(dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
         if len(ici) != len(dcn):
@@ -325,7 +328,10 @@ def _device_ordinal(attributes: dict) -> int:
     """A device's runtime id: its ``id``, or the number in its name (``'TPU:3'`` -> 3)."""
     if "id" in attributes:
         return int(attributes["id"])
-    return int(re.search(r"(\d+)$", attributes["name"]).group(1))
+    match = re.search(r"(\d+)$", attributes["name"])
+    if match is None:
+        raise MeshError(f"device attributes {attributes} have no 'id' and a name that does not end in a number")
+    return int(match.group(1))
 
 
 def _multislice_device_mesh(ici: tuple, dcn: tuple, by_ordinal: dict) -> np.ndarray:
@@ -401,21 +407,22 @@ def _assign_to_torus(physical: np.ndarray, logical_shape: tuple) -> np.ndarray |
     N-d torus. None when some logical axis cannot be made of whole physical axes.
     """
     free = list(physical.shape)
-    assignment = [()] * len(logical_shape)
+    assignment: list[tuple[int, ...]] = [()] * len(logical_shape)
     for axis in reversed(range(len(logical_shape))):
-        assignment[axis] = _first_axes_with_product(free, logical_shape[axis])
-        if assignment[axis] is None:
+        axes = _first_axes_with_product(free, logical_shape[axis])
+        if axes is None:
             if logical_shape[axis] > 1:
                 return None
-            assignment[axis] = ()
-        for i in assignment[axis]:
+            axes = ()
+        assignment[axis] = axes
+        for i in axes:
             free[i] = 0  # taken
     order = [i for axes in assignment for i in axes]
     order += [i for i in range(physical.ndim) if i not in order]  # leftover axes have size 1
     return physical.transpose(order).reshape(logical_shape)
 
 
-def _first_axes_with_product(free: list, size: int) -> tuple | None:
+def _first_axes_with_product(free: list, size: int) -> tuple[int, ...] | None:
     for count in range(len(free), 0, -1):
         for axes in itertools.combinations(range(len(free)), count):
             if math.prod(free[i] for i in axes) == size:

@@ -61,7 +61,7 @@ def counter_value(name: str) -> int | None:
 
         counter_value("CachedCompile")
     """
-    return _COUNTS[name] if name in _COUNTS else None
+    return _COUNTS.get(name)
 
 
 def counter_names() -> list[str]:
@@ -116,10 +116,10 @@ class Metric:
             raise ValueError(f"metric kind must be one of {sorted(_FORMATS)}, got {kind!r}")
         self.name, self.kind = name, kind
         self.count = 0
-        self.total = 0
-        self.samples = collections.deque(maxlen=MAX_SAMPLES)
+        self.total: float = 0
+        self.samples: collections.deque[tuple[int, float]] = collections.deque(maxlen=MAX_SAMPLES)
 
-    def add(self, value) -> None:
+    def add(self, value: float) -> None:
         """Add one sample (its timestamp is now, in nanoseconds since the epoch)."""
         self.count += 1
         self.total += value
@@ -193,7 +193,7 @@ def metric_names() -> list[str]:
     return sorted(name for name, m in _METRICS.items() if m.count)
 
 
-def metric_data(name: str):
+def metric_data(name: str) -> tuple[int, float, list[tuple[int, float]]] | None:
     """``(total_samples, accumulator, [(timestamp_ns, value), ...])`` of a metric, or None.
 
     As in PyTorch/XLA: times are in nanoseconds, the accumulator sums every sample, and the list
@@ -241,7 +241,7 @@ def _format_time(ns) -> str:
     whole_s, ms = divmod(int(whole_ms), 1000)
     whole_m, s = divmod(whole_s, 60)
     h, m = divmod(whole_m, 60)
-    parts = []
+    parts: list[str] = []
     for value, unit, width in ((h, "h", 2), (m, "m", 2), (s, "s", 2), (ms, "ms", 3)):
         if value or parts:
             parts.append(f"{value:0{width}d}{unit}")
@@ -340,17 +340,17 @@ class _CacheLookups:
     waiting = False
 
     @classmethod
-    def on_event(cls, event: str, **_):
+    def on_event(cls, event: str, **_: str | int) -> None:
         if event == "/jax/compilation_cache/compile_requests_use_cache":
             import jax
 
-            cls.waiting = bool(jax.config.jax_compilation_cache_dir)
+            cls.waiting = bool(jax.config.jax_compilation_cache_dir)  # type: ignore[attr-defined]  # (a dynamic option)
         elif event == "/jax/compilation_cache/cache_hits":
             cls.waiting = False
             increment("PersistentCacheHit")
 
     @classmethod
-    def on_duration(cls, event: str, _duration: float, **_):
+    def on_duration(cls, event: str, duration_secs: float, **_: str | int) -> None:
         if event == "/jax/core/compile/backend_compile_duration" and cls.waiting:
             cls.waiting = False
             increment("PersistentCacheMiss")

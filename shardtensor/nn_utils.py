@@ -9,13 +9,13 @@ one program.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 
-def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach=None) -> torch.Tensor:
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so that their joint norm is at most ``max_norm``.
 
     Same arguments, result and numerics as ``torch.nn.utils.clip_grad_norm_`` (gradients are

@@ -31,6 +31,8 @@ import itertools
 import operator
 import threading
 import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.modules.module as torch_module
@@ -128,9 +130,9 @@ class Guard:
     weak references, and any of those objects dying makes it fail, so an id cannot be reused.
     """
 
-    def __init__(self, objects, args=()):
+    def __init__(self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = ()) -> None:
         self.alive = True
-        self._refs = []  # weak references (their callbacks mark the guard dead), or the object itself
+        self._refs: list[Callable[[], Any]] = []  # weak references (their callbacks mark the guard dead), or the object
         self.counts = tuple(map(len, objects))
         self._roots = [self._watch(o) for o in itertools.chain(*objects)]
         plain, identities, hooks = self._state(*objects, args)
@@ -139,7 +141,7 @@ class Guard:
                 self._watch(o)
         self.state = plain, list(map(id, identities)), hooks
 
-    def objects(self):
+    def objects(self) -> tuple[tuple, tuple, tuple] | None:
         """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
         if not self.alive:
             return None
@@ -147,7 +149,7 @@ class Guard:
         m, o, _ = self.counts
         return tuple(roots[:m]), tuple(roots[m:m + o]), tuple(roots[m + o:])
 
-    def holds(self, args=()) -> bool:
+    def holds(self, args: Sequence = ()) -> bool:
         """Whether everything is as it was when the guard was taken."""
         objects = self.objects()
         if objects is None:
@@ -156,6 +158,7 @@ class Guard:
         return plain == self.state[0] and list(map(id, identities)) == self.state[1] and hooks == self.state[2]
 
     def _watch(self, obj):
+        ref: Callable[[], Any]
         try:
             ref = weakref.ref(obj, self._died)
         except TypeError:  # not weakly referenceable (a dict, say): keep it

@@ -324,7 +324,7 @@ def initialize_distributed(
     """
     # CPU backends need a collectives implementation to see each other's devices; an explicit
     # user choice (e.g. mpi) wins.
-    if jax.config.jax_cpu_collectives_implementation is None:
+    if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]  # (jax.config: dynamic attributes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
@@ -339,7 +339,7 @@ def initialize_distributed(
 _CACHE = None  # (absolute path, readonly) once initialize_cache ran
 
 
-def initialize_cache(path, readonly: bool = False) -> None:
+def initialize_cache(path: str | os.PathLike[str], readonly: bool = False) -> None:
     """Keep compiled programs on disk at ``path``, so a later process running the same program
     loads them instead of compiling (JAX's persistent compilation cache).
 
@@ -372,7 +372,7 @@ def initialize_cache(path, readonly: bool = False) -> None:
             f"(readonly={_CACHE[1]}); it cannot change to {absolute!r} (readonly={readonly}) in the "
             "same process. Call initialize_cache once, at start-up, or use another process."
         )
-    current = jax.config.jax_compilation_cache_dir
+    current = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # (the same)
     if current and os.path.abspath(current) != absolute:
         raise RuntimeError(
             f"JAX's compilation cache is already set to {current!r} (JAX_COMPILATION_CACHE_DIR or "
@@ -479,4 +479,4 @@ def _check_entries_on_load(readonly: bool) -> None:
         return
     jax_cache._initialize_cache()
     if jax_cache._cache is not None:
-        jax_cache._cache = _CheckedEntries(jax_cache._cache, readonly)
+        jax_cache._cache = _CheckedEntries(jax_cache._cache, readonly)  # type: ignore[assignment]  # a wrapper

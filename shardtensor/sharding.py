@@ -18,8 +18,11 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
+from types import EllipsisType
+from typing import Protocol, TypeAlias
 
 import jax
 import numpy as np
@@ -37,6 +40,20 @@ class ShardingSpecError(AssertionError, ValueError):
     """An invalid partition spec (an AssertionError or ValueError, as in PyTorch/XLA)."""
 
 
+# One entry of a partition spec: a mesh axis (its name, or its index), several axes (major first; a
+# list counts as a tuple), or None (the dimension is not split).
+SpecEntry: TypeAlias = "str | int | tuple[str | int, ...] | list[str | int] | None"
+# A partition spec as users write it: a PartitionSpec, a tuple or a list of entries.
+SpecLike: TypeAlias = "Sequence[SpecEntry]"
+
+
+class Shaped(Protocol):
+    """Anything with a shape: a torch tensor, a numpy or jax array."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+
 class PartitionSpec(tuple):
     """A partition spec: one entry per tensor dimension. `P` is an alias.
 
@@ -48,7 +65,7 @@ class PartitionSpec(tuple):
         P() == ()                  # a scalar's spec
     """
 
-    def __new__(cls, *entries):
+    def __new__(cls, *entries: SpecEntry) -> PartitionSpec:
         return super().__new__(cls, (_tuple_if_list(e) for e in entries))
 
     def __getnewargs__(self):  # pickle/deepcopy: rebuild from the entries
@@ -84,7 +101,7 @@ class Placement:
     """
 
     device_id: int
-    indices: tuple | type(Ellipsis)
+    indices: tuple[slice, ...] | EllipsisType
     padded_shape: tuple[int, ...]
     replica_id: int
 
@@ -122,7 +139,8 @@ class ShardingSpec:
                 "axis first, e.g. ('data', None), or drop minibatch=True."
             )
 
-    def global_shape(self, local_shape, local_device_ids=None) -> tuple[int, ...]:
+    def global_shape(self, local_shape: Sequence[int],
+                     local_device_ids: Iterable[int] | None = None) -> tuple[int, ...]:
         """The shape of the global tensor of which this process holds ``local_shape``.
 
         Without ``minibatch`` that is ``local_shape`` itself (every process holds the whole tensor).
@@ -160,11 +178,11 @@ class ShardingSpec:
             )
         return (shape[0] // len(local_tiles) * tiling.shard_counts[0],) + shape[1:]
 
-    def can_apply(self, t) -> bool:
+    def can_apply(self, t: Shaped) -> bool:
         """Whether the spec fits `t` (anything with a ``.shape``): one entry per dimension."""
         return len(t.shape) == len(self.partition_spec)
 
-    def xla_spec(self, t) -> str | None:
+    def xla_spec(self, t: Shaped) -> str | None:
         """The sharding string for `t`, or None when the spec does not fit it."""
         if not self.can_apply(t):
             return None
@@ -444,7 +462,7 @@ def to_jax_spec(mesh: Mesh, spec, ndim: int):
     spec = _canonical_spec(spec)
     per_dim = normalize_spec(mesh, spec, ndim)
     names = jax_axis_names(mesh)
-    entries = []
+    entries: list[str | tuple[str, ...] | None] = []
     for entry, axes in zip(spec, per_dim):
         if not axes:
             entries.append(None)

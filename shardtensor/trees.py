@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -53,7 +53,7 @@ def leaves(tree) -> list:
 
         leaves({'a': [1, (2, 3)], 'b': None})    # [1, 2, 3, None]
     """
-    out = []
+    out: list[Any] = []
     map_leaves(out.append, tree)
     return out
 
@@ -68,7 +68,7 @@ def tensors_in(tree) -> list[torch.Tensor]:
     return [v for v in leaves(tree) if isinstance(v, torch.Tensor)]
 
 
-def mapping_with(mapping: Mapping, items: dict):
+def mapping_with(mapping: Mapping, items: dict) -> Mapping:
     """A mapping of ``mapping``'s type (a copy, keeping its extras) holding ``items`` instead;
     a plain dict if the type cannot be copied or assigned.
 
@@ -79,7 +79,7 @@ def mapping_with(mapping: Mapping, items: dict):
     if type(mapping) is dict:
         return items
     try:
-        out = copy.copy(mapping)
+        out: Any = copy.copy(mapping)  # a MutableMapping, or the except below
         for k, v in items.items():
             out[k] = v
         return out

@@ -278,7 +278,7 @@ def assert_trained_alike(ref, dev, ref_losses, dev_losses, rtol=RTOL, atol=ATOL)
     for name, value in ref_state.items():
         got = dev_state[name]
         assert isinstance(got, st.ShardedTensor), name
-        torch.testing.assert_close(got.cpu(), value, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.cpu(), value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_sharding_kept(dev, mesh, specs):

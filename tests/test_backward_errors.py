@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import shardtensor as st
-from shardtensor.ops import registry
 from _training_helpers import mesh_4x2, mesh_8, reset_state
+from shardtensor.ops import registry
 
 aten = torch.ops.aten
 

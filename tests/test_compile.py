@@ -11,8 +11,19 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    CNN, CNN_SPECS, MLP, MLP_SPECS, cnn_batches, fresh_executable_cache, make_pair, mesh_1x8, mesh_4x2,
-    mesh_8, mlp_batches, reset_state, shard_params,
+    CNN,
+    CNN_SPECS,
+    MLP,
+    MLP_SPECS,
+    cnn_batches,
+    fresh_executable_cache,
+    make_pair,
+    mesh_1x8,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    shard_params,
 )
 
 
@@ -224,7 +235,7 @@ def test_compile_batchnorm_buffers_updated():
         torch.testing.assert_close(out.cpu(), ref(x).detach().mean(), rtol=1e-5, atol=1e-5)
         for name in ("running_mean", "running_var", "num_batches_tracked"):
             torch.testing.assert_close(getattr(dev[1], name).cpu(), getattr(ref[1], name),
-                                       rtol=1e-5, atol=1e-6, msg=lambda m: f"step {k} {name}: {m}")
+                                       rtol=1e-5, atol=1e-6, msg=lambda m, k=k, name=name: f"step {k} {name}: {m}")
 
 
 # --- training: freezing, optimizer state -----------------------------------------------------------
@@ -262,13 +273,14 @@ def _compiled_training(make_opt, steps, mesh=None, model=MLP, specs=MLP_SPECS, m
 def _assert_same_training(ref, dev, losses, ref_losses, ref_opt=None, dev_opt=None):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if ref_opt is not None:
         for p_ref, p_dev in zip(ref.parameters(), dev.parameters()):
             for k, v in ref_opt.state[p_ref].items():
                 got = dev_opt.state[p_dev][k]
                 got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
-                torch.testing.assert_close(got, torch.as_tensor(v), rtol=1e-4, atol=1e-5, msg=lambda m: f"{k}: {m}")
+                torch.testing.assert_close(got, torch.as_tensor(v), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("opt", ["sgd", "sgd_momentum", "sgd_momentum_foreach_false"])
@@ -333,7 +345,7 @@ def test_compile_cnn_batchnorm_training_state_visible():
         torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-4, atol=1e-5)
         for name, v in ref.state_dict().items():
             torch.testing.assert_close(dev.state_dict()[name].cpu(), v, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name}: {m}")
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 # --- full_graph=True -------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor.graph import recompile as compile_debug
 from _training_helpers import mesh_4x2, reset_state
+from shardtensor.graph import recompile as compile_debug
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _training_helpers import MLP, fresh_executable_cache, reset_state
 from torch.utils.data import DataLoader, TensorDataset
 
 import shardtensor as st
+from _training_helpers import MLP, fresh_executable_cache, reset_state
 from shardtensor.sharding import minibatch_local_tiles
 
 MESH_8 = st.Mesh(range(8), (8,), ("data",))
@@ -348,7 +348,7 @@ def test_sync_runs_the_recorded_steps():
     w = torch.zeros(8, 2).to(st.device())
     st.sync()
     loader = st.MpDeviceLoader(SlowLoader(n=4), st.device(), batches_per_execution=2)
-    for i, b in enumerate(loader):
+    for b in loader:
         w.add_(b)
         pending = w._cell.is_pending()
         assert pending  # recorded, not run: the loader syncs before batches 2 and at the end

@@ -208,7 +208,8 @@ def test_explain_contraction_sharded_matmul_compiles_without_running():
     jm = MESH_8.get_jax_mesh()
     assert _counts(ex) == _jax_counts(jnp.dot, jax.ShapeDtypeStruct((8, 16), jnp.float32,
                                                                     sharding=NamedSharding(jm, JP(None, "x"))),
-                                      jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(jm, JP("x", None))))
+                                      jax.ShapeDtypeStruct((16, 4), jnp.float32,
+                                                           sharding=NamedSharding(jm, JP("x", None))))
     text = str(ex)
     assert "all-reduce" in text and "128 B" in text and "{replicated}" in text and "not run" in text
     torch.testing.assert_close(c.cpu(), a @ b)  # still runs normally afterwards
@@ -240,7 +241,8 @@ def test_explain_batch_sharded_cross_entropy_matches_jax():
         return -jnp.sum(jnp.where(valid, picked, 0.0)) / jnp.sum(valid.astype(lg.dtype))
 
     jm = MESH_8.get_jax_mesh()
-    expected = _jax_counts(reference, jax.ShapeDtypeStruct((32, 10), jnp.float32, sharding=NamedSharding(jm, JP("x", None))),
+    expected = _jax_counts(reference,
+                           jax.ShapeDtypeStruct((32, 10), jnp.float32, sharding=NamedSharding(jm, JP("x", None))),
                            jax.ShapeDtypeStruct((32,), jnp.int64, sharding=NamedSharding(jm, JP("x"))))
     assert _counts(ex) == expected
     assert ex.outputs[0].shape == () and ex.outputs[0].sharding == "{replicated}"

@@ -3,8 +3,8 @@ parameters and inputs without graph breaks, each captured graph runs as one JAX 
 training match eager torch on CPU, graph breaks still give the right answer, and a new input sharding
 (same shape) recompiles."""
 import subprocess
-import textwrap
 import sys
+import textwrap
 
 import pytest
 import torch
@@ -16,7 +16,17 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import shardtensor as st
 from _training_helpers import (
-    ATOL, LM_SPECS_4x2, MLP, MLP_SPECS, RTOL, TinyLM, make_pair, mesh_4x2, mesh_8, reset_state, shard_params,
+    ATOL,
+    MLP,
+    MLP_SPECS,
+    RTOL,
+    LM_SPECS_4x2,
+    TinyLM,
+    make_pair,
+    mesh_4x2,
+    mesh_8,
+    reset_state,
+    shard_params,
 )
 
 

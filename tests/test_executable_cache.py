@@ -2,9 +2,9 @@
 counts its evictions; an evicted program compiles again and gives the same result."""
 import pytest
 import torch
-from _training_helpers import fresh_executable_cache, reset_state
 
 import shardtensor as st
+from _training_helpers import fresh_executable_cache, reset_state
 from shardtensor.graph import execute
 from shardtensor.graph.executable_cache import ExecutableCache
 

@@ -90,10 +90,12 @@ class World:
 
 def _check(ref: World, dev: World, where):
     for (name, a), b in zip(ref.model.named_parameters(), dev.model.parameters()):
-        assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name} after {where}: {m}")
+        assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5,
+                     msg=lambda m, name=name: f"{name} after {where}: {m}")
         assert (a.grad is None) == (b.grad is None), f"{name}.grad presence differs after {where}"
         if a.grad is not None:
-            assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}.grad after {where}: {m}")
+            assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-5,
+                         msg=lambda m, name=name: f"{name}.grad after {where}: {m}")
 
 
 OPTIMIZERS = {

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import functools
 import math
-import typing
 
 import pytest
 import torch
@@ -18,7 +17,11 @@ import torch.nn.functional as F
 import shardtensor as st
 from _training_helpers import reset_state
 from shardtensor.fsdp import (
-    FSDPv2, batch_output_sharder, checkpoint_module, optimization_barrier, size_based_auto_wrap_policy,
+    FSDPv2,
+    batch_output_sharder,
+    checkpoint_module,
+    optimization_barrier,
+    size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
 
@@ -247,7 +250,7 @@ def test_uneven_scalar_and_tie_rules():
     out.sum().backward()
     expected.sum().backward()
     for (name, p_ref), p in zip(ref.named_parameters(), m.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, msg=lambda s, name=name: f"{name}: {s}")
 
 
 def test_parameters_already_sharded_are_left_alone():
@@ -311,9 +314,9 @@ class ModelOutputBase(collections.OrderedDict):
 
 @dataclasses.dataclass
 class CausalLMOutput(ModelOutputBase):
-    loss: typing.Optional[torch.Tensor] = None
+    loss: torch.Tensor | None = None
     logits: torch.Tensor = None
-    hidden_states: typing.Optional[tuple] = None
+    hidden_states: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -371,7 +374,8 @@ def test_default_shard_output_structures(kind):
         got, want = [out[0], *out[1]], [expected[0], *expected[1]]
     elif kind == "dict":
         assert spec(out["logits"]) == batch and spec(out["other"]) is None and out["n"] == 3
-        got, want = [out["logits"], out["other"], out["loss"]], [expected["logits"], expected["other"], expected["loss"]]
+        got = [out["logits"], out["other"], out["loss"]]
+        want = [expected["logits"], expected["other"], expected["loss"]]
     elif kind == "namedtuple":
         assert type(out) is Pair and spec(out.first) == batch and spec(out.second) is None
         got, want = list(out), list(expected)
@@ -710,7 +714,7 @@ def test_training_matches_eager_and_shards_parameters(ckpt, steps):
     losses = [loss.item() for loss in losses]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-4)
     for (name, p_ref), p in zip(ref.named_parameters(), model.parameters()):
-        torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda s: f"{name}: {s}")
+        torch.testing.assert_close(p.cpu(), p_ref, rtol=1e-4, atol=1e-4, msg=lambda s, name=name: f"{name}: {s}")
     assert spec(model.module.blocks[0].module.fc1.weight) == ("fsdp", None)  # 64x16, kept through training
 
 

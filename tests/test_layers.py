@@ -168,7 +168,8 @@ def test_the_checks_see_imports_inside_functions_and_cycles(tmp_path):
     graph = import_graph(root)
     wrong = upward_imports(graph)
     assert len(wrong) == 2, wrong
-    assert "shardtensor/graph/state.py:2: shardtensor.graph.state (L3) imports shardtensor.tensor.sharded (L4)" in wrong[0]
+    assert ("shardtensor/graph/state.py:2: shardtensor.graph.state (L3) imports shardtensor.tensor.sharded (L4)"
+            in wrong[0])
     assert "shardtensor/tensor/sharded.py:1" in wrong[1] and "public API" in wrong[1]
     assert import_cycles(graph) == [["shardtensor.graph.execute", "shardtensor.graph.program",
                                      "shardtensor.graph.execute"]]

@@ -6,9 +6,9 @@ from collections import OrderedDict
 from unittest import mock
 
 import jax
-from jax.experimental import mesh_utils
 import numpy as np
 import pytest
+from jax.experimental import mesh_utils
 
 import shardtensor.mesh as sm
 from shardtensor.mesh import HybridMesh, Mesh, MeshError
@@ -348,7 +348,8 @@ def test_slice_layout_is_jax_torus_assignment(extent):
     for shape in shapes:
         ours = sm._slice_device_mesh(shape, [a["id"] for a in attributes], {a["id"]: a for a in attributes})
         try:
-            theirs = np.vectorize(lambda d: d.id)(mesh_utils.create_device_mesh(shape, [_JaxDevice(a) for a in attributes]))
+            jax_mesh = mesh_utils.create_device_mesh(shape, [_JaxDevice(a) for a in attributes])
+            theirs = np.vectorize(lambda d: d.id)(jax_mesh)
         except NotImplementedError:  # no whole physical axes for some logical axis: id order
             theirs = np.arange(n).reshape(shape)
         assert ours.tolist() == theirs.tolist(), shape

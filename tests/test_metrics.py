@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor import metrics
 from _training_helpers import fresh_executable_cache, mesh_4x2, reset_state
+from shardtensor import metrics
 
 # One block of PyTorch/XLA's report: a metric (rates only with samples at two moments) or a counter.
 TIME = r"(\d\dh)?(\d\dm)?(\d\ds)?(\d{3}ms)?\d{3}\.\d{3}us"

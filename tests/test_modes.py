@@ -6,7 +6,15 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    MLP, MLP_SPECS, fresh_executable_cache, make_pair, mesh_4x2, mesh_8, mlp_batches, reset_state, shard_params,
+    MLP,
+    MLP_SPECS,
+    fresh_executable_cache,
+    make_pair,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    shard_params,
 )
 
 
@@ -96,7 +104,7 @@ def test_sync_wait():
 def test_same_graph_is_cached():
     fresh_executable_cache()
     a, x = _x()
-    for i in range(3):
+    for _ in range(3):
         y = x * 2 - x.sum()
         st.sync()
     assert n("UncachedCompile") == 1
@@ -118,10 +126,9 @@ def test_step_syncs_at_normal_exit():
 
 def test_step_does_not_sync_when_block_raises():
     a, x = _x()
-    with pytest.raises(ValueError, match="boom"):
-        with st.step():
-            y = x + 1
-            raise ValueError("boom")
+    with pytest.raises(ValueError, match="boom"), st.step():
+        y = x + 1
+        raise ValueError("boom")
     assert n("MarkStep") == 0
     assert n("ExecuteReplicated") == 0
     # the recorded work is still there and runs when needed
@@ -227,10 +234,10 @@ def test_training_loop_compiles_once():
     assert n("TransferToDevice") == 0
     assert n("TransferFromDevice") == 0
     ref_losses = [_step(ref, ref_opt, x, y).item() for x, y in batches]
-    torch.testing.assert_close(torch.stack([l.cpu() for l in losses]), torch.tensor(ref_losses[2:]),
+    torch.testing.assert_close(torch.stack([loss.cpu() for loss in losses]), torch.tensor(ref_losses[2:]),
                                rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_learning_rate_change_does_not_recompile():
@@ -249,7 +256,7 @@ def test_learning_rate_change_does_not_recompile():
     assert n("UncachedCompile") == 0, st.counters()
     assert n("CachedCompile") == 5
     for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("op", ["add_alpha", "mul_scalar", "div_scalar", "rsub", "pow", "addcdiv_value"])
@@ -290,7 +297,7 @@ def test_overwritten_buffers_are_donated():
     for x, y in batches[:3]:
         _step(ref, ref_opt, x, y)
     for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_inputs_still_read_are_not_donated():

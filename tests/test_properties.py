@@ -197,7 +197,7 @@ def test_elementwise_ops_equal_torch(case, eager, data):
         want = _elementwise(t, u)
         for i, (g, w) in enumerate(zip(got, want)):
             assert g.shape == w.shape and g.dtype == w.dtype, i
-            assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5, msg=lambda m: f"op {i}: {m}")
+            assert_close(g.cpu(), w, rtol=1e-5, atol=1e-5, msg=lambda m, i=i: f"op {i}: {m}")
 
 
 @HEAVY
@@ -220,7 +220,7 @@ def test_reductions_equal_torch(case, eager, data):
 
         for k, (g, w) in enumerate(zip(ops(x, xi), ops(t, i))):
             assert g.shape == w.shape and g.dtype == w.dtype, (k, g.shape, w.shape, g.dtype, w.dtype)
-            assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"reduction {k}: {m}")
+            assert_close(g.cpu(), w, rtol=1e-4, atol=1e-4, msg=lambda m, k=k: f"reduction {k}: {m}")
 
 
 @hs.composite

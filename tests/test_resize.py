@@ -102,7 +102,8 @@ def test_inplace_view_op_errors_as_torch(eager):
         x = _sharded(torch.randn(4, 6))
         with pytest.raises(IndexError, match="Dimension out of range"):
             x.transpose_(0, 2)
-        with pytest.raises(RuntimeError, match="t_\\(\\) expects a tensor with <= 2 dimensions|expects a tensor with <= 2"):
+        with pytest.raises(RuntimeError,
+                           match="t_\\(\\) expects a tensor with <= 2 dimensions|expects a tensor with <= 2"):
             x.unsqueeze(0).t_()
         with pytest.raises(RuntimeError, match="out of bounds for storage"):
             x.as_strided_((5, 6), (6, 1))

@@ -244,7 +244,7 @@ def test_initialize_distributed_two_cpu_processes():
         for pid in range(2)
     ]
     outputs = [p.communicate(timeout=180) for p in processes]
-    for p, (out, err) in zip(processes, outputs):
+    for p, (_out, err) in zip(processes, outputs):
         assert p.returncode == 0, err
     reports = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     for pid, (index, count, global_count, local_count, owners) in enumerate(reports):

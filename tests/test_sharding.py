@@ -263,7 +263,8 @@ def test_error_wrong_length():
 
 
 def test_error_unknown_axis_name():
-    with pytest.raises(ShardingSpecError, match=r"Axis name z is not defined in the given mesh \(its axes are \('x', 'y'\)\)"):
+    with pytest.raises(ShardingSpecError,
+                       match=r"Axis name z is not defined in the given mesh \(its axes are \('x', 'y'\)\)"):
         normalize_spec(MESH_42, ("z", None), 2)
 
 
@@ -297,7 +298,8 @@ def test_error_index_out_of_range(index):
 
 
 def test_error_spec_not_a_tuple():
-    with pytest.raises(ShardingSpecError, match=r"A partition spec must be a tuple, got 'x'; for one dimension write \('x',\)"):
+    with pytest.raises(ShardingSpecError,
+                       match=r"A partition spec must be a tuple, got 'x'; for one dimension write \('x',\)"):
         normalize_spec(MESH_42, "x", 1)
 
 
@@ -494,7 +496,8 @@ def test_sharding_string_is_xlas_normal_form(case):
         assert dims == theirs.tile_assignment_dimensions()
         group = dims[-1] if parsed.replicate_on_last_tile_dim() else 1
         mapped = ids[theirs.tile_assignment_devices()].reshape(-1, group)
-        assert np.array(parsed.tile_assignment_devices()).reshape(-1, group).tolist() == np.sort(mapped, axis=1).tolist()
+        tiles = np.array(parsed.tile_assignment_devices()).reshape(-1, group)
+        assert tiles.tolist() == np.sort(mapped, axis=1).tolist()
         assert parsed.replicate_on_last_tile_dim() == theirs.replicate_on_last_tile_dim()
     kind = sharding_type(mesh, spec, len(shape))
     assert (kind == ShardingType.REPLICATED) == parsed.is_replicated()

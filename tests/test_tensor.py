@@ -931,7 +931,8 @@ def test_python_scalars_and_0d_cpu_tensors_promote_as_torch(dtype):
     for name, other, reverse, got, want in cases:
         got = got.cpu()
         assert got.dtype == want.dtype, (name, other, reverse, got.dtype, want.dtype)
-        assert_close(got, want, equal_nan=True, msg=lambda m: f"{name} {other!r} reverse={reverse}: {m}")
+        assert_close(got, want, equal_nan=True,
+                     msg=lambda m, name=name, other=other, reverse=reverse: f"{name} {other!r} reverse={reverse}: {m}")
 
 
 def test_0d_cpu_tensor_in_more_ops():

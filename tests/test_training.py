@@ -14,9 +14,29 @@ import torch.nn.functional as F
 
 import shardtensor as st
 from _training_helpers import (
-    CNN, CNN_SPECS, LM_SPECS_2x2x2, LM_SPECS_4x2, MLP, MLP_SPECS, TinyLM, assert_sharding_kept,
-    assert_trained_alike, cnn_batches, lm_batches, lm_loss, make_pair, mesh_1x8, mesh_2x2x2, mesh_4x2,
-    fresh_executable_cache, mesh_8, mlp_batches, reset_state, run_both, shard_batches, shard_params,
+    CNN,
+    CNN_SPECS,
+    MLP,
+    MLP_SPECS,
+    LM_SPECS_2x2x2,
+    LM_SPECS_4x2,
+    TinyLM,
+    assert_sharding_kept,
+    assert_trained_alike,
+    cnn_batches,
+    fresh_executable_cache,
+    lm_batches,
+    lm_loss,
+    make_pair,
+    mesh_1x8,
+    mesh_2x2x2,
+    mesh_4x2,
+    mesh_8,
+    mlp_batches,
+    reset_state,
+    run_both,
+    shard_batches,
+    shard_params,
 )
 
 MODES = ["lazy", "eager", "compile"]
@@ -57,7 +77,7 @@ def _assert_optimizer_state_alike(ref_opt, dev_opt, ref_params, dev_params):
             got = s_dev[k]
             got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
             torch.testing.assert_close(got, torch.as_tensor(s_ref[k]), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m: f"{name} {k}: {m}")
+                                       msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
 
 
 def _assert_no_compile_after_warmup(mode, compiles):

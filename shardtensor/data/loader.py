@@ -20,12 +20,17 @@ import queue
 import threading
 import warnings
 import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from shardtensor.data.batches import Layouts, wrap_batch
 from shardtensor.graph import sync
 from shardtensor.tensor.device import device as st_device
+
+if TYPE_CHECKING:
+    from shardtensor.sharding import ShardingSpec
 
 _POLL = 0.05  # seconds between checks of the stop flag while a thread waits on a queue
 _JOIN_TIMEOUT = 2.0  # how long a restart or close() waits for the previous threads
@@ -98,9 +103,10 @@ class _Pipeline:
 
     def __init__(self, loader, layouts: Layouts, loader_prefetch_size, device_prefetch_size, transfer_threads):
         self.stopped = threading.Event()
-        self.cpu_queue = queue.Queue(maxsize=loader_prefetch_size)
-        self.device_queue = queue.Queue(maxsize=device_prefetch_size)
-        self.ready = {}  # batch index -> uploaded batch, _END or _Failure (transfer threads may reorder)
+        self.cpu_queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=loader_prefetch_size)
+        self.device_queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=device_prefetch_size)
+        # batch index -> uploaded batch, _END or _Failure (transfer threads may reorder)
+        self.ready: dict[int, Any] = {}
         name = f"MpDeviceLoader-{next(_serial)}"
         self.threads = [threading.Thread(target=self._read, args=(loader, transfer_threads),
                                          name=f"{name}-reader", daemon=True)]
@@ -123,6 +129,7 @@ class _Pipeline:
 
     def _read(self, loader, transfer_threads):
         index = 0
+        final: _Signal | _Failure
         try:
             batches = iter(loader)
             while not self.stopped.is_set():
@@ -202,10 +209,10 @@ class _DeviceIterator:
         self._index = 0
         self._done = False
 
-    def __iter__(self):
+    def __iter__(self) -> _DeviceIterator:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         synced = self._index % self._every == 0
@@ -270,7 +277,9 @@ class MpDeviceLoader:
             loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, loader, device, *, input_sharding=None, loader_prefetch_size: int = 16,
+    def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
+                 input_sharding: ShardingSpec | Mapping[Any, ShardingSpec] | None = None,
+                 loader_prefetch_size: int = 16,
                  device_prefetch_size: int = 8, host_to_device_transfer_threads: int = 1,
                  batches_per_execution: int = 1):
         target = st_device()
@@ -288,22 +297,22 @@ class MpDeviceLoader:
         self._device = target
         self._input_sharding = input_sharding
         self._sizes = sizes
-        self._pipeline = None
+        self._pipeline: _Pipeline | None = None
 
     @property
-    def loader(self):
+    def loader(self) -> Iterable[Any]:
         """The wrapped data loader (e.g. to call ``loader.sampler.set_epoch(epoch)``)."""
         return self._loader
 
     def __len__(self) -> int:
-        return len(self._loader)
+        return len(cast(Sized, self._loader))  # (a TypeError for a loader without len(), as torch's)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         self.close()
         s = self._sizes
-        self._pipeline = _Pipeline(self._loader, Layouts(self._input_sharding), s["loader_prefetch_size"],
-                                   s["device_prefetch_size"], s["host_to_device_transfer_threads"])
-        return _DeviceIterator(self, self._pipeline, s["batches_per_execution"])
+        pipeline = self._pipeline = _Pipeline(self._loader, Layouts(self._input_sharding), s["loader_prefetch_size"],
+                                              s["device_prefetch_size"], s["host_to_device_transfer_threads"])
+        return _DeviceIterator(self, pipeline, s["batches_per_execution"])
 
     def close(self) -> None:
         """Stop the background threads of the current iteration (waiting briefly for them).

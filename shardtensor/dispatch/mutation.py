@@ -34,7 +34,7 @@ def mutating_op(func, f: OpFacts, args, kwargs):
         return record_and_wrap(func, args, kwargs)
     bound = f.bind(args, kwargs)
     targets = [bound[name] for name in f.mutated]
-    flat_targets = []
+    flat_targets: list = []
     for t in targets:
         flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
     for x in flat_targets:

@@ -79,7 +79,7 @@ def _decode(entry, it):
 def flatten(func, args, kwargs, static_scalars=False):
     """(static template, dynamic value references) of a call: the template keys the plan."""
     f = facts(func)
-    refs = []
+    refs: list = []
     slots = f.scalar_slots
     pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
     kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
@@ -208,7 +208,8 @@ def record_and_wrap(func, args, kwargs):
 
 def new_tensors(refs, metas):
     """A fresh pending Cell and ShardedTensor per output reference (None stays None)."""
-    cells, outs = [], []
+    cells: list[Cell] = []
+    outs: list[ShardedTensor | None] = []
     for ref, meta in zip(refs, metas):
         if ref is None:
             outs.append(None)

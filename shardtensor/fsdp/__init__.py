@@ -13,13 +13,16 @@ Example::
         transformer_auto_wrap_policy, transformer_layer_cls={Block}))
     loss = loss_fn(model(st.shard(x, mesh, ("fsdp", None))), y)
 """
-from shardtensor.ops.barrier import optimization_barrier  # noqa: F401
 from shardtensor.fsdp.checkpoint import checkpoint_module  # noqa: F401
 from shardtensor.fsdp.outputs import batch_output_sharder, shard_batch  # noqa: F401
 from shardtensor.fsdp.wrap import (  # noqa: F401
-    always_wrap_policy, lambda_auto_wrap_policy, recursive_wrap, size_based_auto_wrap_policy,
+    always_wrap_policy,
+    lambda_auto_wrap_policy,
+    recursive_wrap,
+    size_based_auto_wrap_policy,
     transformer_auto_wrap_policy,
 )
 from shardtensor.fsdp.wrapper import FSDPv2, largest_dim_spec  # noqa: F401
+from shardtensor.ops.barrier import optimization_barrier  # noqa: F401
 
 SpmdFullyShardedDataParallel = FSDPv2  # PyTorch/XLA's name

@@ -24,6 +24,7 @@ module, and backward runs the module's forward again to get them back. Two thing
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -95,7 +96,7 @@ class _Recomputation:
         self.module = module
         self.active = False
         self.rng_state = None
-        self.grads = []  # gradients of the outputs that reached backward before the recomputation
+        self.grads: list[torch.Tensor] = []  # gradients of the outputs that reached backward before the recomputation
 
     def contexts(self):
         """torch's ``context_fn``: called at the start of the forward; (forward ctx, recompute ctx)."""
@@ -157,15 +158,20 @@ class _RecentParameterGradients:
 
     def __init__(self):
         self.grads = []
-        self.watched = {}  # id(parameter) -> weakref to it (tensors can't be set members: == is elementwise)
+        # id(parameter) -> weakref to it (tensors can't be set members: == is elementwise)
+        self.watched: dict[int, weakref.ref] = {}
         self.clear_queued = False
 
     def watch_parameters(self, module: nn.Module):
         for p in module.parameters():
-            ref = self.watched.get(id(p))
+            key = id(p)
+            ref = self.watched.get(key)
             if p.requires_grad and isinstance(p, st.ShardedTensor) and (ref is None or ref() is not p):
-                self.watched[id(p)] = weakref.ref(p, lambda _, key=id(p): self.watched.pop(key, None))
+                self.watched[key] = weakref.ref(p, functools.partial(self._forget, key))
                 p.register_hook(self._keep)
+
+    def _forget(self, key, _ref):
+        self.watched.pop(key, None)
 
     def _keep(self, grad):
         self.grads.append(grad)

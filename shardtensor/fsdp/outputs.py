@@ -68,7 +68,8 @@ def shard_batch(t: torch.Tensor, mesh, data_axis="fsdp") -> torch.Tensor:
         logits = shard_batch(logits, mesh)       # ('fsdp', None, None)
     """
     target = (data_axis,) + (None,) * (t.dim() - 1)
-    annotated_otherwise = t.partition_spec is not None and tuple(t.partition_spec) != target
+    spec = t.partition_spec if isinstance(t, st.ShardedTensor) else None
+    annotated_otherwise = spec is not None and tuple(spec) != target
     if t._is_view() or annotated_otherwise or (t.is_leaf and t.requires_grad):
         t = t.clone()
     return st.mark_sharding(t, mesh, target)

@@ -13,7 +13,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch.nn as nn
 

@@ -6,7 +6,8 @@ inserts the all-gathers (forward, backward) and reduce-scatters (gradients) itse
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -107,7 +108,7 @@ class FSDPv2(nn.Module):
             return getattr(self._orig_module, name)
 
     def __getitem__(self, key):
-        return self._orig_module[key]  # e.g. a wrapped nn.Sequential
+        return self._orig_module[key]  # type: ignore[index]  # a wrapped container (nn.Sequential, ...)
 
 
 def largest_dim_spec(shape) -> tuple:
@@ -121,7 +122,7 @@ def largest_dim_spec(shape) -> tuple:
     shape = tuple(shape)
     if not shape:
         return ()
-    spec = [None] * len(shape)
+    spec: list[str | None] = [None] * len(shape)
     spec[shape.index(max(shape))] = "fsdp"
     return tuple(spec)
 

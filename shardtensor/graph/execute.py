@@ -105,8 +105,10 @@ def run_single_node(node, cells) -> None:
     program again; anything unusual (pending or padded inputs, inputs on another mesh) takes
     ``run_cells``.
     """
-    arrays, seen, sig = [], {}, []
-    scalars = {}
+    arrays: list = []
+    seen: dict[int, int] = {}
+    sig: list = []
+    scalars: dict[str, list] = {}
     for ref in node.inputs:
         kind = type(ref)
         if kind is Leaf:
@@ -136,7 +138,7 @@ def run_single_node(node, cells) -> None:
             _SINGLE_NODE[key] = execution.executable
         return execution
     counters.increment("CachedCompile")
-    vectors = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalars.items()}
+    vectors: dict[str, np.ndarray] = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalars.items()}
     try:
         memory.check(getattr(fn, "memory", None), "this op's program")
         with deferred_interrupts():

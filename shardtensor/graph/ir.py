@@ -90,11 +90,11 @@ class Cell:
         self.sharding = sharding
         self.version = 0
         self.owned = owned
-        self._leaf = None
+        self._leaf: Leaf | None = None
         self.layout = None  # the jax sharding an in-place update must keep (cells without a spec)
         # (strides, storage offset) torch gives the value when it is seen as storage (as_strided,
         # resize_): those of the first tensor made without a view chain; None means contiguous
-        self.root = None
+        self.root: tuple[tuple[int, ...], int] | None = None
         self.serial = next(Cell._serials)  # creation order: compile() tells old cells from new ones
 
     @staticmethod

@@ -71,7 +71,7 @@ def analyse(compiled, mesh):
 _configured: list = [None]  # bytes set by set_device_memory_limit (None: the environment decides)
 
 
-def set_device_memory_limit(limit) -> None:
+def set_device_memory_limit(limit: int | str | None) -> None:
     """Refuse programs that need more than ``limit`` per device (bytes, or a string such as "2GiB").
 
     ``None`` goes back to ``SHARDTENSOR_DEVICE_MEMORY``, or when that is unset to what the devices
@@ -84,7 +84,7 @@ def set_device_memory_limit(limit) -> None:
     _configured[0] = None if limit is None else parse_size(limit)
 
 
-def device_memory_limit():
+def device_memory_limit() -> int | None:
     """The configured limit per device in bytes, or None when the devices' free memory decides."""
     if _configured[0] is not None:
         return _configured[0]
@@ -99,7 +99,7 @@ def parse_size(value) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = m and _UNITS.get(m.group(2).lower())
-        if unit is None:
+        if m is None or unit is None:
             raise ValueError(f"{ENV} / set_device_memory_limit: cannot read {value!r} as a size; "
                              "write bytes or a number with a unit, e.g. 512MB or 2GiB")
         size = int(float(m.group(1)) * unit)

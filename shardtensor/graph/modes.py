@@ -3,11 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
+from typing import Literal, ParamSpec, TypeVar
 
 from shardtensor import metrics as counters
 from shardtensor.graph import checks
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.state import STATE, check_execution_allowed, has_pending, pending_cells
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 
 def sync(wait: bool = False) -> None:
@@ -45,7 +50,7 @@ class eager_mode:
         self.enable = bool(enable)
         _set_eager(self.enable)
 
-    def __call__(self, func):
+    def __call__(self, func: Callable[_P, _R]) -> Callable[_P, _R]:
         """As a decorator: the mode applies while ``func`` runs, not from the moment it is decorated."""
         _set_eager(self.previous)
         enable = self.enable
@@ -57,10 +62,10 @@ class eager_mode:
 
         return run_in_mode
 
-    def __enter__(self):
+    def __enter__(self) -> eager_mode:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         _set_eager(self.previous)
         return False
 
@@ -77,7 +82,7 @@ def is_eager_mode() -> bool:
 
 
 @contextlib.contextmanager
-def step():
+def step() -> Iterator[None]:
     """A training step: everything recorded inside runs as one program when the block ends normally.
 
     Example::

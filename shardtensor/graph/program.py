@@ -57,15 +57,15 @@ class Program:
         self.forwarded = set()  # outputs that are an input leaf unchanged
         self.forwarded_leaves = set()
         self.key = None
-        self.mesh = None
+        self.mesh: jax.sharding.Mesh | None = None
         # on-device checks: whether traced, this build's user lines per step, output -> leaf restored
         # on failure; filled by the trace: the declared checks, outputs depending on a checked op
         self.checks = False
         self.sites = {}
         self.rollback = {}
         self.check_table = []
-        self.tainted = frozenset()
-        self.restored = frozenset()
+        self.tainted: frozenset[int] = frozenset()
+        self.restored: frozenset[int] = frozenset()
 
     @classmethod
     def build(cls, cells, donate=True, checks=None):
@@ -76,7 +76,7 @@ class Program:
         node_pos: dict[int, int] = {}
         leaf_pos: dict[int, int] = {}
         arrays: list = []
-        scalar_vals = {"b": [], "i": [], "f": [], "c": []}
+        scalar_vals: dict[str, list] = {"b": [], "i": [], "f": [], "c": []}
         key_parts = []
 
         def code_of(ref):
@@ -124,11 +124,11 @@ class Program:
             out_keys.append((code, pad, sharding))
 
         overwritten = {id(c) for c in cells}
-        layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
+        out_layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
         for i, c in enumerate(prog.leaf_cells):
             # donate only a buffer the output can reuse: same cell, sole owner, same layout
             reusable = (donate and c is not None and id(c) in overwritten and c.owned
-                        and layouts[id(c)] in (None, arrays[i].sharding))
+                        and out_layouts[id(c)] in (None, arrays[i].sharding))
             (prog.donated if reusable else prog.kept).append(i)
         if prog.checks:  # an overwritten cell whose old value is an input can be restored
             leaf_of = {id(c): k for k, c in enumerate(prog.leaf_cells) if c is not None}
@@ -137,7 +137,7 @@ class Program:
                 if k is not None and prog.leaf_shapes[k][0] == cell.shape:
                     prog.rollback[i] = k
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
-        scalars = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
+        scalars: dict[str, np.ndarray] = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
         prog.mesh = mesh
         checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
         prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
@@ -151,13 +151,13 @@ class Program:
         checked, rollback = self.checks, self.rollback
 
         def replay(donated, kept, vecs):
-            arrays = [None] * len(order)
+            arrays: list = [None] * len(order)
             for i, a in zip(order, list(donated) + list(kept)):
                 arrays[i] = a
             leaves = [a[tuple(slice(0, n) for n in shape)] if padded else a
                       for a, (shape, padded) in zip(arrays, leaf_shapes)]
             scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
-            values = []
+            values: list = []
 
             def resolve(code):
                 if code[0] == 0:
@@ -211,11 +211,12 @@ class Program:
                 return results, rows
             return results
 
-        out_shardings = [sharding for _, _, sharding in outputs]
+        out_shardings: list | tuple = [sharding for _, _, sharding in outputs]
         if checked:  # (results, check rows or None): the rows travel replicated
+            assert self.mesh is not None  # set by build()
             out_shardings = (out_shardings, NamedSharding(self.mesh, JaxSpec()))
         fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
-        fn.program = self
+        fn.program = self  # type: ignore[attr-defined]  # a function object takes attributes
         return fn
 
 

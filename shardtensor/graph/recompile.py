@@ -28,6 +28,7 @@ import contextlib
 import os
 import sys
 import sysconfig
+import types
 import warnings
 
 import jax
@@ -112,7 +113,7 @@ def call_site():
         call_site()   # ('train.py', 41, '__main__') when called under train.py's st.sync()
     """
     dirs = _library_dirs()
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith("<frozen") and not os.path.abspath(filename).startswith(dirs):

@@ -25,6 +25,7 @@ def _cell() -> Cell:
     global _CELL
     if _CELL is None:
         manual_seed(torch.initial_seed())
+        assert _CELL is not None
     return _CELL
 
 

@@ -41,9 +41,9 @@ class _State(threading.local):
 
     eager = False
     tracing = False  # inside compile(): record everything, run nothing until the end
-    trace_broken = None  # why the current compile() trace cannot be replayed without Python
-    execution_guard = None  # set by compile(full_graph=True): a message to raise on any execution
-    trace_start = None  # perf_counter_ns() of the first op recorded since a graph last ran
+    trace_broken: str | None = None  # why the current compile() trace cannot be replayed without Python
+    execution_guard: str | None = None  # set by compile(full_graph=True): a message to raise on any execution
+    trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
 
     def __init__(self):
         self.pending: weakref.WeakValueDictionary[int, Cell] = weakref.WeakValueDictionary()  # serial -> cell
@@ -71,7 +71,8 @@ class UnexpectedExecutionError(RuntimeError):
 def set_pending(cell: Cell, ref: Pending) -> None:
     """Give ``cell`` a new (lazy) value."""
     pending = STATE.pending
-    if STATE.trace_start is None or not pending.data:  # the first op of a new graph (.data: C-speed test)
+    # the first op of a new graph (.data, WeakValueDictionary's own dict: a C-speed test; typeshed omits it)
+    if STATE.trace_start is None or not pending.data:  # type: ignore[attr-defined]
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
     if cell.sharding is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:

@@ -101,7 +101,7 @@ def _category(dt: np.dtype) -> int:
     return 3
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _promote_pair(a: np.dtype | None, b: np.dtype | None) -> np.dtype | None:
     if a is None:
         return b

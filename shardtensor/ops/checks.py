@@ -17,6 +17,7 @@ import contextlib
 import os
 import sys
 import threading
+import types
 
 import jax.numpy as jnp
 import torch
@@ -136,7 +137,7 @@ _SKIPPED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 def user_site():
     """(file name, line number) of the innermost caller outside shardtensor and torch: the user's
     line that issued the op being recorded."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         # (torch.compile's FX graphs run as "<eval_with_key>.N": the user's call of the compiled function)

@@ -74,7 +74,8 @@ def _bias_shape(nsp):
 @register(aten.convolution.default, aten._convolution.default)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
     if x.ndim != w.ndim:
-        raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
+        raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, "
+                           f"but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
     # torch's CPU kernels accumulate bf16/f16 in float32 and add the bias before the one rounding.
     # (The operands are widened too: XLA's partitioner pads a bf16 operand of a float32-result
     # convolution with a float32 constant and fails its own HLO verifier, jax 0.10.2.)
@@ -86,7 +87,8 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
 
 
 @register(aten.convolution_backward.default)
-def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask):
+def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
+                         output_mask):
     args = (stride, padding, dilation, transposed, output_padding, groups)
     gx = gw = gb = None
     if output_mask[0]:

@@ -166,8 +166,8 @@ def arange(*args, dtype=None, **_factory):
         acc = np.dtype(np.complex128) if is_complex(dt) else FLOAT64 if opmath(dt) == dt else opmath(dt)
         if n <= _HOST_ARANGE_MAX or acc != FLOAT64:
             # computed on the host (a constant): no float64 arithmetic on the device (TPUs lack it)
-            idx = np.arange(max(n, 0), dtype=acc)
-            return jnp.asarray((acc.type(start) + acc.type(step) * idx).astype(jnp.dtype(dt)))
+            host_idx = np.arange(max(n, 0), dtype=acc)
+            return jnp.asarray((acc.type(start) + acc.type(step) * host_idx).astype(jnp.dtype(dt)))
         idx = jnp.arange(max(n, 0), dtype=acc)
         return cast(jnp.asarray(start, acc) + jnp.asarray(step, acc) * idx, dt)
     xs, xe, xst = int(start), int(end), int(step)  # Scalar.to<int64_t>() truncates

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from shardtensor.ops.indexing import write_at
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.indexing import write_at
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

@@ -10,6 +10,8 @@ functions in ``special.py``.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -131,6 +133,7 @@ _UNARY_FLOAT = {
     aten.sinc.default: _sinc,
     aten.angle.default: _angle,
 }
+_fn: Callable[..., Any]  # the jax function of each registration loop in this module
 for _op, _fn in _UNARY_FLOAT.items():
     register(_op)(unary_float(_fn))
 

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from shardtensor.ops.indexing import _highest, _lowest, write_at
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.checks import fail_where, out_of_range
+from shardtensor.ops.indexing import _highest, _lowest, write_at
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten

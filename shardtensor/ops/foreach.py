@@ -26,8 +26,9 @@ def _fn(op):
 # ----------------------------------------------------------------------------------------------
 # unary
 # ----------------------------------------------------------------------------------------------
-_UNARY = ("abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "
-          "neg reciprocal round rsqrt sigmoid sign sin sinh sqrt tan tanh trunc").split()
+_UNARY_NAMES = ("abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "
+                "neg reciprocal round rsqrt sigmoid sign sin sinh sqrt tan tanh trunc")
+_UNARY = _UNARY_NAMES.split()
 
 
 def _unary(fn):

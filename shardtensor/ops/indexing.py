@@ -12,6 +12,8 @@ Example::
 """
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,7 +285,7 @@ def _reduce_into(x, reduce, include_self, scatter_fn):
     elif reduce == "amin":
         ident = _highest(x.dtype)
     base = x
-    hit = None
+    hit: Any = None  # per element: how many indices hit it (when needed)
     if not include_self or reduce == "mean":
         hit = scatter_fn(jnp.zeros(x.shape, jnp.int64), "add", jnp.ones((), jnp.int64))
     if not include_self:
@@ -366,7 +368,10 @@ def masked_scatter(x, mask, source):
     m = jnp.broadcast_to(mask, shape).reshape(-1)
     flat_src = source.reshape(-1).astype(x.dtype)
     pos = jnp.cumsum(m.astype(jnp.int64)) - 1
-    vals = flat_src[jnp.clip(pos, 0, max(flat_src.shape[0] - 1, 0))] if flat_src.shape[0] else jnp.zeros_like(pos, x.dtype)
+    if flat_src.shape[0]:
+        vals = flat_src[jnp.clip(pos, 0, max(flat_src.shape[0] - 1, 0))]
+    else:
+        vals = jnp.zeros_like(pos, x.dtype)
     return jnp.where(m, vals, jnp.broadcast_to(x, shape).reshape(-1)).reshape(shape)
 
 

@@ -67,7 +67,8 @@ def linalg_qr(A, mode="reduced"):
     _check_float("linalg.qr", A)
     _check_matrix("linalg.qr", A)
     if mode not in ("reduced", "complete", "r"):
-        raise RuntimeError(f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'")
+        raise RuntimeError(f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', "
+                           "or 'complete'")
     if mode == "r":
         R = jnp.linalg.qr(A, mode="r")
         return jnp.zeros((0,), A.dtype), R.astype(A.dtype)
@@ -125,7 +126,8 @@ def linalg_lu_factor_ex(A, *, pivot=True, check_errors=False):
         raise RuntimeError("linalg.lu_factor: LU without pivoting is not implemented on the CPU")
     k = min(A.shape[-2], A.shape[-1])
     if A.size == 0:
-        return A, jnp.ones(A.shape[:-2] + (k,), jnp.int32) * jnp.arange(1, k + 1, dtype=jnp.int32), jnp.zeros(A.shape[:-2], jnp.int32)
+        pivots = jnp.ones(A.shape[:-2] + (k,), jnp.int32) * jnp.arange(1, k + 1, dtype=jnp.int32)
+        return A, pivots, jnp.zeros(A.shape[:-2], jnp.int32)
     lu, pivots, _ = lax.linalg.lu(A)
     diag = jnp.diagonal(lu, axis1=-2, axis2=-1)
     zero = diag == 0
@@ -159,7 +161,8 @@ def linalg_solve_triangular(A, B, *, upper, left=True, unitriangular=False):
     _check_float("linalg.solve_triangular", A)
     if A.dtype != B.dtype:
         raise RuntimeError(
-            f"linalg.solve_triangular: Expected A and B to have the same dtype, but found A of type {A.dtype} and B of type {B.dtype} instead"
+            "linalg.solve_triangular: Expected A and B to have the same dtype, "
+            f"but found A of type {A.dtype} and B of type {B.dtype} instead"
         )
     return _tri_solve(A, B, upper=upper, left=left, transpose=False, unitriangular=unitriangular)
 
@@ -169,7 +172,8 @@ def triangular_solve(B, A, upper=True, transpose=False, unitriangular=False):
     _check_float("triangular_solve", A)
     if A.dtype != B.dtype:
         raise RuntimeError(
-            f"triangular_solve: Expected b and A to have the same dtype, but got b with dtype {B.dtype} and A with dtype {A.dtype}"
+            "triangular_solve: Expected b and A to have the same dtype, "
+            f"but got b with dtype {B.dtype} and A with dtype {A.dtype}"
         )
     Ab, _ = _broadcast_batch(A, B)
     X = _tri_solve(A, B, upper=upper, left=True, transpose=transpose, unitriangular=unitriangular)

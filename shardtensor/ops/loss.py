@@ -64,7 +64,10 @@ def _target_mask(target, nclass, cdim, ndim):
     onehot = jnp.expand_dims(target, cdim) == classes
     trace = getattr(target, "_trace", None)
     if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
-        _ONEHOTS[key] = (weakref.ref(target, lambda _, k=key, memo=_ONEHOTS: memo.pop(k, None)), onehot)
+        def forget(_ref, k=key, memo=_ONEHOTS):
+            memo.pop(k, None)
+
+        _ONEHOTS[key] = (weakref.ref(target, forget), onehot)
     return onehot
 
 
@@ -72,7 +75,8 @@ def _nll_parts(x, target, weight, ignore_index):
     """(one-hot over the class axis, class axis, per-element weight with ignored -> 0, valid mask)."""
     cdim = 0 if x.ndim == 1 else 1
     if target.ndim != x.ndim - 1:
-        raise RuntimeError(f"nll_loss: expected target of {x.ndim - 1} dims for input of {x.ndim} dims, got {target.ndim}")
+        raise RuntimeError(f"nll_loss: expected target of {x.ndim - 1} dims for input of {x.ndim} dims, "
+                           f"got {target.ndim}")
     nclass = x.shape[cdim]
     onehot = _target_mask(target, nclass, cdim, x.ndim)
     valid = target != ignore_index

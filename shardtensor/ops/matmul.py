@@ -219,9 +219,11 @@ def linalg_cross(a, b, *, dim=-1):
     if a.dtype != b.dtype:
         raise RuntimeError(f"expected scalar type {a.dtype} but found {b.dtype}")
     if not -a.ndim <= dim < max(a.ndim, 1):
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-a.ndim}, {a.ndim - 1}], but got {dim})")
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-a.ndim}, {a.ndim - 1}], "
+                         f"but got {dim})")
     if a.shape[dim] != 3 or b.shape[dim] != 3:
-        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[dim]} and {b.shape[dim]}")
+        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. "
+                           f"Got {a.shape[dim]} and {b.shape[dim]}")
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
     a0, a1, a2 = (lax.index_in_dim(a, i, dim, keepdims=False) for i in range(3))

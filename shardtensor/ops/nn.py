@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import torch
 
 from shardtensor.ops import attention, conv, distance, embedding, loss, norm, pooling, resize, sampling  # noqa: F401
-from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -66,7 +66,7 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
         for d, n in zip(dims, t.shape):
             sizes[d] = n if sizes[d] == 1 else sizes[d]
         operands.append((t, dims))
-    for t, dims in operands:  # size-1 dims broadcast against the others
+    for _, dims in operands:  # size-1 dims broadcast against the others
         subs.append("".join(letters[d] for d in dims))
     out = "".join(letters[d] for d in range(total) if d not in set(sumdim))
     arrays = [jnp.broadcast_to(t, tuple(sizes[d] for d in dims)) for t, dims in operands]

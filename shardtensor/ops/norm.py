@@ -51,7 +51,8 @@ def _bshape(x, axis=1):
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     axis = x.ndim - len(normalized_shape)
     if tuple(x.shape[axis:]) != tuple(normalized_shape):
-        raise RuntimeError(f"Given normalized_shape={list(normalized_shape)}, expected input with shape [*, {', '.join(map(str, normalized_shape))}], but got input of size{list(x.shape)}")
+        raise RuntimeError(f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+                           f"[*, {', '.join(map(str, normalized_shape))}], but got input of size{list(x.shape)}")
     axes = tuple(range(axis, x.ndim))
     acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
@@ -123,7 +124,10 @@ def batch_norm_update_stats(x, running_mean, running_var, momentum, batch_mean=N
     if batch_mean is None:
         batch_mean, batch_var = _batch_stats(x)
     n = x.size // x.shape[1] if x.shape[1] else 0
-    unbiased = batch_var * (n / (n - 1)) if n > 1 else batch_var * jnp.asarray(jnp.nan if n == 0 else jnp.inf, batch_var.dtype)
+    if n > 1:
+        unbiased = batch_var * (n / (n - 1))
+    else:
+        unbiased = batch_var * jnp.asarray(jnp.nan if n == 0 else jnp.inf, batch_var.dtype)
     acc = batch_mean.dtype
     new_m = momentum * batch_mean + (1 - momentum) * running_mean.astype(acc)
     new_v = momentum * unbiased + (1 - momentum) * running_var.astype(acc)
@@ -190,7 +194,8 @@ def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, e
 
 
 @register(aten.native_batch_norm_backward.default)
-def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+                               output_mask):
     acc = acc_dtype(x.dtype)
     axes = _bn_axes(x)
     bs = _bshape(x)
@@ -221,8 +226,10 @@ def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_
 
 
 @register(aten.batch_norm_backward.default)
-def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve):
-    return native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask)
+def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask,
+                        reserve):
+    return native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps,
+                                      output_mask)
 
 
 # -------------------------------------------------------------------------------------- group norm

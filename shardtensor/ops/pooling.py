@@ -205,7 +205,8 @@ def avg_pool(x, nsp, kernel_size, stride, padding, ceil_mode, count_include_pad,
     total = window_sum(x.astype(acc), kernel, stride, padding, outs)
     div = _avg_divisor(in_sizes, kernel, stride, padding, outs, count_include_pad, divisor_override)
     if jnp.issubdtype(acc, jnp.integer):
-        return lax.div(total, jnp.broadcast_to(jnp.asarray(div, acc), total.shape)).astype(x.dtype)  # C++ division truncates
+        # C++ division truncates
+        return lax.div(total, jnp.broadcast_to(jnp.asarray(div, acc), total.shape)).astype(x.dtype)
     return (total / jnp.asarray(div, acc)).astype(x.dtype)
 
 
@@ -325,7 +326,9 @@ def _adaptive_avg_pool3d_half(x, out_sizes):
 
     def body(t, acc):
         (pd, vd), (ph, vh), (pw, vw) = (axis_positions(s, e, off, n) for s, e, off, n in (
-            (sd, ed, t // (lh * lw), x.shape[-3]), (sh, eh, (t // lw) % lh, x.shape[-2]), (sw, ew, t % lw, x.shape[-1])))
+            (sd, ed, t // (lh * lw), x.shape[-3]),
+            (sh, eh, (t // lw) % lh, x.shape[-2]),
+            (sw, ew, t % lw, x.shape[-1])))
         v = x[..., pd[:, None, None], ph[None, :, None], pw[None, None, :]]
         ok = vd[:, None, None] & vh[None, :, None] & vw[None, None, :]
         return (acc.astype(jnp.float32) + jnp.where(ok, v, zero).astype(jnp.float32)).astype(x.dtype)
@@ -404,7 +407,8 @@ def adaptive_max_pool3d_backward(grad, x, indices):
 def im2col(x, kernel_size, dilation, padding, stride):
     kernel = expand_param(kernel_size, 2)
     dilation, padding, stride = (expand_param(v, 2) for v in (dilation, padding, stride))
-    outs = [(n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, d, p, s in zip(x.shape[-2:], kernel, dilation, padding, stride)]
+    outs = [(n + 2 * p - d * (k - 1) - 1) // s + 1
+            for n, k, d, p, s in zip(x.shape[-2:], kernel, dilation, padding, stride)]
     win = windows(x, kernel, stride, padding, dilation, outs, 0)  # (..., C, OH, OW, K)
     lead = x.shape[:-3]
     c = x.shape[-3]
@@ -497,5 +501,5 @@ def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
 # from meta kernels): the gradient is shaped like the input.
 _META_LIB = torch.library.Library("aten", "IMPL")
 if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::fractional_max_pool3d_backward", "Meta"):
-    _META_LIB.impl("fractional_max_pool3d_backward", lambda grad, x, kernel_size, output_size, indices: torch.empty_like(x),
-                   "Meta")
+    _META_LIB.impl("fractional_max_pool3d_backward",
+                   lambda grad, x, kernel_size, output_size, indices: torch.empty_like(x), "Meta")

@@ -257,13 +257,15 @@ _register_linear(aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_ba
 def pad_mode(x, padding, mode):
     """torch's reflection/replication pad: padding = (left, right, top, bottom, front, back) from the last dim."""
     nsp = len(padding) // 2
-    widths = [(0, 0)] * (x.ndim - nsp) + [(padding[2 * (nsp - 1 - i)], padding[2 * (nsp - 1 - i) + 1]) for i in range(nsp)]
+    widths = [(0, 0)] * (x.ndim - nsp) + [(padding[2 * (nsp - 1 - i)], padding[2 * (nsp - 1 - i) + 1])
+                                          for i in range(nsp)]
     if mode == "reflect":
         for i in range(nsp):
             n = x.shape[x.ndim - nsp + i]
             lo, hi = widths[x.ndim - nsp + i]
             if lo >= n or hi >= n:
-                raise RuntimeError(f"Padding size should be less than the corresponding input dimension, but got: padding ({lo}, {hi}) at dimension {x.ndim - nsp + i} of input {list(x.shape)}")
+                raise RuntimeError("Padding size should be less than the corresponding input dimension, but got: "
+                                   f"padding ({lo}, {hi}) at dimension {x.ndim - nsp + i} of input {list(x.shape)}")
     if mode == "edge":
         for axis, (lo, hi) in enumerate(widths):
             n = x.shape[axis]
@@ -291,5 +293,7 @@ def _register_pad(op, bwd, mode):
 
 
 for _n in (1, 2, 3):
-    _register_pad(getattr(aten, f"reflection_pad{_n}d").default, getattr(aten, f"reflection_pad{_n}d_backward").default, "reflect")
-    _register_pad(getattr(aten, f"replication_pad{_n}d").default, getattr(aten, f"replication_pad{_n}d_backward").default, "edge")
+    _register_pad(getattr(aten, f"reflection_pad{_n}d").default,
+                  getattr(aten, f"reflection_pad{_n}d_backward").default, "reflect")
+    _register_pad(getattr(aten, f"replication_pad{_n}d").default,
+                  getattr(aten, f"replication_pad{_n}d_backward").default, "edge")

@@ -47,7 +47,10 @@ def facts(func) -> OpFacts:
 
 def _make_facts(func) -> OpFacts:
     schema = func._schema
-    slots, mutated, outs, names = set(), [], [], []
+    slots: set[int] = set()
+    mutated: list = []
+    outs: list = []
+    names: list[str] = []
     for i, a in enumerate(schema.arguments):
         names.append(a.name)
         kind = str(a.type)  # a Scalar prints as "number"

@@ -11,6 +11,7 @@ Example::
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -161,10 +162,12 @@ def _transpose_2d(x):
         return src
     out = x.T
     key = id(out)
-    try:
-        _TRANSPOSED[key] = (weakref.ref(out, lambda _, k=key, memo=_TRANSPOSED: memo.pop(k, None)), weakref.ref(x))
-    except TypeError:  # a value that takes no weak reference: simply not folded
-        pass
+
+    def forget(_ref, k=key, memo=_TRANSPOSED):
+        memo.pop(k, None)
+
+    with contextlib.suppress(TypeError):  # a value that takes no weak reference: simply not folded
+        _TRANSPOSED[key] = (weakref.ref(out, forget), weakref.ref(x))
     return out
 
 
@@ -336,7 +339,8 @@ def _strided_index(size, stride, offset):
 def as_strided(x, size, stride, storage_offset=None):
     idx = _strided_index(size, stride, storage_offset)
     if idx.size and (idx.min() < 0 or idx.max() >= x.size):
-        raise RuntimeError(f"as_strided: size {list(size)} stride {list(stride)} is out of bounds for {x.size} elements")
+        raise RuntimeError(f"as_strided: size {list(size)} stride {list(stride)} is out of bounds for {x.size} "
+                           "elements")
     return jnp.reshape(x, (-1,))[idx] if idx.size else jnp.zeros(tuple(size), x.dtype)
 
 

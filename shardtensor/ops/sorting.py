@@ -2,8 +2,9 @@
 
 torch orders NaN above every number (last in an ascending sort, first in a descending one); indices
 are int64. Equal elements come out in the order torch's CPU kernels leave them (a stable sort for
-stable=True; std::sort / nth_element / quickselect replayed by ops/_cpu_order.py otherwise). searchsorted / bucketize replay torch's
-bisection step by step, so unsorted or NaN-holding boundaries give torch's answers too.
+stable=True; std::sort / nth_element / quickselect replayed by ops/_cpu_order.py otherwise).
+searchsorted / bucketize replay torch's bisection step by step, so unsorted or NaN-holding boundaries
+give torch's answers too.
 
 Example::
 

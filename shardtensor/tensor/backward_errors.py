@@ -18,7 +18,7 @@ import torch
 import torch.autograd
 import torch.autograd.graph
 
-_last_error = {}
+_last_error: dict[str, BaseException] = {}
 
 
 def remember(e: BaseException) -> None:

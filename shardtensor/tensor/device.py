@@ -24,12 +24,12 @@ from shardtensor.graph import modes, rng
 from shardtensor.tensor import backward_errors
 
 BACKEND = "shardtensor"
-_DEVICE = None
+_DEVICE: torch.device = None  # type: ignore[assignment]  # set by the install at import, below
 CPP_GUARD = False  # True once the C++ device guard is loaded (the normal case)
 EXT = None  # the C++ module: set_geometry, share_storage, fresh_storage, forget_view_replay (or None)
 
 
-def device(index=None) -> torch.device:
+def device(index: int | None = None) -> torch.device:
     """The one logical torch device that stands for the whole mesh (SPMD style).
 
     Example::
@@ -39,7 +39,7 @@ def device(index=None) -> torch.device:
     return _DEVICE
 
 
-def devices() -> list:
+def devices() -> list[torch.device]:
     """The devices of this process as torch sees them: ``[st.device()]`` in SPMD mode."""
     return [_DEVICE]
 

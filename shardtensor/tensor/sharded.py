@@ -9,25 +9,36 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+from collections.abc import Callable, Sequence
+from types import EllipsisType
+from typing import Any, cast
 
 import numpy as np
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.graph.ir import Cell
-from shardtensor.mesh import default_mesh
+from shardtensor.mesh import Mesh, default_mesh
 from shardtensor.tensor import backward_errors, readback
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides, meta_like
 
-_HANDLER = None  # what __torch_dispatch__ calls: (func, args, kwargs) -> result; set by the dispatch layer
+
+def _no_handler(func: Any, args: tuple, kwargs: dict) -> Any:
+    raise RuntimeError(f"{func} reached a ShardedTensor before shardtensor.dispatch installed the op handler "
+                       "(while shardtensor itself is being imported)")
+
+
+# what __torch_dispatch__ calls: (func, args, kwargs) -> result; set by the dispatch layer
+_HANDLER: Callable[[Any, tuple, dict], Any] = _no_handler
 _DYNAMO_UNFLATTEN = None  # Dynamo's __tensor_unflatten__, set by shardtensor.dynamo_backend
 
 
-def set_op_handler(handler) -> None:
+def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
     """Install the function that handles every aten op on a ShardedTensor (the dispatch layer's).
 
     Example: ``set_op_handler(dispatch.handle)``.
@@ -65,8 +76,9 @@ class ShardedTensor(torch.Tensor):
     _chain: tuple  # view ops from the cell's value to this tensor's value
 
     @staticmethod
-    def __new__(cls, cell: Cell, shape=None, dtype=None, chain=(), requires_grad=False, strides=None,
-                storage_offset=0):
+    def __new__(cls, cell: Cell, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
+                chain: tuple = (), requires_grad: bool = False, strides: Sequence[int] | None = None,
+                storage_offset: int = 0) -> ShardedTensor:
         shape = tuple(cell.shape if shape is None else shape)
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
         # the values themselves are always logical jax arrays
@@ -83,20 +95,21 @@ class ShardedTensor(torch.Tensor):
         r._vcache = None
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # (torch's documented way for a subclass; its stubs give the two attributes other types)
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
         return _HANDLER(func, args, kwargs or {})
 
     # --- sharding metadata ---------------------------------------------------------------
     @property
-    def mesh(self):
+    def mesh(self) -> Mesh | None:
         """The Mesh this tensor was sharded over (``None`` when XLA chose its layout)."""
         return self._cell.mesh if not self._chain else None
 
     @property
-    def partition_spec(self):
+    def partition_spec(self) -> sh.PartitionSpec | None:
         """The PartitionSpec given to ``shard``/``mark_sharding`` (``None`` if none)."""
         spec = self._cell.spec if not self._chain else None
         return None if spec is None else sh.PartitionSpec(*spec)
@@ -114,7 +127,7 @@ class ShardedTensor(torch.Tensor):
         return sh.array_sharding(cell.value, len(cell.shape))[0]
 
     @property
-    def local_shards(self):
+    def local_shards(self) -> list[Shard]:
         """Each addressable device's shard: ``data`` (padded CPU tensor), ``indices``, ``unpadded_data``,
         ``device`` and ``replica_id``.
 
@@ -140,7 +153,7 @@ class ShardedTensor(torch.Tensor):
             return cell.mesh, cell.spec
         array = self._concrete_array()
         _, mesh, spec = sh.array_sharding(array, array.ndim)
-        if mesh is None:
+        if mesh is None or spec is None:
             return default_mesh(), (None,) * array.ndim
         return mesh, sh.normalize_spec(mesh, tuple(spec), array.ndim)
 
@@ -149,27 +162,28 @@ class ShardedTensor(torch.Tensor):
         return readback.materialize(self)
 
     # --- conversions ---------------------------------------------------------------------
-    def numpy(self, *, force=False):
+    def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.cpu().numpy()
 
-    def tolist(self):
+    def tolist(self) -> list:  # (a Python number for a 0-d tensor, as torch's)
         return self.cpu().tolist()
 
+    # (torch's stubs declare `data` a plain Tensor attribute; it is a getset descriptor)
     @property
-    def data(self):
-        return torch._C.TensorBase.data.__get__(self)
+    def data(self) -> torch.Tensor:
+        return torch._C.TensorBase.data.__get__(self)  # type: ignore[attr-defined]
 
     @data.setter
-    def data(self, value):
+    def data(self, value: torch.Tensor) -> None:
         # torch's set_data swaps the C++ impl but not our Python attributes: move those too
-        torch._C.TensorBase.data.__set__(self, value)
+        torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
         if isinstance(value, ShardedTensor):
             self._cell, self._chain, self._vcache = value._cell, value._chain, None
 
-    def register_hook(self, hook):
+    def register_hook(self, hook: Callable[[torch.Tensor], torch.Tensor | None]) -> RemovableHandle:
         return super().register_hook(_guarded_hook(hook))
 
-    def register_post_accumulate_grad_hook(self, hook):
+    def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
         return super().register_post_accumulate_grad_hook(_guarded_hook(hook))
     # (_guarded_hook only matters when the C++ device guard could not be built)
 
@@ -195,7 +209,7 @@ class ShardedTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         with torch.no_grad():
-            new = self.clone()
+            new = cast(ShardedTensor, self.clone())  # (torch's stubs say Tensor)
         if self._cell.spec is not None and not self._chain:
             new._cell.sharding = self._cell.sharding
         new.requires_grad_(self.requires_grad)
@@ -260,14 +274,14 @@ class Shard:
     """One device's piece of a ShardedTensor (PyTorch/XLA's XLAShard)."""
 
     data: torch.Tensor  # padded to the shard shape
-    indices: object  # tuple of slices into the global tensor, or Ellipsis when replicated
+    indices: tuple[slice, ...] | EllipsisType  # slices into the global tensor, or Ellipsis when replicated
     device: str
     replica_id: int
 
     @property
     def unpadded_data(self) -> torch.Tensor:
         """The shard without its padding: ``t[shard.indices]``."""
-        if self.indices is Ellipsis:
+        if isinstance(self.indices, EllipsisType):
             return self.data
         return self.data[tuple(slice(0, s.stop - s.start) for s in self.indices)]
 

@@ -30,12 +30,11 @@ import pathlib
 import random
 
 import numpy as np
-
 import torch
 from torch.testing._internal import common_utils
 from torch.testing._internal.common_methods_invocations import op_db
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 import shardtensor as st
 
@@ -248,7 +247,7 @@ def _compare(got, want, op, what, values=True, exact=None):
                 continue
             w = _closer_of(g.detach(), w.detach(), e, rtol, atol)
             torch.testing.assert_close(g.detach(), w, rtol=rtol, atol=atol, equal_nan=True,
-                                       msg=lambda m: f"{what}[{i}]: {m}")
+                                       msg=lambda m, i=i: f"{what}[{i}]: {m}")
         elif isinstance(w, float) and isinstance(g, float):
             if values:
                 torch.testing.assert_close(g, w, rtol=BASE_TOL[torch.float32][0],
@@ -371,12 +370,12 @@ def check_inplace(op):
             continue
         try:
             want, drew_random = _eager(fn, sample)
-        except Exception:  # noqa: BLE001  (torch refuses this sample in place: so must we)
+        except Exception as torch_error:  # noqa: BLE001  (torch refuses this sample in place: so must we)
             try:
                 _run_sharded(op, fn, sample)
             except Exception:  # noqa: BLE001
                 continue
-            raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not")
+            raise AssertionError(f"sample {k}: torch raises in place, shardtensor does not") from torch_error
         values = not drew_random
         inp, args, kwargs = _sharded_args(op, sample)
         got = fn(inp, *args, **kwargs)
@@ -467,9 +466,10 @@ def ids_of(kind) -> list[str]:
 def family(op) -> str:
     """Which shardtensor/ops/<family>.py lowers the first aten op the OpInfo entry hits in eager torch;
     'decomposed' if that op has no lowering but a torch decomposition, 'other' otherwise."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from shardtensor.ops.registry import lookup
     import torch._decomp
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from shardtensor.ops.registry import lookup
 
     hits = []
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _lowering_harness import assert_same, aten, BF16, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 

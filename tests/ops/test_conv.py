@@ -3,7 +3,7 @@ then through the dispatcher: spatially sharded kernels, bfloat16 bias rounding."
 import pytest
 import torch
 
-from _lowering_harness import aten, BF16, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, aten, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -46,7 +46,8 @@ def test_convolution_bf16_and_rank_check():
     x, w, b = r(2, 3, 6, 6, dtype=torch.bfloat16), r(4, 3, 3, 3, dtype=torch.bfloat16), r(4, dtype=torch.bfloat16)
     check(aten.convolution.default, x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, **BF16)
     with pytest.raises(RuntimeError):  # aten.convolution takes batched input only (F.conv2d unsqueezes)
-        lower(aten.convolution.default)(*to_jax([r(3, 6, 6), r(4, 3, 3, 3), r(4)]), [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+        lower(aten.convolution.default)(*to_jax([r(3, 6, 6), r(4, 3, 3, 3), r(4)]), [1, 1], [0, 0], [1, 1], False,
+                                        [0, 0], 1)
 
 
 # -------------------------------------------- through the dispatcher: sharded, bf16
@@ -68,7 +69,8 @@ def test_sharded_conv_with_spatially_sharded_kernel(transposed):
         w = torch.randn(2, 2, k, 3, 3, generator=g)
         sx, sw = st.shard(x, mesh, (None, None, "x", None, None)), st.shard(w, mesh, (None, None, "x", None, None))
         if transposed:
-            want, got = F.conv_transpose3d(x, w, stride=2, dilation=dilation), F.conv_transpose3d(sx, sw, stride=2, dilation=dilation)
+            want = F.conv_transpose3d(x, w, stride=2, dilation=dilation)
+            got = F.conv_transpose3d(sx, sw, stride=2, dilation=dilation)
         else:
             want, got = F.conv3d(x, w, dilation=dilation), F.conv3d(sx, sw, dilation=dilation)
         torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)

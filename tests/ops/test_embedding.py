@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
+
+from _lowering_harness import TIGHT, assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 
@@ -59,7 +60,8 @@ def test_embedding_bag_meta_layout():
     for mode, include_last in itertools.product((0, 1, 2), (False, True)):
         meta = aten._embedding_bag.default(w.to("meta"), idx.to("meta"), off.to("meta"), False, mode, False, None,
                                            include_last, -1)
-        got = run(lower(aten._embedding_bag.default), to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {})
+        got = run(lower(aten._embedding_bag.default),
+                  to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {})
         assert [tuple(g.shape) for g in got] == [tuple(m.shape) for m in meta]
     empty = torch.zeros(0, dtype=torch.long)
     for mode in (0, 1, 2):  # no indices at all: every bag is empty
@@ -118,7 +120,8 @@ def _sharded(fn, inputs, grad=True, tol=None):
 def test_sharded_grid_sample_and_bicubic():
     torch.manual_seed(18)
     x, grid = torch.randn(8, 3, 6, 5), torch.rand(8, 4, 7, 2) * 2.2 - 1.1
-    _sharded(lambda a, g: F.grid_sample(a, g, mode="bilinear", padding_mode="reflection", align_corners=False), [x, grid])
+    _sharded(lambda a, g: F.grid_sample(a, g, mode="bilinear", padding_mode="reflection", align_corners=False),
+             [x, grid])
     _sharded(lambda a: F.interpolate(a, size=(9, 4), mode="bicubic", align_corners=False), [x])
     _sharded(lambda a: F.interpolate(a, size=(3, 4), mode="bilinear", antialias=True), [x])
 
@@ -127,8 +130,8 @@ def test_sharded_losses():
     torch.manual_seed(19)
     logits, t = torch.randn(8, 5), torch.tensor([0, 4, 1, 1, 3, 2, 0, 4])
     _sharded(lambda a, b: F.multi_margin_loss(a, b, p=2, margin=0.7), [logits, t])
-    _sharded(lambda a: F.ctc_loss(a.log_softmax(2), torch.randint(1, 5, (2, 3), generator=torch.Generator().manual_seed(0)),
-                                  [8, 6], [3, 2]), [torch.randn(8, 2, 5)])
+    targets = torch.randint(1, 5, (2, 3), generator=torch.Generator().manual_seed(0))
+    _sharded(lambda a: F.ctc_loss(a.log_softmax(2), targets, [8, 6], [3, 2]), [torch.randn(8, 2, 5)])
 
 
 def test_sharded_embedding_bag_and_cdist():

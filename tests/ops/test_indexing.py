@@ -7,7 +7,7 @@ from _lowering_harness import aten, check, deferred_checks  # noqa: F401  (the d
 torch.manual_seed(0)
 
 X = torch.randn(4, 5, 6)
-I = torch.tensor
+T = torch.tensor  # short: index tensors are written inline
 
 
 def idx(*shape, high, low=None, dtype=torch.int64):
@@ -15,14 +15,14 @@ def idx(*shape, high, low=None, dtype=torch.int64):
 
 
 @pytest.mark.parametrize("indices", [
-    [I([0, 2, -1])],
-    [None, I([[1, 0], [4, -5]])],
-    [I([1, 2]), None, I([0, 5])],             # separated advanced indices -> front
-    [None, I([1, 2]), I([[0], [5]])],          # adjacent, broadcast
-    [I([3]), I([4]), I([5])],
-    [I(1), None, I([0, 1, 2])],                # 0-d index
-    [None, None, I([2, 3], dtype=torch.int32)],
-    [I([], dtype=torch.int64)],
+    [T([0, 2, -1])],
+    [None, T([[1, 0], [4, -5]])],
+    [T([1, 2]), None, T([0, 5])],             # separated advanced indices -> front
+    [None, T([1, 2]), T([[0], [5]])],          # adjacent, broadcast
+    [T([3]), T([4]), T([5])],
+    [T(1), None, T([0, 1, 2])],                # 0-d index
+    [None, None, T([2, 3], dtype=torch.int32)],
+    [T([], dtype=torch.int64)],
 ])
 def test_index(indices):
     check(aten.index.Tensor, X, indices)
@@ -37,29 +37,29 @@ def test_index_bool_mask_eager():
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_index_put(accumulate):
-    i = I([0, 2, -1])
+    i = T([0, 2, -1])
     check(aten.index_put.default, X, [i], torch.randn(3, 5, 6), accumulate)
-    check(aten.index_put.default, X, [None, I([1, 3]), I([0, -1])], torch.randn(4, 2), accumulate)
-    check(aten.index_put.default, X, [i, None, I([0, 1, 2])], torch.randn(3, 5), accumulate)
+    check(aten.index_put.default, X, [None, T([1, 3]), T([0, -1])], torch.randn(4, 2), accumulate)
+    check(aten.index_put.default, X, [i, None, T([0, 1, 2])], torch.randn(3, 5), accumulate)
     check(aten.index_put.default, X, [i], torch.tensor(2.5), accumulate)  # broadcast value
     check(aten._unsafe_index_put.default, X, [i], torch.randn(6), accumulate)
     check(aten._index_put_impl.default, X, [i], torch.randn(6), accumulate, False)
     xi = torch.randint(0, 9, (5, 3))
-    check(aten.index_put.default, xi, [I([1, 1, 4])], torch.randint(0, 9, (3, 3)), accumulate)
+    check(aten.index_put.default, xi, [T([1, 1, 4])], torch.randint(0, 9, (3, 3)), accumulate)
     if accumulate:  # duplicates accumulate
-        check(aten.index_put.default, X, [I([1, 1, 1, -3])], torch.randn(4, 5, 6), True)
+        check(aten.index_put.default, X, [T([1, 1, 1, -3])], torch.randn(4, 5, 6), True)
 
 
 def test_index_select_take_put():
     for dim in [0, 1, -1]:
         check(aten.index_select.default, X, dim, idx(7, high=4, low=0))
-    check(aten.index_select.default, X, 1, I(3))
-    check(aten.index_select.default, torch.tensor(5.0), 0, I(0))
-    check(aten.index_select.default, X, 2, I([], dtype=torch.int64))
+    check(aten.index_select.default, X, 1, T(3))
+    check(aten.index_select.default, torch.tensor(5.0), 0, T(0))
+    check(aten.index_select.default, X, 2, T([], dtype=torch.int64))
     check(aten.take.default, X, idx(3, 4, high=120))
     for acc in (False, True):
-        check(aten.put.default, X, I([0, 7, -1, 7]), torch.randn(2, 2), acc) if acc else \
-            check(aten.put.default, X, I([0, 7, -1, 9]), torch.randn(2, 2), acc)
+        check(aten.put.default, X, T([0, 7, -1, 7]), torch.randn(2, 2), acc) if acc else \
+            check(aten.put.default, X, T([0, 7, -1, 9]), torch.randn(2, 2), acc)
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -69,7 +69,7 @@ def test_gather(dim):
     i = torch.randint(0, X.shape[dim], shape)
     check(aten.gather.default, X, dim, i)
     check(aten.gather.default, X, dim, i[:2, :3, :2])  # index smaller than self in other dims
-    check(aten.gather.default, torch.tensor(3.0), 0, I(0))
+    check(aten.gather.default, torch.tensor(3.0), 0, T(0))
     check(aten.gather.default, X, dim, torch.zeros(0, 2, 2, dtype=torch.int64))
 
 
@@ -134,7 +134,8 @@ def test_index_add_copy_fill(dim):
 @pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 def test_index_reduce(reduce):
     for include_self in (True, False):
-        check(aten.index_reduce.default, X, 1, torch.tensor([0, 4, 0, 2]), torch.randn(4, 4, 6), reduce, include_self=include_self)
+        check(aten.index_reduce.default, X, 1, torch.tensor([0, 4, 0, 2]), torch.randn(4, 4, 6), reduce,
+              include_self=include_self)
 
 
 def test_masked_scatter():
@@ -200,7 +201,8 @@ def test_bool_mean_reductions_raise_like_torch():
 
     b = torch.rand(6, 5) > 0.5
     with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
-        lower(aten.scatter_reduce.two)(to_jax(b), 0, to_jax(torch.zeros(2, 5, dtype=torch.int64)), to_jax(b[:2]), "mean")
+        lower(aten.scatter_reduce.two)(to_jax(b), 0, to_jax(torch.zeros(2, 5, dtype=torch.int64)), to_jax(b[:2]),
+                                       "mean")
     with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
         lower(aten.index_reduce.default)(to_jax(b), 0, to_jax(torch.tensor([0, 1])), to_jax(b[:2]), "amax")
 
@@ -236,7 +238,8 @@ def test_sharded_uneven_index_reduce_and_constant_scatters():
     x = torch.randn(6, 10, generator=g) - 3
     index = torch.tensor([1, 4, 4, 9, 2])  # 5 entries over 4 devices: padded
     source = torch.randn(6, 5, generator=g)
-    sx, si, ss = st.shard(x.clone(), mesh, (None, None)), st.shard(index, mesh, ("x",)), st.shard(source, mesh, (None, "x"))
+    sx, si = st.shard(x.clone(), mesh, (None, None)), st.shard(index, mesh, ("x",))
+    ss = st.shard(source, mesh, (None, "x"))
     for reduce in ("mean", "prod", "amax", "amin"):
         for include_self in (True, False):
             want = x.index_reduce(1, index, source, reduce, include_self=include_self)
@@ -244,7 +247,8 @@ def test_sharded_uneven_index_reduce_and_constant_scatters():
     i2 = torch.randint(1, 6, (5, 3), generator=g)
     si2 = st.shard(i2, mesh, ("x", None))
     torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="add").cpu(), x.scatter(0, i2, 2.5, reduce="add"))
-    torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="multiply").cpu(), x.scatter(0, i2, 2.5, reduce="multiply"))
+    torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="multiply").cpu(),
+                               x.scatter(0, i2, 2.5, reduce="multiply"))
     xt = x.t().contiguous()
     acc = st.shard(xt.clone(), mesh, (None, None))
     acc.index_put_((si,), torch.tensor(1.5), accumulate=True)
@@ -272,8 +276,8 @@ def test_sharded_uneven_index_add_put_and_index_put():
     torch.testing.assert_close(got.cpu(), torch.ops.aten.index_put(x, [r, None, c], vals + 1, True))
     flat = torch.tensor([0, 209, 17, 17, -3])
     sp = torch.randn(5, generator=g)
-    torch.testing.assert_close(sx.put(st.shard(flat, mesh, ("x",)), st.shard(sp, mesh, ("x",)) - 2, accumulate=True).cpu(),
-                               x.put(flat, sp - 2, accumulate=True))
+    got = sx.put(st.shard(flat, mesh, ("x",)), st.shard(sp, mesh, ("x",)) - 2, accumulate=True)
+    torch.testing.assert_close(got.cpu(), x.put(flat, sp - 2, accumulate=True))
     b = torch.rand(6, 5, generator=g) > 0.5
     bi, bs = torch.randint(0, 6, (5, 5), generator=g), torch.rand(5, 5, generator=g) > 0.5
     sb = st.shard(b.clone(), mesh, (None, "x"))

@@ -6,8 +6,8 @@ import importlib
 import pytest
 import torch
 
-from _lowering_harness import Batch, call, make, to_torch
 from _linalg_inputs import _sym, _tol
+from _lowering_harness import Batch, call, make, to_torch
 
 importlib.import_module("shardtensor.ops.linalg_eig")
 

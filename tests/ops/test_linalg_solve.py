@@ -10,8 +10,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _lowering_harness import Batch, call, make, to_torch
 from _linalg_inputs import _square, _sym, _tol
+from _lowering_harness import Batch, call, make, to_torch
 
 importlib.import_module("shardtensor.ops.linalg_solve")
 importlib.import_module("shardtensor.ops.linalg_eig")

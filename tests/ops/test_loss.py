@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, BF16, check, deferred_checks, lower, randn, run, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, TIGHT, assert_same, aten, check, deferred_checks, lower, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -48,10 +48,11 @@ def test_nll_loss2d_and_all_ignored(reduction):
     t[0, 0] = -100
     w = torch.rand(4)
     out, total = check(aten.nll_loss2d_forward.default, logp, t, w, reduction, -100, rtol=1e-5, atol=1e-6)
-    check(aten.nll_loss2d_backward.default, torch.randn_like(out), logp, t, w, reduction, -100, total, rtol=1e-5, atol=1e-6)
+    check(aten.nll_loss2d_backward.default, torch.randn_like(out), logp, t, w, reduction, -100, total,
+          rtol=1e-5, atol=1e-6)
     out, total = check(aten.nll_loss_forward.default, logp[:, :, 0, 0], torch.full((2,), -100), None, reduction, -100)
-    check(aten.nll_loss_backward.default, torch.ones_like(out), logp[:, :, 0, 0], torch.full((2,), -100), None, reduction,
-          -100, total)
+    check(aten.nll_loss_backward.default, torch.ones_like(out), logp[:, :, 0, 0], torch.full((2,), -100), None,
+          reduction, -100, total)
 
 
 def test_cross_entropy_grads_match_autograd():
@@ -86,11 +87,12 @@ def test_bce(reduction):
     w = torch.rand(4, 5)
     for weight in (None, w):
         out = check(aten.binary_cross_entropy.default, p, t, weight, reduction, rtol=1e-5, atol=1e-5)
-        check(aten.binary_cross_entropy_backward.default, torch.randn_like(out), p.clamp(0.01, 0.99), t, weight, reduction,
-              rtol=1e-5, atol=1e-5)
+        check(aten.binary_cross_entropy_backward.default, torch.randn_like(out), p.clamp(0.01, 0.99), t, weight,
+              reduction, rtol=1e-5, atol=1e-5)
     logits = r(4, 5) * 5
     check(aten.binary_cross_entropy_with_logits.default, logits, t, None, None, reduction, rtol=1e-5, atol=1e-5)
-    check(aten.binary_cross_entropy_with_logits.default, logits, t, w, torch.rand(5) * 3, reduction, rtol=1e-5, atol=1e-5)
+    check(aten.binary_cross_entropy_with_logits.default, logits, t, w, torch.rand(5) * 3, reduction,
+          rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------- margin, CTC and chunked linear cross entropy losses
@@ -106,7 +108,8 @@ def test_multi_margin_loss():
             if xx.ndim == 0 and weight is not None:
                 continue
             out = check(aten.multi_margin_loss.default, xx, tt, p, margin, weight, red, **TIGHT)
-            check(aten.multi_margin_loss_backward.default, torch.randn_like(out), xx, tt, p, margin, weight, red, **TIGHT)
+            check(aten.multi_margin_loss_backward.default, torch.randn_like(out), xx, tt, p, margin, weight, red,
+                  **TIGHT)
 
 
 def test_multilabel_margin_loss():
@@ -159,8 +162,9 @@ def test_linear_cross_entropy_chunked():
 
     ops = torch.ops.torch_nn
     x, lw = r64(7, 4, seed=13), r64(5, 4)
+    masks = ((True, True, True), (True, False, False), (False, True, True))
     for red, ignore, use_b, use_w, flags in itertools.product(("mean", "sum"), (-100, 2), (False, True), (False, True),
-                                                              ((True, True, True), (True, False, False), (False, True, True))):
+                                                              masks):
         t = torch.tensor([0, 2, 4, 2, 1, -100, 3]) if ignore == -100 else torch.tensor([0, 2, 4, 2, 1, 2, 3])
         b = r64(5) if use_b else None
         w = torch.rand(5, dtype=F64) if use_w else None

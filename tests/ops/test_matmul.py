@@ -164,6 +164,7 @@ def test_eager_executable_cache_tells_repeated_inputs_apart():
         torch.testing.assert_close((sa @ sa).cpu(), a @ a)
         torch.testing.assert_close((sa @ sb).cpu(), a @ b)
         torch.testing.assert_close((sb @ sa).cpu(), b @ a)
-        torch.testing.assert_close(torch.linalg.matrix_power(sa, 3).cpu(), torch.linalg.matrix_power(a, 3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.linalg.matrix_power(sa, 3).cpu(), torch.linalg.matrix_power(a, 3),
+                                   rtol=1e-5, atol=1e-5)
         assert torch.isclose(sa, sa).cpu().all()
         torch.testing.assert_close(torch.isclose(sa, sb).cpu(), torch.isclose(a, b))

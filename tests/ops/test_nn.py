@@ -1,11 +1,12 @@
 """Miscellaneous NN lowerings (shardtensor/ops/nn.py: rrelu_with_noise, _trilinear) against eager torch on
 CPU."""
 import functools
+
 import jax
 import numpy as np
 import torch
 
-from _lowering_harness import assert_same, aten, check, deferred_checks, lower, randn, TIGHT, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import TIGHT, assert_same, aten, check, deferred_checks, lower, randn, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 

@@ -4,7 +4,7 @@ tensors."""
 import pytest
 import torch
 
-from _lowering_harness import assert_same, aten, BF16, check, deferred_checks, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, assert_same, aten, check, deferred_checks, randn, run, to_jax  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -70,8 +70,9 @@ def test_batch_norm_functional_forms():
     out = check(aten._batch_norm_no_update.default, x, w, b, rm, rv, 0.1, 1e-5, **tol)
     fwd = aten._batch_norm_with_update_functional.default(x, w, b, rm, rv, 0.1, 1e-5)
     g = torch.randn_like(x)
-    check(aten.batch_norm_backward.default, g, x, w, rm, rv, fwd[1], fwd[2], True, 1e-5, [True, True, True], fwd[3], **tol)
-    check(aten.batch_norm_backward.default, g, x, w, rm, rv, out[1], out[2], False, 1e-5, [True, True, True], out[3], **tol)
+    all3 = [True, True, True]
+    check(aten.batch_norm_backward.default, g, x, w, rm, rv, fwd[1], fwd[2], True, 1e-5, all3, fwd[3], **tol)
+    check(aten.batch_norm_backward.default, g, x, w, rm, rv, out[1], out[2], False, 1e-5, all3, out[3], **tol)
 
 
 def test_batch_norm_bf16():
@@ -116,8 +117,10 @@ def test_bfloat16_norm_statistics_have_torch_cpu_dtypes():
         srm, srv = st.shard(rm.clone(), mesh, (None,)), st.shard(rv.clone(), mesh, (None,))
         cases = [
             (A.native_layer_norm(sx, [5], None, None, 1e-5), A.native_layer_norm(x, [5], None, None, 1e-5)),
-            (A.native_batch_norm(sx, *sp, srm, srv, True, 0.1, 1e-5), A.native_batch_norm(x, *params, rm, rv, True, 0.1, 1e-5)),
-            (A._native_batch_norm_legit(sx, *sp, True, 0.1, 1e-5), A._native_batch_norm_legit(x, *params, True, 0.1, 1e-5)),
+            (A.native_batch_norm(sx, *sp, srm, srv, True, 0.1, 1e-5),
+             A.native_batch_norm(x, *params, rm, rv, True, 0.1, 1e-5)),
+            (A._native_batch_norm_legit(sx, *sp, True, 0.1, 1e-5),
+             A._native_batch_norm_legit(x, *params, True, 0.1, 1e-5)),
         ]
         for got, want in cases:
             for gi, wi in zip(got, want):

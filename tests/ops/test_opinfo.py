@@ -16,7 +16,6 @@ import warnings
 import pytest
 
 import opinfo_harness as h
-
 import shardtensor as st
 
 _RUN = {"count": 0}

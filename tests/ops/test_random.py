@@ -39,7 +39,7 @@ def draws(*calls, key=KEY):
 
     outs = jax.jit(f)(key)
     results = []
-    for (op, low, args, kwargs), out in zip(norm, outs):
+    for (op, _low, args, kwargs), out in zip(norm, outs):
         want = op(*args, **kwargs)
         pairs = zip(out, want) if isinstance(want, tuple) else [(out, want)]
         res = []
@@ -193,7 +193,8 @@ def test_keys_give_fresh_and_reproducible_values():
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs 8 (simulated) devices")
 def test_values_do_not_depend_on_sharding():
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
     ones = jnp.ones((16, 8))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from _lowering_harness import aten, BF16, check, deferred_checks, randn, TIGHT  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import BF16, TIGHT, aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 torch.manual_seed(0)
 
@@ -46,8 +46,8 @@ def test_upsample_1d_3d():
     out = check(aten.upsample_nearest3d.default, x3, [6, 5, 4], None, None, None)
     check(aten.upsample_nearest3d_backward.default, torch.randn_like(out), [6, 5, 4], list(x3.shape), None, None, None)
     out = check(aten.upsample_trilinear3d.default, x3, [5, 7, 3], False, None, None, None, rtol=1e-5, atol=1e-5)
-    check(aten.upsample_trilinear3d_backward.default, torch.randn_like(out), [5, 7, 3], list(x3.shape), False, None, None,
-          None, rtol=1e-5, atol=1e-5)
+    check(aten.upsample_trilinear3d_backward.default, torch.randn_like(out), [5, 7, 3], list(x3.shape), False, None,
+          None, None, rtol=1e-5, atol=1e-5)
     check(aten.upsample_bilinear2d.default, r(1, 2, 4, 4, dtype=torch.bfloat16), [7, 9], False, None, None, **BF16)
 
 
@@ -88,4 +88,5 @@ def test_bicubic_and_antialiased_resampling(in_hw, scales):
 
 
 def test_bicubic_bf16():
-    check(aten.upsample_bicubic2d.default, r64(1, 2, 5, 6, dtype=torch.bfloat16, seed=2), [8, 9], False, None, None, **BF16)
+    check(aten.upsample_bicubic2d.default, r64(1, 2, 5, 6, dtype=torch.bfloat16, seed=2), [8, 9], False, None, None,
+          **BF16)

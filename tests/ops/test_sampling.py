@@ -6,7 +6,7 @@ import itertools
 import pytest
 import torch
 
-from _lowering_harness import aten, check, deferred_checks, randn, TIGHT  # noqa: F401  (the deferred_checks fixture)
+from _lowering_harness import TIGHT, aten, check, deferred_checks, randn  # noqa: F401  (the deferred_checks fixture)
 
 F64 = torch.float64
 

@@ -32,8 +32,9 @@ def test_view_scalar_and_empty():
     check(aten.view.default, r(0, 3), [-1, 6])
 
 
-@pytest.mark.parametrize("src,dst", [(torch.float32, torch.int32), (torch.float32, torch.int16), (torch.int16, torch.float32),
-                                     (torch.bfloat16, torch.int16), (torch.int64, torch.float64), (torch.uint8, torch.bool)])
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.int32), (torch.float32, torch.int16),
+                                     (torch.int16, torch.float32), (torch.bfloat16, torch.int16),
+                                     (torch.int64, torch.float64), (torch.uint8, torch.bool)])
 def test_view_dtype(src, dst):
     x = r(3, 4, dtype=src) if src != torch.uint8 else torch.randint(0, 2, (3, 4), dtype=torch.uint8)
     check(aten.view.dtype, x, dst)
@@ -75,7 +76,8 @@ def test_squeeze_unsqueeze():
 
 
 @pytest.mark.parametrize("dim,start,end,step", [(0, 0, 2, 1), (1, -3, None, 2), (1, None, -1, 1), (2, -100, 100, 3),
-                                                (1, 4, 2, 1), (-1, 1, 9223372036854775807, 1), (0, 5, 10, 2), (1, -1, None, 1)])
+                                                (1, 4, 2, 1), (-1, 1, 9223372036854775807, 1), (0, 5, 10, 2),
+                                                (1, -1, None, 1)])
 def test_slice(dim, start, end, step):
     check(aten.slice.Tensor, X, dim, start, end, step)
     src = aten.slice.Tensor(X, dim, start, end, step)

@@ -93,9 +93,9 @@ def _tied(shape, dtype, g):
     return x
 
 
-def _torch_supports(fn):
+def _torch_supports(fn, *args):
     try:
-        fn()
+        fn(*args)
         return True
     except RuntimeError:
         return False
@@ -118,10 +118,10 @@ def test_sort_topk_kthvalue_ties_like_torch_cpu(dtype):
             check(aten.sort.stable, x, stable=True, dim=1, descending=False)
         topks = [(1, True, True), (3, False, True), (n // 2, True, False), (n // 2, False, True)]
         for k, largest, sorted_ in topks if every else topks[2:3]:
-            if _torch_supports(lambda k=k, largest=largest: torch.topk(x, k, 1, largest)):
+            if _torch_supports(torch.topk, x, k, 1, largest):
                 check(aten.topk.default, x, k, 1, largest, sorted_)
         for k in (1, n // 2) if every else (n // 2,):
-            if _torch_supports(lambda: torch.kthvalue(x, k, 1)):
+            if _torch_supports(torch.kthvalue, x, k, 1):
                 check(aten.kthvalue.default, x, k, 1)
 
 
@@ -246,8 +246,10 @@ def test_sharded_sort_topk_kthvalue_ties():
     x = torch.randint(-9, 9, (5, 10, 5), generator=g)  # the OpInfo sample shape, many ties
     sx = st.shard(x, mesh, (None, None, "x"))  # 5 over 4 devices: uneven as well
     for got, want in [(torch.topk(sx, 3), torch.topk(x, 3)), (torch.topk(sx, 3, 1), torch.topk(x, 3, 1)),
-                      (torch.kthvalue(sx, 2), torch.kthvalue(x, 2)), (torch.kthvalue(sx, 4, 1), torch.kthvalue(x, 4, 1)),
-                      (torch.sort(sx, 1), torch.sort(x, 1)), (torch.sort(sx.bfloat16(), 1), torch.sort(x.bfloat16(), 1))]:
+                      (torch.kthvalue(sx, 2), torch.kthvalue(x, 2)),
+                      (torch.kthvalue(sx, 4, 1), torch.kthvalue(x, 4, 1)),
+                      (torch.sort(sx, 1), torch.sort(x, 1)),
+                      (torch.sort(sx.bfloat16(), 1), torch.sort(x.bfloat16(), 1))]:
         for a, b in zip(got, want):
             torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
     big = torch.randint(0, 50, (2, 3000), generator=g).bfloat16()
