@@ -35,3 +35,17 @@ def test_all_names_the_public_api():
         assert hasattr(st, name), name
     public = {n for n, v in vars(st).items() if not n.startswith("_") and not isinstance(v, type(st))}
     assert public <= set(st.__all__), sorted(public - set(st.__all__))
+
+
+def test_the_package_carries_its_compiled_device_guard():
+    """Installing the package compiles the C++ device guard (setup.py), so ``import shardtensor``
+    loads it from the package and builds nothing (a lazy build would live in torch's extension cache)."""
+    from shardtensor.tensor import device
+
+    how_to = ("the package was installed without its compiled module (no compiler, or installed before "
+              "setup.py existed): reinstall it (`make install` / `pip install --no-build-isolation -e .`) "
+              "or build it in place: `python setup.py build_ext --inplace`")
+    assert device.EXT is not None, how_to
+    assert device.EXT.__name__ == "shardtensor.tensor._device_ext", f"{how_to}; loaded {device.EXT.__file__}"
+    assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent
+    assert device.EXT.TORCH_VERSION == __import__("torch").__version__.split("+")[0]

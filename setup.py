@@ -1,0 +1,32 @@
+"""Builds shardtensor's C++ device extension (``shardtensor/tensor/device_guard.cpp``) with the
+package, so that the first ``import shardtensor`` compiles nothing. The metadata is in pyproject.toml.
+
+The module is compiled against the torch of the build environment: the tested release that
+pyproject's ``[build-system]`` pins (``pip install .``, ``python -m build``), or the target
+environment's own with ``pip install --no-build-isolation`` (the Makefile's way: no second torch to
+set up). It is optional: without torch at build time, or without a C++ compiler, the package
+installs without it, and ``import shardtensor`` builds it on first use (or warns in one line).
+"""
+import sys
+
+from setuptools import setup
+
+
+def _extension_build():
+    try:
+        from torch.utils.cpp_extension import BuildExtension, CppExtension
+    except ImportError:  # --no-build-isolation into an environment without torch
+        print("shardtensor: torch is not importable at build time; the C++ device extension will be built "
+              "on first import instead", file=sys.stderr)
+        return {}
+    extension = CppExtension(
+        "shardtensor.tensor._device_ext", ["shardtensor/tensor/device_guard.cpp"],
+        # -g0: no debug info (a smaller wheel and a faster build); the module is a few trivial functions
+        extra_compile_args=["-g0"],
+        optional=True)  # a failed compile warns and installs the package without it
+    # distutils' compiler rather than ninja: its errors are the ones setuptools' `optional` catches,
+    # and one source file gains nothing from ninja
+    return {"ext_modules": [extension], "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=False)}}
+
+
+setup(**_extension_build())
