@@ -7,9 +7,16 @@ environment's own with ``pip install --no-build-isolation`` (the Makefile's way:
 set up). It is optional: without torch at build time, or without a C++ compiler, the package
 installs without it, and ``import shardtensor`` builds it on first use (or warns in one line).
 """
+import hashlib
+import pathlib
 import sys
 
 from setuptools import setup
+
+SOURCE = "shardtensor/tensor/device_guard.cpp"
+# compiled into the module: import uses it only if device_guard.cpp is still this file
+# (shardtensor.tensor.device._source_id computes the same)
+SOURCE_ID = int(hashlib.sha256(pathlib.Path(SOURCE).read_bytes()).hexdigest()[:16], 16)
 
 
 def _extension_build():
@@ -20,9 +27,9 @@ def _extension_build():
               "on first import instead", file=sys.stderr)
         return {}
     extension = CppExtension(
-        "shardtensor.tensor._device_ext", ["shardtensor/tensor/device_guard.cpp"],
+        "shardtensor.tensor._device_ext", [SOURCE],
         # -g0: no debug info (a smaller wheel and a faster build); the module is a few trivial functions
-        extra_compile_args=["-g0"],
+        extra_compile_args=["-g0", f"-DSHARDTENSOR_SOURCE_ID={SOURCE_ID:#x}ULL"],
         optional=True)  # a failed compile warns and installs the package without it
     # distutils' compiler rather than ninja: its errors are the ones setuptools' `optional` catches,
     # and one source file gains nothing from ninja

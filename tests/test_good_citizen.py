@@ -80,8 +80,9 @@ def test_without_a_prebuilt_module_the_first_import_builds_it_says_so_and_a_fail
     assert "\n" not in message and "Error building extension 'x'" in message and "pip install ninja" in message
 
 
-def test_a_prebuilt_module_for_another_torch_is_not_used(monkeypatch):
-    """A module compiled against another torch release is left unregistered; the lazy build takes over."""
+def test_a_prebuilt_module_for_another_torch_or_an_older_source_is_not_used(monkeypatch):
+    """A module compiled against another torch release, or from an older device_guard.cpp (an
+    editable install), is left unregistered; the lazy build takes over and says why."""
     import sys
     import types
 
@@ -89,11 +90,17 @@ def test_a_prebuilt_module_for_another_torch_is_not_used(monkeypatch):
 
     stale = types.ModuleType("shardtensor.tensor._device_ext")
     stale.TORCH_VERSION = "2.12.0"
+    stale.SOURCE_ID = device._source_id(device._SOURCE.read_bytes())
     monkeypatch.setitem(sys.modules, "shardtensor.tensor._device_ext", stale)
     ext, why_not = device._prebuilt_extension()
     assert ext is None and "2.12.0" in why_not and torch.__version__.split("+")[0] in why_not
     monkeypatch.setattr(device, "_build_cpp_extension", lambda why: ("built", why))
     assert device._load_cpp_extension() == ("built", why_not)
+
+    stale.TORCH_VERSION = torch.__version__.split("+")[0]
+    assert device._prebuilt_extension()[0] is stale
+    stale.SOURCE_ID = device._source_id(b"// an older device_guard.cpp")
+    assert device._prebuilt_extension() == (None, "the prebuilt module is older than device_guard.cpp")
 
     monkeypatch.setitem(sys.modules, "shardtensor.tensor._device_ext", None)  # (absent: import fails)
     assert device._prebuilt_extension() == (None, "no prebuilt module")

@@ -49,3 +49,4 @@ def test_the_package_carries_its_compiled_device_guard():
     assert device.EXT.__name__ == "shardtensor.tensor._device_ext", f"{how_to}; loaded {device.EXT.__file__}"
     assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent
     assert device.EXT.TORCH_VERSION == __import__("torch").__version__.split("+")[0]
+    assert device.EXT.SOURCE_ID == device._source_id(device._SOURCE.read_bytes())

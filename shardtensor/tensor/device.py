@@ -146,6 +146,14 @@ class Stream:
         return f"<shardtensor Stream device={BACKEND}:0>"
 
 
+_SOURCE = pathlib.Path(__file__).parent / "device_guard.cpp"
+
+
+def _source_id(source: bytes) -> int:
+    """What the module is built from, compiled into it as SOURCE_ID (setup.py computes the same)."""
+    return int(hashlib.sha256(source).hexdigest()[:16], 16)
+
+
 def _extension_name(source: str) -> str:
     """The build's name: one per source, torch and Python version, so two environments (or two
     checkouts) on one machine each keep their own build in torch's extension cache instead of
@@ -196,9 +204,12 @@ def _prebuilt_extension():
     except ImportError as e:  # built against another torch's libraries (undefined symbol ...)
         first_line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         return None, f"the prebuilt module does not load: {first_line[:120]}"
+    # (loading it registered nothing, register_backend does: a module that does not fit is simply unused)
     built_for, running = _device_ext.TORCH_VERSION, torch.__version__.split("+")[0]
-    if built_for != running:  # loading it registered nothing (register_backend does), so it is simply unused
+    if built_for != running:
         return None, f"the prebuilt module is for torch {built_for}, this is torch {running}"
+    if _device_ext.SOURCE_ID != _source_id(_SOURCE.read_bytes()):  # an editable install, then a new .cpp
+        return None, "the prebuilt module is older than device_guard.cpp"
     return _device_ext, None
 
 
@@ -216,8 +227,7 @@ def _build_cpp_extension(why_not_prebuilt: str):
     """Build (or load from torch's extension cache) the module from ``device_guard.cpp``."""
     from torch.utils import cpp_extension
 
-    source = pathlib.Path(__file__).parent / "device_guard.cpp"
-    name = _extension_name(source.read_text())
+    name = _extension_name(_SOURCE.read_text())
     try:
         build_dir = cpp_extension._get_build_directory(name, verbose=False)
         building = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
@@ -226,7 +236,8 @@ def _build_cpp_extension(why_not_prebuilt: str):
                   "(10-30 s) ...", file=sys.stderr, flush=True)
         start = time.monotonic()
         with _ninja_on_path():
-            ext = cpp_extension.load(name, sources=[str(source)])
+            ext = cpp_extension.load(name, sources=[str(_SOURCE)],
+                                     extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_SOURCE.read_bytes()):#x}ULL"])
         if building:
             print(f"shardtensor: built in {time.monotonic() - start:.0f} s (kept in {build_dir})",
                   file=sys.stderr, flush=True)

@@ -14,7 +14,8 @@
 // CPython module that includes only the c10/ATen/autograd headers it uses, not torch/extension.h
 // and pybind11: that takes the compile from ~30 s to ~10 s (nearly all of it autograd/variable.h,
 // needed for forget_view_replay). Loading it registers nothing: register_backend() does, once the
-// Python side has checked TORCH_VERSION, so a module built for another torch is never used.
+// Python side has checked TORCH_VERSION and SOURCE_ID, so a module built for another torch, or from
+// an older version of this file (an editable install), is never used.
 #include <Python.h>
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,9 @@
 
 #ifndef TORCH_EXTENSION_NAME
 #error "TORCH_EXTENSION_NAME (the module's name) is set by torch.utils.cpp_extension"
+#endif
+#ifndef SHARDTENSOR_SOURCE_ID
+#error "SHARDTENSOR_SOURCE_ID (a hash of this file, 0x...ULL) is set by setup.py and device.py"
 #endif
 #define SHARDTENSOR_CONCAT2(a, b) a##b
 #define SHARDTENSOR_CONCAT(a, b) SHARDTENSOR_CONCAT2(a, b)
@@ -247,8 +251,12 @@ PyMODINIT_FUNC SHARDTENSOR_CONCAT(PyInit_, TORCH_EXTENSION_NAME)() {
   Py_DECREF(torch);
   if (tensor_type == nullptr) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
-  // the torch release whose headers this was compiled with (device.py compares it with torch's)
-  if (module != nullptr && PyModule_AddStringConstant(module, "TORCH_VERSION", TORCH_VERSION) < 0) {
+  if (module == nullptr) return nullptr;
+  // what it was built from: torch's headers and this file (device.py compares both before using it)
+  PyObject* source_id = PyLong_FromUnsignedLongLong(SHARDTENSOR_SOURCE_ID);
+  if (PyModule_AddStringConstant(module, "TORCH_VERSION", TORCH_VERSION) < 0 || source_id == nullptr ||
+      PyModule_AddObject(module, "SOURCE_ID", source_id) < 0) {
+    Py_XDECREF(source_id);
     Py_DECREF(module);
     return nullptr;
   }
