@@ -40,6 +40,8 @@ def test_all_names_the_public_api():
 def test_the_package_carries_its_compiled_device_guard():
     """Installing the package compiles the C++ device guard (setup.py), so ``import shardtensor``
     loads it from the package and builds nothing (a lazy build would live in torch's extension cache)."""
+    import torch
+
     from shardtensor.tensor import device
 
     how_to = ("the package was installed without its compiled module (no compiler, or installed before "
@@ -48,5 +50,6 @@ def test_the_package_carries_its_compiled_device_guard():
     assert device.EXT is not None, how_to
     assert device.EXT.__name__ == "shardtensor.tensor._device_ext", f"{how_to}; loaded {device.EXT.__file__}"
     assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent
-    assert device.EXT.TORCH_VERSION == __import__("torch").__version__.split("+")[0]
-    assert device.EXT.SOURCE_ID == device._source_id(device._SOURCE.read_bytes())
+    built_for, built_from = device.EXT.TORCH_VERSION, device.EXT.SOURCE_ID
+    assert built_for == torch.__version__.split("+")[0]
+    assert built_from == device._source_id(device._SOURCE.read_bytes())

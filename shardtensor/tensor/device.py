@@ -208,7 +208,8 @@ def _prebuilt_extension():
     built_for, running = _device_ext.TORCH_VERSION, torch.__version__.split("+")[0]
     if built_for != running:
         return None, f"the prebuilt module is for torch {built_for}, this is torch {running}"
-    if _device_ext.SOURCE_ID != _source_id(_SOURCE.read_bytes()):  # an editable install, then a new .cpp
+    built_from, source = _device_ext.SOURCE_ID, _source_id(_SOURCE.read_bytes())
+    if built_from != source:  # an editable install, then a new device_guard.cpp
         return None, "the prebuilt module is older than device_guard.cpp"
     return _device_ext, None
 
