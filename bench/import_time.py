@@ -1,5 +1,6 @@
 """Start-up: ``import shardtensor`` against ``import torch, jax`` (with JAX's CPU backend started) in
-the same environment, each in fresh processes, and their ratios.
+the same environment, each in fresh processes, and their ratios: in wall time and in CPU time (the
+steadier figure on a machine whose other work comes and goes).
 
   warm    every import after the first (bytecode cached, C++ device extension loaded as it is)
   first   the first import after a fresh install: a copy of the installed package with no bytecode
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import resource
 import shutil
 import subprocess
 import sys
@@ -33,21 +35,29 @@ WHICH_EXT = "import shardtensor.tensor.device as d; print(d.EXT.__name__ if d.EX
 WHERE = "import importlib.util as u; print(u.find_spec('shardtensor').submodule_search_locations[0])"
 
 
-def _run(code: str, env, cwd=None) -> tuple[float, str]:
-    start = time.perf_counter()
+def _cpu_seconds() -> float:
+    """CPU time of the finished child processes and theirs (the compiler of a lazy build included)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _run(code: str, env, cwd=None) -> tuple[float, str, float]:
+    """(wall seconds, stdout, CPU seconds) of ``python -c code``."""
+    start, cpu = time.perf_counter(), _cpu_seconds()
     done = subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=cwd, capture_output=True, text=True)
-    return time.perf_counter() - start, done.stdout.strip()
+    return time.perf_counter() - start, done.stdout.strip(), _cpu_seconds() - cpu
 
 
-def _fresh_import(package: pathlib.Path, env, with_module: bool) -> tuple[float, str]:
-    """The first import of a fresh copy of ``package`` (no __pycache__, no extension cache)."""
+def _fresh_import(package: pathlib.Path, env, with_module: bool) -> tuple[float, str, float]:
+    """(wall seconds, the extension module it loaded, CPU seconds) of the first import of a fresh
+    copy of ``package`` (no __pycache__, no extension cache)."""
     skip = ["__pycache__"] + ([] if with_module else ["_device_ext*.so"])
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory() as extensions:
         shutil.copytree(package, pathlib.Path(root) / "shardtensor", ignore=shutil.ignore_patterns(*skip))
         # cwd=root: `python -c` puts the working directory first on sys.path, so the copy is imported
-        seconds, _ = _run(SHARDTENSOR, dict(env, TORCH_EXTENSIONS_DIR=extensions), cwd=root)
-        _, loaded = _run(WHICH_EXT, dict(env, TORCH_EXTENSIONS_DIR=extensions), cwd=root)
-    return seconds, loaded
+        seconds, _, cpu = _run(SHARDTENSOR, dict(env, TORCH_EXTENSIONS_DIR=extensions), cwd=root)
+        loaded = _run(WHICH_EXT, dict(env, TORCH_EXTENSIONS_DIR=extensions), cwd=root)[1]
+    return seconds, loaded, cpu
 
 
 def main():
@@ -61,23 +71,23 @@ def main():
     _run(SHARDTENSOR, env)  # build the extension if needed, warm the file cache
     base, warm, first = [], [], []
     for _ in range(args.runs):  # interleaved, so that a change in the machine's load hits all three alike
-        base.append(_run(BASELINE, env)[0])
-        warm.append(_run(SHARDTENSOR, env)[0])
+        base.append(_run(BASELINE, env))
+        warm.append(_run(SHARDTENSOR, env))
         first.append(_fresh_import(package, env, with_module=True))
-    base, warm, (first, loaded) = min(base), min(warm), min(first)
-    print(f"shardtensor from {package}")
-    print(f"import torch, jax (+ backend)  {base:6.2f} s   (best of {args.runs})")
-    print(f"import shardtensor (warm)      {warm:6.2f} s   {warm / base:5.2f}x   target <= 1.3x")
-    print(f"import shardtensor (first)     {first:6.2f} s   {first / base:5.2f}x   target <= 2x   "
-          f"(loaded {loaded})")
+    (base, _, base_cpu), (warm, _, warm_cpu), (first, loaded, first_cpu) = min(base), min(warm), min(first)
+    print(f"shardtensor from {package}; wall time (the best of {args.runs}) and its ratio, CPU time and its ratio")
+    print(f"import torch, jax (+ backend)  {base:6.2f} s           {base_cpu:6.2f} s CPU")
+    print(f"import shardtensor (warm)      {warm:6.2f} s  {warm / base:5.2f}x   {warm_cpu:6.2f} s CPU  "
+          f"{warm_cpu / base_cpu:5.2f}x   target <= 1.3x")
+    print(f"import shardtensor (first)     {first:6.2f} s  {first / base:5.2f}x   {first_cpu:6.2f} s CPU  "
+          f"{first_cpu / base_cpu:5.2f}x   target <= 2x   (loaded {loaded})")
     if loaded != "shardtensor.tensor._device_ext":
         print("  (the package has no usable compiled module, so that first import built it: reinstall, or "
               "`python setup.py build_ext --inplace` in a checkout)")
     if args.lazy:
-        lazy, loaded = _fresh_import(package, env, with_module=False)
-        print(f"import shardtensor (lazy)      {lazy:6.2f} s   {lazy / base:5.2f}x   (no compiled module: "
-              f"builds {loaded})")
-
+        lazy, loaded, lazy_cpu = _fresh_import(package, env, with_module=False)
+        print(f"import shardtensor (lazy)      {lazy:6.2f} s  {lazy / base:5.2f}x   {lazy_cpu:6.2f} s CPU  "
+              f"{lazy_cpu / base_cpu:5.2f}x   (no compiled module: builds {loaded})")
 
 if __name__ == "__main__":
     main()
