@@ -36,11 +36,15 @@ install: $(STAMP)
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(PY)
+# The package is built against the venv's own torch (--no-build-isolation, so its build setup needs
+# that torch and pyproject's setuptools installed first): pip does not set up a second torch in a
+# throw-away build environment, and setup.py compiles the C++ device guard into the source tree,
+# where the editable install finds it. A changed device_guard.cpp is recompiled here.
+$(STAMP): pyproject.toml setup.py shardtensor/tensor/device_guard.cpp | $(PY)
 	@echo "==> installing $(TORCH) into $(VENV) (the first time takes a few minutes)"
-	$(PY) -m pip install $(PIP_FLAGS) '$(TORCH)'
-	@echo "==> installing shardtensor (editable) with its test extra"
-	$(PY) -m pip install $(PIP_FLAGS) -e '.[test]'
+	$(PY) -m pip install $(PIP_FLAGS) '$(TORCH)' 'setuptools>=77'
+	@echo "==> installing shardtensor (editable, compiling its C++ device guard) with its test extra"
+	$(PY) -m pip install $(PIP_FLAGS) --no-build-isolation -e '.[test]'
 	@touch $@
 
 demo: $(STAMP)
@@ -60,6 +64,7 @@ bench: $(STAMP)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -f shardtensor/tensor/_device_ext*.so $(STAMP)
 	find . -name __pycache__ -type d -not -path './$(VENV)/*' -prune -exec rm -rf {} +
 
 distclean: clean

@@ -55,26 +55,55 @@ def test_no_process_wide_warning_filters():
     assert not any("donated" in str(f[1]) for f in warnings.filters)
 
 # ------------------------------------------------------------------ the C++ extension's first build
-def test_first_build_says_so_and_a_failed_build_warns_in_one_line(monkeypatch, tmp_path, capsys):
+def test_without_a_prebuilt_module_the_first_import_builds_it_says_so_and_a_failed_build_warns_in_one_line(
+        monkeypatch, tmp_path, capsys):
     import pytest
     from torch.utils import cpp_extension
 
     from shardtensor.tensor import device
 
+    monkeypatch.setattr(device, "_prebuilt_extension", lambda: (None, "no prebuilt module"))
     monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load_inline", lambda name, **kw: name)
+    monkeypatch.setattr(cpp_extension, "load", lambda name, **kw: name)
     assert device._load_cpp_extension().startswith("shardtensor_device_ext_")
     err = capsys.readouterr().err
-    assert "building its C++ device extension" in err and "built in" in err and str(tmp_path) in err
+    assert "building its C++ device extension (no prebuilt module)" in err and "built in" in err
+    assert str(tmp_path) in err
 
     def fail(name, **kw):
         raise RuntimeError("Error building extension 'x'\n" + "g++: fatal error\n" * 50)
 
-    monkeypatch.setattr(cpp_extension, "load_inline", fail)
+    monkeypatch.setattr(cpp_extension, "load", fail)
     with pytest.warns(RuntimeWarning) as caught:
         assert device._load_cpp_extension() is None
     (message,) = [str(w.message) for w in caught]
     assert "\n" not in message and "Error building extension 'x'" in message and "pip install ninja" in message
+
+
+def test_a_prebuilt_module_for_another_torch_or_an_older_source_is_not_used(monkeypatch):
+    """A module compiled against another torch release, or from an older device_guard.cpp (an
+    editable install), is left unregistered; the lazy build takes over and says why."""
+    import sys
+    import types
+
+    from shardtensor.tensor import device
+
+    stale = types.ModuleType("shardtensor.tensor._device_ext")
+    stale.TORCH_VERSION = "2.12.0"
+    stale.SOURCE_ID = device._source_id(device._SOURCE.read_bytes())
+    monkeypatch.setitem(sys.modules, "shardtensor.tensor._device_ext", stale)
+    ext, why_not = device._prebuilt_extension()
+    assert ext is None and "2.12.0" in why_not and torch.__version__.split("+")[0] in why_not
+    monkeypatch.setattr(device, "_build_cpp_extension", lambda why: ("built", why))
+    assert device._load_cpp_extension() == ("built", why_not)
+
+    stale.TORCH_VERSION = torch.__version__.split("+")[0]
+    assert device._prebuilt_extension()[0] is stale
+    stale.SOURCE_ID = device._source_id(b"// an older device_guard.cpp")
+    assert device._prebuilt_extension() == (None, "the prebuilt module is older than device_guard.cpp")
+
+    monkeypatch.setitem(sys.modules, "shardtensor.tensor._device_ext", None)  # (absent: import fails)
+    assert device._prebuilt_extension() == (None, "no prebuilt module")
 
 
 def test_the_extension_name_is_per_source_and_torch_version():

@@ -87,3 +87,21 @@ def test_lint_and_type_check_configuration():
     assert {"E", "F", "W", "B", "UP", "I", "SIM"} <= set(tool["ruff"]["lint"]["select"])
     assert tool["mypy"]["check_untyped_defs"] is True and tool["mypy"]["files"] == ["shardtensor"]
     assert "lint" in (ROOT / "Makefile").read_text().split("\ntest:")[1].split("\n")[0]
+
+
+def test_the_package_carries_its_compiled_device_guard():
+    """Installing the package compiles the C++ device guard (setup.py), so ``import shardtensor``
+    loads it from the package and builds nothing (a lazy build would live in torch's extension cache)."""
+    import torch
+
+    from shardtensor.tensor import device
+
+    how_to = ("the package was installed without its compiled module (no compiler, or installed before "
+              "setup.py existed): reinstall it (`make install` / `pip install --no-build-isolation -e .`) "
+              "or build it in place: `python setup.py build_ext --inplace`")
+    assert device.EXT is not None, how_to
+    assert device.EXT.__name__ == "shardtensor.tensor._device_ext", f"{how_to}; loaded {device.EXT.__file__}"
+    assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent
+    built_for, built_from = device.EXT.TORCH_VERSION, device.EXT.SOURCE_ID
+    assert built_for == torch.__version__.split("+")[0]
+    assert built_from == device._source_id(device._SOURCE.read_bytes())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import os
 import pathlib
 import shutil
@@ -26,7 +27,7 @@ from shardtensor.tensor import backward_errors
 BACKEND = "shardtensor"
 _DEVICE: torch.device = None  # type: ignore[assignment]  # set by the install at import, below
 CPP_GUARD = False  # True once the C++ device guard is loaded (the normal case)
-EXT = None  # the C++ module: set_geometry, share_storage, fresh_storage, forget_view_replay (or None)
+EXT = None  # the C++ module (device_guard.cpp): set_geometry, share_storage, fresh_storage, forget_view_replay
 
 
 def device(index: int | None = None) -> torch.device:
@@ -145,6 +146,14 @@ class Stream:
         return f"<shardtensor Stream device={BACKEND}:0>"
 
 
+_SOURCE = pathlib.Path(__file__).parent / "device_guard.cpp"
+
+
+def _source_id(source: bytes) -> int:
+    """What the module is built from, compiled into it as SOURCE_ID (setup.py computes the same)."""
+    return int(hashlib.sha256(source).hexdigest()[:16], 16)
+
+
 def _extension_name(source: str) -> str:
     """The build's name: one per source, torch and Python version, so two environments (or two
     checkouts) on one machine each keep their own build in torch's extension cache instead of
@@ -185,27 +194,51 @@ def _ninja_on_path():
             os.environ["PATH"] = old
 
 
-def _load_cpp_extension():
-    """Load the C++ device guard and metadata setters, building them the first time in this
-    environment (about a minute, said on stderr); None when they cannot be built (one-line warning)
-    or SHARDTENSOR_PYTHON_DEVICE_GUARD is set."""
-    from torch.utils import cpp_extension
+def _prebuilt_extension():
+    """The C++ module built with the package (``setup.py``), and why it cannot be used if it cannot:
+    ``(module, None)`` or ``(None, reason)``."""
+    try:  # (through sys.modules, so a test can stand in another module)
+        _device_ext = importlib.import_module("shardtensor.tensor._device_ext")
+    except ModuleNotFoundError:  # not built: a source checkout, or no compiler when it was installed
+        return None, "no prebuilt module"
+    except ImportError as e:  # built against another torch's libraries (undefined symbol ...)
+        first_line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        return None, f"the prebuilt module does not load: {first_line[:120]}"
+    # (loading it registered nothing, register_backend does: a module that does not fit is simply unused)
+    built_for, running = _device_ext.TORCH_VERSION, torch.__version__.split("+")[0]
+    if built_for != running:
+        return None, f"the prebuilt module is for torch {built_for}, this is torch {running}"
+    built_from, source = _device_ext.SOURCE_ID, _source_id(_SOURCE.read_bytes())
+    if built_from != source:  # an editable install, then a new device_guard.cpp
+        return None, "the prebuilt module is older than device_guard.cpp"
+    return _device_ext, None
 
+
+def _load_cpp_extension():
+    """The C++ device guard and metadata setters: the module built with the package, else one built
+    here the first time in this environment (10-30 s, said on stderr); None when it cannot be built
+    (one-line warning) or SHARDTENSOR_PYTHON_DEVICE_GUARD is set."""
     if os.environ.get("SHARDTENSOR_PYTHON_DEVICE_GUARD"):  # for testing the fallback
         return None
-    source = (pathlib.Path(__file__).parent / "device_guard.cpp").read_text()
-    name = _extension_name(source)
+    ext, why_not = _prebuilt_extension()
+    return ext if ext is not None else _build_cpp_extension(why_not)
+
+
+def _build_cpp_extension(why_not_prebuilt: str):
+    """Build (or load from torch's extension cache) the module from ``device_guard.cpp``."""
+    from torch.utils import cpp_extension
+
+    name = _extension_name(_SOURCE.read_text())
     try:
         build_dir = cpp_extension._get_build_directory(name, verbose=False)
         building = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
         if building:
-            print("shardtensor: building its C++ device extension, once per environment (about a minute) ...",
-                  file=sys.stderr, flush=True)
+            print(f"shardtensor: building its C++ device extension ({why_not_prebuilt}), once per environment "
+                  "(10-30 s) ...", file=sys.stderr, flush=True)
         start = time.monotonic()
         with _ninja_on_path():
-            ext = cpp_extension.load_inline(
-                name, cpp_sources=[source],
-                functions=["set_geometry", "share_storage", "fresh_storage", "forget_view_replay", "register_hooks"])
+            ext = cpp_extension.load(name, sources=[str(_SOURCE)],
+                                     extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_SOURCE.read_bytes()):#x}ULL"])
         if building:
             print(f"shardtensor: built in {time.monotonic() - start:.0f} s (kept in {build_dir})",
                   file=sys.stderr, flush=True)
@@ -216,7 +249,8 @@ def _load_cpp_extension():
             f"shardtensor could not build its C++ extension ({first_line[:160]}); using torch's Python "
             "device guard: an error raised by a grad_fn or module backward hook aborts the process, "
             "in-place ops that change a tensor's shape (squeeze_, t_, resize_, set_ ...) and pinned-memory "
-            "DataLoaders are not available. Install a C++ compiler and `pip install ninja` to fix this.",
+            "DataLoaders are not available. Install a C++ compiler and `pip install ninja` to fix this "
+            "(or reinstall shardtensor with one).",
             RuntimeWarning, stacklevel=2)
         return None
 
@@ -226,10 +260,10 @@ def _install():
     EXT = _load_cpp_extension()
     CPP_GUARD = EXT is not None
     if CPP_GUARD:
+        EXT.register_backend()  # the C++ device guard and torch's hooks for PrivateUse1
         torch.utils.rename_privateuse1_backend(BACKEND)
         torch.utils.generate_methods_for_privateuse1_backend()
         torch._register_device_module(BACKEND, _BackendModule())
-        EXT.register_hooks()
     else:
         _setup_privateuseone_for_python_backend(rename=BACKEND, backend_module=_BackendModule())
     _DEVICE = torch.device(BACKEND, 0)

@@ -9,16 +9,40 @@
 // A ShardedTensor's sizes live in its C++ TensorImpl (made by _make_wrapper_subclass) and Python
 // cannot change them; set_geometry/share_storage/fresh_storage do, for the dispatcher. Its storage
 // holds no data (the values are in JAX): only its byte size and identity matter.
+//
+// Built with the package (setup.py) or, failing that, on first import (device.py). It is a plain
+// CPython module that includes only the c10/ATen/autograd headers it uses, not torch/extension.h
+// and pybind11: that takes the compile from ~30 s to ~10 s (nearly all of it autograd/variable.h,
+// needed for forget_view_replay). Loading it registers nothing: register_backend() does, once the
+// Python side has checked TORCH_VERSION and SOURCE_ID, so a module built for another torch, or from
+// an older version of this file (an editable install), is never used.
+#include <Python.h>
+
+#include <ATen/core/Tensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/DeviceType.h>
-#include <c10/core/Stream.h>
 #include <c10/core/Storage.h>
+#include <c10/core/Stream.h>
 #include <c10/core/TensorImpl.h>
-#include <ATen/core/Tensor.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/headeronly/version.h>
+
 #include <vector>
+
+#ifndef TORCH_EXTENSION_NAME
+#error "TORCH_EXTENSION_NAME (the module's name) is set by torch.utils.cpp_extension"
+#endif
+#ifndef SHARDTENSOR_SOURCE_ID
+#error "SHARDTENSOR_SOURCE_ID (a hash of this file, 0x...ULL) is set by setup.py and device.py"
+#endif
+#define SHARDTENSOR_CONCAT2(a, b) a##b
+#define SHARDTENSOR_CONCAT(a, b) SHARDTENSOR_CONCAT2(a, b)
+#define SHARDTENSOR_STR2(a) #a
+#define SHARDTENSOR_STR(a) SHARDTENSOR_STR2(a)
+
 namespace {
 struct ShardtensorGuardImpl final : public c10::impl::DeviceGuardImplInterface {
   static thread_local c10::DeviceIndex current_device;
@@ -45,7 +69,6 @@ struct ShardtensorGuardImpl final : public c10::impl::DeviceGuardImplInterface {
 };
 thread_local c10::DeviceIndex ShardtensorGuardImpl::current_device = 0;
 thread_local c10::StreamId ShardtensorGuardImpl::current_stream = 0;
-C10_REGISTER_GUARD_IMPL(PrivateUse1, ShardtensorGuardImpl);
 
 // What torch asks of the accelerator behind torch.accelerator (registering the backend makes it one):
 // a DataLoader with pin_memory=True pins for it. shardtensor's device reads host memory through JAX,
@@ -67,7 +90,6 @@ c10::TensorImpl* data_less_impl(const at::Tensor& t) {
               "shardtensor: expected a ShardedTensor (a tensor whose storage holds no data)");
   return impl;
 }
-}  // namespace
 
 // Give t these sizes, strides and storage offset (its storage grows to cover them).
 void set_geometry(const at::Tensor& t, std::vector<int64_t> sizes, std::vector<int64_t> strides,
@@ -115,8 +137,128 @@ void forget_view_replay(const at::Tensor& t) {
   }
 }
 
-// Register the hooks above (once per process; torch keeps the pointer).
-void register_hooks() {
-  static ShardtensorHooks hooks;
-  at::RegisterPrivateUse1HooksInterface(&hooks);
+// Register the guard and the hooks above (once per process; torch keeps the pointers).
+void register_backend() {
+  static const bool registered = [] {
+    static c10::impl::DeviceGuardImplRegistrar guard(c10::DeviceType::PrivateUse1, new ShardtensorGuardImpl());
+    static ShardtensorHooks hooks;
+    at::RegisterPrivateUse1HooksInterface(&hooks);
+    return true;
+  }();
+  (void)registered;
+}
+
+// ------------------------------------------------------------------------------ the Python module
+PyObject* tensor_type = nullptr;  // torch.Tensor
+
+struct PythonErrorSet {};  // thrown when a Python exception is already set
+
+at::Tensor unpack_tensor(PyObject* obj) {
+  int is_tensor = PyObject_IsInstance(obj, tensor_type);
+  if (is_tensor < 0) throw PythonErrorSet();
+  if (!is_tensor) {
+    PyErr_Format(PyExc_TypeError, "shardtensor: expected a torch.Tensor, got %s", Py_TYPE(obj)->tp_name);
+    throw PythonErrorSet();
+  }
+  // Tensor._cdata is the address of the tensor's TensorImpl; obj keeps it alive during the call.
+  PyObject* address = PyObject_GetAttrString(obj, "_cdata");
+  if (address == nullptr) throw PythonErrorSet();
+  void* impl = PyLong_AsVoidPtr(address);
+  Py_DECREF(address);
+  if (impl == nullptr) throw PythonErrorSet();
+  return at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim_copy(
+      static_cast<c10::TensorImpl*>(impl)));
+}
+
+std::vector<int64_t> unpack_ints(PyObject* obj, const char* what) {
+  PyObject* seq = PySequence_Fast(obj, what);
+  if (seq == nullptr) throw PythonErrorSet();
+  std::vector<int64_t> out(PySequence_Fast_GET_SIZE(seq));
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+    if (out[i] == -1 && PyErr_Occurred()) {
+      Py_DECREF(seq);
+      throw PythonErrorSet();
+    }
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+// Runs body, turning a C++ exception into a Python one (torch's checks raise RuntimeError, as in torch).
+template <typename Body>
+PyObject* call(Body body) {
+  try {
+    body();
+    Py_RETURN_NONE;
+  } catch (const PythonErrorSet&) {
+    return nullptr;
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyObject* py_set_geometry(PyObject*, PyObject* args) {
+  PyObject *t, *sizes, *strides;
+  long long offset;
+  if (!PyArg_ParseTuple(args, "OOOL:set_geometry", &t, &sizes, &strides, &offset)) return nullptr;
+  return call([&] {
+    set_geometry(unpack_tensor(t), unpack_ints(sizes, "sizes must be a sequence of ints"),
+                 unpack_ints(strides, "strides must be a sequence of ints"), offset);
+  });
+}
+
+PyObject* py_share_storage(PyObject*, PyObject* args) {
+  PyObject *t, *src;
+  if (!PyArg_ParseTuple(args, "OO:share_storage", &t, &src)) return nullptr;
+  return call([&] { share_storage(unpack_tensor(t), unpack_tensor(src)); });
+}
+
+PyObject* py_fresh_storage(PyObject*, PyObject* args) {
+  PyObject* t;
+  long long nbytes;
+  if (!PyArg_ParseTuple(args, "OL:fresh_storage", &t, &nbytes)) return nullptr;
+  return call([&] { fresh_storage(unpack_tensor(t), nbytes); });
+}
+
+PyObject* py_forget_view_replay(PyObject*, PyObject* t) {
+  return call([&] { forget_view_replay(unpack_tensor(t)); });
+}
+
+PyObject* py_register_backend(PyObject*, PyObject*) {
+  return call([] { register_backend(); });
+}
+
+PyMethodDef methods[] = {
+    {"set_geometry", py_set_geometry, METH_VARARGS, "set_geometry(t, sizes, strides, storage_offset)"},
+    {"share_storage", py_share_storage, METH_VARARGS, "share_storage(t, src): t uses src's storage"},
+    {"fresh_storage", py_fresh_storage, METH_VARARGS, "fresh_storage(t, nbytes): t gets a storage of its own"},
+    {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
+    {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module_def = {PyModuleDef_HEAD_INIT, SHARDTENSOR_STR(TORCH_EXTENSION_NAME),
+                          "shardtensor's PrivateUse1 device guard and tensor-metadata setters", -1, methods};
+}  // namespace
+
+PyMODINIT_FUNC SHARDTENSOR_CONCAT(PyInit_, TORCH_EXTENSION_NAME)() {
+  PyObject* torch = PyImport_ImportModule("torch");
+  if (torch == nullptr) return nullptr;
+  tensor_type = PyObject_GetAttrString(torch, "Tensor");
+  Py_DECREF(torch);
+  if (tensor_type == nullptr) return nullptr;
+  PyObject* module = PyModule_Create(&module_def);
+  if (module == nullptr) return nullptr;
+  // what it was built from: torch's headers and this file (device.py compares both before using it)
+  PyObject* source_id = PyLong_FromUnsignedLongLong(SHARDTENSOR_SOURCE_ID);
+  if (PyModule_AddStringConstant(module, "TORCH_VERSION", TORCH_VERSION) < 0 || source_id == nullptr ||
+      PyModule_AddObject(module, "SOURCE_ID", source_id) < 0) {
+    Py_XDECREF(source_id);
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
