@@ -224,6 +224,7 @@ class Execution:
             counters.increment("UncachedCompile")
             if recompile.enabled():
                 recompile.explain(program, leaf_cells, _EXECUTABLES)
+            recompile.note_compile(program, leaf_cells)  # a line that keeps recompiling is logged (WARNING)
             fn = program.make_executable()
             # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's
             # call then finds this executable. A program that fails to compile is not cached.
