@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, execute, memory, recompile
+from shardtensor.graph import checks, execute, memory, recompile, rng
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
 from shardtensor.graph.interrupts import deferred_interrupts
@@ -269,6 +269,7 @@ class _Frozen:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
         if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
             return _STALE
+        rng.settle()  # a seed given since the last draw: the key's cell is read below
         arrays = []
         for i, (kind, ident, ref) in enumerate(self.sources):
             if kind == "arg":

@@ -158,6 +158,49 @@ def is_spmd() -> bool:
     return any(os.environ.get(name, "").strip().lower() not in ("", "0", "false") for name in SPMD_ENVS)
 
 
+# --------------------------------------------------------------------------- forked processes
+
+_STARTED_AT_FORK = [False]  # in the parent: whether JAX's backend ran when it last forked
+_FORKED_AFTER_START = [False]  # in a child: forked (at any depth) from a process running JAX
+
+
+def _before_fork() -> None:
+    # JAX's backend check takes a lock, so it is read in the parent, before the fork, never in the child.
+    _STARTED_AT_FORK[0] = _backends_started()
+
+
+def _after_fork_in_child() -> None:
+    _FORKED_AFTER_START[0] = _FORKED_AFTER_START[0] or _STARTED_AT_FORK[0]
+
+
+if hasattr(os, "register_at_fork"):  # (Unix) silent: they only note a flag
+    os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
+
+
+def forked_after_start() -> bool:
+    """Whether this process was forked from one whose JAX backend had started. JAX's threads do not
+    survive a fork, so such a process (a DataLoader worker forked from a training process) cannot
+    run JAX: waiting for them would hang. torch asks ``torch.shardtensor._is_in_bad_fork()``, which
+    answers this, before seeding the device in such a worker (as for CUDA).
+
+    Example::
+
+        rt.forked_after_start()   # False in the training process; True in its forked workers
+    """
+    return _FORKED_AFTER_START[0]
+
+
+def check_not_forked(what: str) -> None:
+    """Raise instead of hanging when a process forked after JAX started tries to use it."""
+    if _FORKED_AFTER_START[0]:
+        raise RuntimeError(
+            f"shardtensor cannot {what} in this process: it was forked from a process that was running "
+            "JAX (a DataLoader worker, say), and JAX does not survive a fork - it would wait forever. Keep "
+            "shardtensor tensors out of worker processes (datasets return CPU tensors; MpDeviceLoader "
+            "moves the batches), or start the workers with multiprocessing_context='spawn' "
+            "(or 'forkserver').")
+
+
 # --------------------------------------------------------------------------- devices
 
 

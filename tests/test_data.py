@@ -195,17 +195,6 @@ def test_bad_arguments():
     assert len(st.MpDeviceLoader([], "shardtensor")) == 0
 
 
-def test_dataloader_with_forked_workers_warns():
-    """Forked DataLoader workers deadlock once JAX runs (a plain loop over such a loader hangs too)."""
-    ds = TensorDataset(torch.randn(8, 2))
-    with pytest.warns(RuntimeWarning, match="multiprocessing_context='spawn'"):
-        st.MpDeviceLoader(DataLoader(ds, num_workers=2, multiprocessing_context="fork"), st.device())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        st.MpDeviceLoader(DataLoader(ds, num_workers=2, multiprocessing_context="spawn"), st.device())
-        st.MpDeviceLoader(DataLoader(ds), st.device())
-
-
 def _worker_error_case(fail_at):
     loader = st.MpDeviceLoader(SlowLoader(n=5, fail_at=fail_at, error=OSError(5, "disk on fire")), st.device())
     got = []

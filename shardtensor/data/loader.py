@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import copy
 import itertools
-import multiprocessing
 import queue
 import threading
 import warnings
@@ -60,21 +59,19 @@ def _stop_all() -> None:
         pipeline.stop(join_timeout=_JOIN_TIMEOUT)
 
 
-def _warn_if_forking(loader) -> None:
-    """Warn about a torch DataLoader whose worker processes would be forked: forking a process that
-    runs JAX (multithreaded) deadlocks the workers, so such a loop would wait forever."""
-    workers = getattr(loader, "num_workers", 0)
-    if not isinstance(loader, torch.utils.data.DataLoader) or not workers:
-        return
-    context = loader.multiprocessing_context
-    method = (context.get_start_method() if context is not None
-              else multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0])
-    if method == "fork":
-        warnings.warn(
-            f"This DataLoader starts its {workers} worker processes with fork, and a forked copy of a "
-            "process that runs JAX (multithreaded) deadlocks: the loop would wait forever. Pass "
-            "multiprocessing_context='spawn' (or 'forkserver') to the DataLoader, or num_workers=0.",
-            RuntimeWarning, stacklevel=3)
+def _start_iterating(loader):
+    """``iter(loader)``, on the calling thread, where a torch DataLoader starts its workers.
+
+    Forked workers are safe here: they run the loader's CPU code, torch skips seeding the device in
+    them (``torch.shardtensor._is_in_bad_fork()``), and shardtensor raises at once if a worker uses
+    it. JAX still warns at every fork of a process running it that the copy may deadlock, so that
+    one warning is held back around this call (a ``catch_warnings`` block: hence the calling thread).
+    """
+    if not (isinstance(loader, torch.utils.data.DataLoader) and loader.num_workers):
+        return iter(loader)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+        return iter(loader)
 
 
 class _Failure:
@@ -101,14 +98,14 @@ class _Failure:
 class _Pipeline:
     """The threads and queues of one iteration over the loader."""
 
-    def __init__(self, loader, layouts: Layouts, loader_prefetch_size, device_prefetch_size, transfer_threads):
+    def __init__(self, batches, layouts: Layouts, loader_prefetch_size, device_prefetch_size, transfer_threads):
         self.stopped = threading.Event()
         self.cpu_queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=loader_prefetch_size)
         self.device_queue: queue.Queue[tuple[int, Any]] = queue.Queue(maxsize=device_prefetch_size)
         # batch index -> uploaded batch, _END or _Failure (transfer threads may reorder)
         self.ready: dict[int, Any] = {}
         name = f"MpDeviceLoader-{next(_serial)}"
-        self.threads = [threading.Thread(target=self._read, args=(loader, transfer_threads),
+        self.threads = [threading.Thread(target=self._read, args=(batches, transfer_threads),
                                          name=f"{name}-reader", daemon=True)]
         self.threads += [threading.Thread(target=self._transfer, args=(layouts,), name=f"{name}-transfer-{i}",
                                           daemon=True) for i in range(transfer_threads)]
@@ -127,11 +124,10 @@ class _Pipeline:
                 pass
         return False
 
-    def _read(self, loader, transfer_threads):
+    def _read(self, batches, transfer_threads):
         index = 0
         final: _Signal | _Failure
         try:
-            batches = iter(loader)
             while not self.stopped.is_set():
                 try:
                     batch = next(batches)
@@ -263,7 +259,12 @@ class MpDeviceLoader:
     ``len()`` is the loader's. Each ``iter()`` starts afresh and stops the previous iteration's
     threads (its iterator then ends), as do leaving the loop early, deleting the loader and
     ``close()``. An exception raised by the loader, or while uploading, is raised by ``next()`` in
-    the loop (same type and message, the worker's traceback chained), after the batches before it.
+    the loop (same type and message, the worker's traceback chained), after the batches before it;
+    one raised by ``iter(loader)`` itself, by ``iter()``.
+
+    A torch DataLoader may fork its worker processes (the default start method on Linux): they run
+    the dataset's CPU code while this process runs JAX. A worker that uses a shardtensor tensor
+    raises a RuntimeError naming the fix, instead of waiting for JAX threads the fork left behind.
 
     ``loader_prefetch_size`` CPU batches and ``device_prefetch_size`` uploaded batches are kept
     ready; ``host_to_device_transfer_threads`` threads upload.
@@ -292,7 +293,6 @@ class MpDeviceLoader:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MpDeviceLoader: {name} must be a positive integer, got {value!r}.")
         Layouts(input_sharding)  # check input_sharding now rather than at the first batch
-        _warn_if_forking(loader)
         self._loader = loader
         self._device = target
         self._input_sharding = input_sharding
@@ -310,9 +310,10 @@ class MpDeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         self.close()
         s = self._sizes
-        pipeline = self._pipeline = _Pipeline(self._loader, Layouts(self._input_sharding), s["loader_prefetch_size"],
-                                              s["device_prefetch_size"], s["host_to_device_transfer_threads"])
-        return _DeviceIterator(self, pipeline, s["batches_per_execution"])
+        batches = _start_iterating(self._loader)
+        self._pipeline = _Pipeline(batches, Layouts(self._input_sharding), s["loader_prefetch_size"],
+                                   s["device_prefetch_size"], s["host_to_device_transfer_threads"])
+        return _DeviceIterator(self, self._pipeline, s["batches_per_execution"])
 
     def close(self) -> None:
         """Stop the background threads of the current iteration (waiting briefly for them).

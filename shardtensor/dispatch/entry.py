@@ -5,8 +5,11 @@ ops, each recorded as graph nodes (run at once in eager mode).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from shardtensor import runtime
 from shardtensor.dispatch.meta import meta_outputs
 from shardtensor.dispatch.mutation import mutating_op
 from shardtensor.dispatch.record import record_and_wrap, zeros
@@ -62,4 +65,17 @@ def _placeholder(func, args, kwargs):
     return values if structure == "list" else tuple(values)
 
 
+def _refuse_in_forked_child(func, args, kwargs):
+    runtime.check_not_forked(f"run {func} on a shardtensor tensor")
+
+
+def _after_fork_in_child() -> None:
+    # A child forked after JAX started cannot run it: every op on a ShardedTensor raises at once, before
+    # taking ENGINE_LOCK (which a thread of the parent may have held at the fork) or waiting on JAX.
+    if runtime.forked_after_start():
+        set_op_handler(_refuse_in_forked_child)
+
+
 set_op_handler(handle)
+if hasattr(os, "register_at_fork"):  # after runtime's own hook, which notes whether JAX was running
+    os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -37,6 +37,7 @@ from shardtensor.graph.state import (
 )
 from shardtensor.graph.waiting import wait_until_ready
 from shardtensor.ops.checks import checks_enabled
+from shardtensor.runtime import check_not_forked
 
 _EXECUTABLES = ExecutableCache()  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -52,6 +53,7 @@ def run_cells(cells, wait: bool = False):
     an earlier run raises first: nothing new runs on results that must not be used. Runs one at a
     time over all threads (``ENGINE_LOCK``).
     """
+    check_not_forked("run a program")  # before the lock: a forked child may find it held for ever
     with ENGINE_LOCK:
         checks.verify()
         return _run_cells(cells, wait)
@@ -224,6 +226,7 @@ class Execution:
             counters.increment("UncachedCompile")
             if recompile.enabled():
                 recompile.explain(program, leaf_cells, _EXECUTABLES)
+            recompile.note_compile(program, leaf_cells)  # a line that keeps recompiling is logged (WARNING)
             fn = program.make_executable()
             # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's
             # call then finds this executable. A program that fails to compile is not cached.

@@ -18,13 +18,21 @@ time in XLA.
 
 The variable is read on every compilation (``os.environ``), so it can be switched on mid-run.
 
+Always, without the variable: a call site (that line of user code: the ``sync()``, the end of a
+``step()``, the ``.item()`` or the call of an ``st.compile``d function) that compiles a graph of the
+same structure for the third time or more logs a WARNING under the ``shardtensor`` logger, with
+the count and what changed since its previous compile there (PyTorch/XLA users know this as its
+recompilations). A stable loop compiles once or twice and says nothing; a cache hit costs nothing.
+
 Example::
 
     SHARDTENSOR_DEBUG=1 python train.py
+    logging.getLogger("shardtensor").setLevel(logging.ERROR)   # silences the recompilation warnings
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 import sysconfig
@@ -36,6 +44,8 @@ import torch
 
 ENV = "SHARDTENSOR_DEBUG"
 RECOMPILE_WARNING_THRESHOLD = 8
+RECOMPILES_ALLOWED = 2  # compiles of one graph structure at one call site before each further one is logged
+_LOG = logging.getLogger("shardtensor")
 
 
 class RecompilationWarning(UserWarning):
@@ -69,7 +79,8 @@ _INPUT_NAMES: dict = {}  # id(cell) -> what the user calls it, while a compiled 
 
 @contextlib.contextmanager
 def naming(argument_cells, function_name: str):
-    """While preparing the graph of ``st.compile(fn)``, name the inputs that are arguments of fn.
+    """While preparing the graph of ``st.compile(fn)``, name the inputs that are arguments of fn (for
+    the debug report and the recompilation warning; a few dict operations per trace).
 
     ``argument_cells``: (argument position, storage cell) pairs.
 
@@ -78,9 +89,6 @@ def naming(argument_cells, function_name: str):
         with naming([(0, x._cell)], "train_step"):
             execution = Execution.prepare(cells)
     """
-    if not enabled():
-        yield
-        return
     names = {id(cell): f"argument {i} of {function_name}" for i, cell in argument_cells}
     _INPUT_NAMES.update(names)
     try:
@@ -356,3 +364,48 @@ def explain(program, leaf_cells, executables) -> str:
                 "(pad the last batch, or drop it).",
                 RecompilationWarning, site[0], site[1], module=site[2])
     return line
+
+
+# --------------------------------------------------------------------------- recompilation log
+
+_BY_SITE: dict = {}  # (file, line, skeleton hash) -> [compiles, the key compiled last]
+_BY_SITE_LIMIT = 20_000  # distinct (line, structure) pairs remembered (a huge sweep forgets the oldest half)
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def note_compile(program, leaf_cells) -> str | None:
+    """Count a compile (an executable-cache miss) against its call site and graph structure; from the
+    third of one structure at one site on, log a WARNING with what changed since the previous one.
+
+    Returns the message logged, or None. Example::
+
+        note_compile(program, leaf_cells)   # on each cache miss, before compiling
+    """
+    key = program.key
+    site = call_site()
+    entry_key = (*(site[:2] if site is not None else (None, None)), hash(_skeleton(key)))
+    entry = _BY_SITE.get(entry_key)
+    if entry is None:
+        if len(_BY_SITE) >= _BY_SITE_LIMIT:
+            for old in list(_BY_SITE)[:_BY_SITE_LIMIT // 2]:
+                del _BY_SITE[old]
+        entry = _BY_SITE[entry_key] = [0, None]
+    entry[0] += 1
+    previous, entry[1] = entry[1], key
+    if entry[0] <= RECOMPILES_ALLOWED or not _LOG.isEnabledFor(logging.WARNING):
+        return None
+    if key == previous:
+        why = "the same graph again, evicted from the executable cache meanwhile (st.set_executable_cache_size)"
+    else:
+        why = "; ".join(_differences(key, previous, leaf_cells))
+    message = (
+        f"{_site_text(site)} compiled a graph of the same structure for the {_ordinal(entry[0])} time "
+        f"({len(key[0])} ops): {why} [since its previous compile there]. Each compile spends time in "
+        "XLA: keep input shapes, dtypes, shardings and Python scalar types fixed from one call to the "
+        "next (pad the last batch, or drop it).")
+    _LOG.warning("%s", message)
+    return message

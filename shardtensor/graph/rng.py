@@ -7,6 +7,8 @@ Example::
 """
 from __future__ import annotations
 
+import itertools
+
 import jax
 import numpy as np
 import torch
@@ -17,36 +19,60 @@ from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.state import locked, set_concrete, set_pending
 from shardtensor.mesh import default_mesh
+from shardtensor.runtime import check_not_forked
 
 _CELL: Cell | None = None
+_NUMBERS = itertools.count(1)
+_REQUESTED: tuple = (0, None)  # (number, seed) of the latest manual_seed; seed None: torch's initial seed
+_APPLIED = [-1]  # the number of the request the key was last built from
 
 
 def _cell() -> Cell:
-    global _CELL
-    if _CELL is None:
-        manual_seed(torch.initial_seed())
-        assert _CELL is not None
+    if _REQUESTED[0] != _APPLIED[0]:  # (the only cost on every draw: one comparison)
+        check_not_forked("draw random numbers")  # before the lock, which the fork may have left held
+        _build_key()
+    assert _CELL is not None
     return _CELL
 
 
-@locked
 def manual_seed(seed: int) -> None:
-    """Reset the key from ``seed``; kept replicated over all devices (a key committed to one device
-    would make a later jit over the mesh fail).
+    """Reset the key from ``seed``. The key is built when numbers are next drawn, so seeding (also
+    through ``torch.manual_seed``) never starts JAX: plain torch code keeps a single-threaded process.
 
     Example::
 
         st.manual_seed(1234)
     """
+    global _REQUESTED
+    _REQUESTED = (next(_NUMBERS), int(seed) % (2**63))  # one assignment: safe without the engine lock
+
+
+@locked
+def _build_key() -> None:
+    """The key from the latest seed, kept replicated over all devices (a key committed to one device
+    would make a later jit over the mesh fail)."""
     global _CELL
+    number, seed = _REQUESTED
+    if number == _APPLIED[0]:  # another thread built it while this one waited for the lock
+        return
+    if seed is None:
+        seed = torch.initial_seed() % (2**63)
     sharding = NamedSharding(default_mesh().get_jax_mesh(), JaxSpec())
     if _CELL is not None and hasattr(_CELL.value, "sharding"):
         sharding = _CELL.value.sharding  # keep the layout, so compiled programs stay valid
-    key = jax.device_put(jax.random.PRNGKey(int(seed) % (2**63)), sharding)
+    key = jax.device_put(jax.random.PRNGKey(seed), sharding)
     if _CELL is None:
         _CELL = Cell(key, (2,), None, owned=True)
     else:
         set_concrete(_CELL, key, owned=True)
+    _APPLIED[0] = number
+
+
+def settle() -> None:
+    """Apply a seed given since the key was last used (for a compiled replay, which reads the key's
+    cell directly); nothing if no number was ever drawn."""
+    if _CELL is not None and _REQUESTED[0] != _APPLIED[0]:
+        _cell()
 
 
 def current():
@@ -61,6 +87,8 @@ def advance(ref) -> None:
 
 
 def pending_cells() -> list:
+    if _CELL is None:  # no number drawn yet: nothing to compute (and no reason to start JAX)
+        return []
     cell = _cell()
     return [cell] if cell.is_pending() else []
 

@@ -19,6 +19,7 @@ import time
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
+from shardtensor.runtime import check_not_forked
 
 ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
 _THREAD_PENDING: list = []  # weak references to every thread's pending dict
@@ -30,6 +31,7 @@ def locked(fn):
 
     @functools.wraps(fn)
     def run_locked(*args, **kwargs):
+        check_not_forked(fn.__name__)  # in a forked child the lock may be held by a thread that is gone
         with ENGINE_LOCK:
             return fn(*args, **kwargs)
 

@@ -21,6 +21,7 @@ import warnings
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+from shardtensor import runtime
 from shardtensor.graph import modes, rng
 from shardtensor.tensor import backward_errors
 
@@ -66,7 +67,9 @@ class _BackendModule:
 
     @staticmethod
     def _is_in_bad_fork() -> bool:
-        return False
+        """True in a process forked after JAX started (a DataLoader worker): torch then skips seeding
+        the device there, which would wait forever on JAX threads the fork did not copy."""
+        return runtime.forked_after_start()
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:

@@ -12,11 +12,13 @@ from shardtensor import sharding as sh
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import default_mesh
+from shardtensor.runtime import check_not_forked
 from shardtensor.tensor.sharded import ShardedTensor
 
 
 def upload(host: np.ndarray, mesh, spec):
     """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims."""
+    check_not_forked("move data to the devices")
     shape = tuple(host.shape)
     padded = tuple(sh.padded_shape(shape, mesh, spec))
     if padded != shape:
