@@ -128,6 +128,36 @@ def test_a_worker_that_uses_shardtensor_raises_naming_the_fix(how):
     assert "multiprocessing_context='spawn'" in str(info.value)
 
 
+class _HandsOutShardedTensors(Dataset):
+    """A dataset whose items are tensors already on the devices (no op in the worker)."""
+
+    def __init__(self):
+        self.items = [torch.full((2,), float(i), device=st.device()) for i in range(4)]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def test_a_worker_that_hands_out_device_tensors_raises_instead_of_crashing():
+    # collate moves a worker's batch into shared storage of the batch's device; the shardtensor
+    # device has no torch storage, and torch's null allocator used to crash the worker
+    loader = _forking_loader(_HandsOutShardedTensors())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_JAX_FORK_WARNING, category=RuntimeWarning)
+        with pytest.raises(RuntimeError, match="cannot allocate .* torch storage on the shardtensor device") as info:
+            list(loader)
+    assert "return CPU tensors from the dataset" in str(info.value)
+
+
+def test_torch_storage_on_the_device_is_refused_clearly():
+    with pytest.raises(RuntimeError, match="cannot allocate 8 bytes of torch storage on the shardtensor device"):
+        torch.UntypedStorage(8, device=st.device())
+    assert torch.UntypedStorage(0, device=st.device()).nbytes() == 0
+
+
 _FRESH = r"""
 import warnings
 warnings.simplefilter("error")   # any warning fails this script

@@ -20,6 +20,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceType.h>
 #include <c10/core/Storage.h>
@@ -80,6 +81,23 @@ struct ShardtensorHooks final : public at::PrivateUse1HooksInterface {
   at::Allocator* getPinnedMemoryAllocator() const override { return c10::GetCPUAllocator(); }
   bool isPinnedPtr(const void*) const override { return false; }
   at::Device getDeviceFromPtr(void*) const override { return at::Device(c10::DeviceType::PrivateUse1, 0); }
+};
+
+// torch allocates storage on the device in a few places: torch.UntypedStorage(n, device=...), and a
+// DataLoader worker's collate, which moves a batch's tensors into shared storage of their device.
+// shardtensor's tensors hold JAX arrays, not torch storage: refuse with a clear error (without an
+// allocator, torch dereferences a null one and the process dies).
+struct RefusingAllocator final : public c10::Allocator {
+  c10::DataPtr allocate(size_t nbytes) override {
+    TORCH_CHECK(nbytes == 0, "shardtensor: cannot allocate ", nbytes, " bytes of torch storage on the shardtensor "
+                "device: its tensors hold JAX arrays, not torch storage. Create them with torch's factory functions "
+                "(device='shardtensor'), st.shard or .to('shardtensor'); in a DataLoader, return CPU tensors from the "
+                "dataset and upload the batches in the main process (st.MpDeviceLoader does).");
+    return c10::DataPtr(nullptr, c10::Device(c10::DeviceType::PrivateUse1, 0));
+  }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    TORCH_CHECK(count == 0, "shardtensor: the shardtensor device has no torch storage to copy");
+  }
 };
 
 c10::TensorImpl* data_less_impl(const at::Tensor& t) {
@@ -143,6 +161,8 @@ void register_backend() {
     static c10::impl::DeviceGuardImplRegistrar guard(c10::DeviceType::PrivateUse1, new ShardtensorGuardImpl());
     static ShardtensorHooks hooks;
     at::RegisterPrivateUse1HooksInterface(&hooks);
+    static RefusingAllocator allocator;
+    c10::SetAllocator(c10::DeviceType::PrivateUse1, &allocator);
     return true;
   }();
   (void)registered;
