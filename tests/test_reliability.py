@@ -127,14 +127,15 @@ def test_waiting_for_a_result_can_be_interrupted():
 
     y = jax.jit(slow)(jnp.ones((1024, 1024)))
     timer = threading.Timer(0.02, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
+            timer.start()  # inside the block: on a busy machine the signal may come before the wait starts
             wait_until_ready([y])
             timer.join()  # finished before the signal came: it lands here instead
         interrupted_while_running = not y.is_ready()
     finally:
-        timer.join()
+        if timer.ident is not None:
+            timer.join()
     wait_until_ready([y])
     if not interrupted_while_running:
         pytest.skip("the program finished before the signal arrived (a fast machine)")
