@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as JP  # noqa: E402
 import shardtensor as st  # noqa: E402
 from shardtensor.explain import collectives_in_hlo  # noqa: E402
 from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
+from shardtensor.runtime import x64_scope  # noqa: E402
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
@@ -184,13 +185,13 @@ class ProgramSpy:
         self._orig = execute.call_executable
 
     def __enter__(self):
-        def spy(fn, arrays, scalars, wait=False):
+        def spy(fn, arrays, scalars, *rest):
             size = len(fn.program.steps)
             if self.largest is None or size > self.largest[0]:
                 avals = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays]
                 vecs = {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in scalars.items()}
                 self.largest = (size, fn, avals, vecs)
-            return self._orig(fn, arrays, scalars, wait)
+            return self._orig(fn, arrays, scalars, *rest)
 
         execute.call_executable = spy
         return self
@@ -203,7 +204,8 @@ class ProgramSpy:
         program = fn.program
         donated = [avals[i] for i in program.donated]
         kept = [avals[i] for i in program.kept]
-        return fn.lower(donated, kept, vecs).compile().as_text()
+        with x64_scope():  # lowered as shardtensor lowers it: with 64-bit types (int64 stays int64)
+            return fn.lower(donated, kept, vecs).compile().as_text()
 
 
 # ---- the three ways ----------------------------------------------------------------------------

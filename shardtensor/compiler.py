@@ -14,7 +14,8 @@ groups and hyperparameters, training mode, grad mode); otherwise the call runs `
 function that changes that state itself (it leaves ``.grad`` set, say) is never frozen.
 
 Threads: a compiled function may be called from several threads; each call traces in its own
-thread's state (graph/state.py), and a replay runs under the engine lock.
+thread's state (graph/state.py), and a replay runs under the engine lock. The engine's work (runs,
+replays) has JAX's 64-bit types on; ``fn``'s own Python runs with the caller's JAX setting.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import (
-    ENGINE_LOCK,
     check_execution_allowed,
+    locked,
     others_pending,
     pending_cells,
 )
@@ -93,8 +94,7 @@ class CompiledFunction:
         signature = _signature(flat, spec)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            with ENGINE_LOCK:
-                result = frozen.replay(flat, self.name)
+            result = frozen.replay(flat, self.name)
             if result is not _STALE:
                 checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
@@ -122,17 +122,7 @@ class CompiledFunction:
         broken = seen.broken or monitor.reason
         cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
-        with ENGINE_LOCK:
-            with recompile.naming(arguments, self.name):
-                # another thread's pending graph may read a buffer this one would donate
-                execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
-            trace = _Trace(execution, flat, out, seen.first_serial, broken)
-            if execution is not None:
-                try:
-                    execution.run()
-                except Exception as error:
-                    recover(cells, execution, error)
-                    raise
+        trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken)
         objects = watched.objects()
         if trace.broken is None and entry is not None and not (  # (entry: set when previous is)
                 _same_objects(previous, objects) and entry.holds(tensor_args)):
@@ -155,6 +145,22 @@ class CompiledFunction:
 
 
 _STALE = object()
+
+
+@locked
+def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
+    """Compile and run what a traced call left pending; the ``_Trace`` of the call."""
+    with recompile.naming(arguments, name):
+        # another thread's pending graph may read a buffer this one would donate
+        execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
+    trace = _Trace(execution, flat, out, first_serial, broken)
+    if execution is not None:
+        try:
+            execution.run()
+        except Exception as error:
+            recover(cells, execution, error)
+            raise
+    return trace
 
 
 def _without_scalars(fingerprint):
@@ -262,7 +268,9 @@ class _Frozen:
         self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
 
+    @locked
     def replay(self, flat, name):
+        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``)."""
         if not self.guard.holds([x for x in flat if isinstance(x, ShardedTensor)]):
             return _STALE  # the Python would now do something else: run it
         if self.executable is None:

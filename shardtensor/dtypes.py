@@ -1,4 +1,5 @@
-"""torch dtype <-> jax dtype, exact both ways (jax runs with x64 on, so int64/float64 stay 64-bit).
+"""torch dtype <-> jax dtype, exact both ways (shardtensor works with JAX's 64-bit types on, in
+runtime.x64_scope, so int64 / float64 stay 64-bit).
 
 Example::
 

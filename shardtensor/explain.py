@@ -303,6 +303,7 @@ def _explain_call(fn, args, kwargs) -> Explanation:
     return _explain(returned, effects)
 
 
+@runtime.with_x64  # after the user's function, which ran with the caller's JAX setting
 def _explain(tensors: list, effect_cells: list) -> Explanation:
     """tensors: (label, ShardedTensor); effect_cells: (label, pending Cell)."""
     # (label, shape, dtype, cell to compute or None, tensor or None): one of the last two is None

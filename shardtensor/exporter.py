@@ -74,6 +74,12 @@ def export(fn: Callable[..., Any], *example_args: Any, **example_kwargs: Any) ->
         out_flat, out_tree = pytree.tree_flatten(out)
         # a returned view, argument or parameter is not a node of its own: give it one
         out_flat = [_as_own_value(x) for x in out_flat]
+    return _export_captured(seen, flat_args, in_tree, out_flat, out_tree)
+
+
+@runtime.with_x64  # fn ran with the caller's JAX setting; lowering and exporting need 64-bit types
+def _export_captured(seen, flat_args, in_tree, out_flat, out_tree) -> "ExportedProgram":
+    """The ExportedProgram of what an ``export`` call captured."""
     _check_no_side_effects(seen, out_flat)
     out_cells = [x._cell for x in out_flat if isinstance(x, ShardedTensor)]
     if not out_cells:
@@ -113,6 +119,7 @@ MAX_SIZE = 2**30  # default bound on what st.deserialize inflates: 1 GiB
 _MEMBERS = ("meta.json", "program.bin", "values.npz")
 
 
+@runtime.with_x64
 def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> ExportedProgram:
     """Load what ``ExportedProgram.serialize()`` wrote; the result is callable like the function.
 
@@ -291,6 +298,7 @@ class ExportedProgram:
             self._mesh = Mesh(m["device_ids"], tuple(m["shape"]), tuple(m["axis_names"]))
         return self._mesh
 
+    @runtime.with_x64
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         flat, tree = pytree.tree_flatten((args, kwargs))
         if pytree.treespec_dumps(tree) != self._meta["in_tree"]:

@@ -5,8 +5,10 @@ imported if JAX is not imported yet:
 
 * ``SHARDTENSOR_CPU_DEVICES=N`` asks for N simulated CPU devices (it adds
   ``--xla_force_host_platform_device_count=N`` to ``XLA_FLAGS``);
-* ``SHARDTENSOR_PLATFORM`` (``cpu``, ``cuda`` or ``tpu``) chooses the platform; unset, JAX picks;
-* JAX's 64-bit mode is turned on, so int64 and float64 stay 64-bit as in torch.
+* ``SHARDTENSOR_PLATFORM`` (``cpu``, ``cuda`` or ``tpu``) chooses the platform; unset, JAX picks.
+
+JAX's 64-bit types are not switched on for the process: shardtensor's own work runs under
+`x64_scope` (int64 and float64 stay 64-bit as in torch), and the user's JAX keeps its own setting.
 
 Both variables must be set before JAX starts its backend. Asking for something else after it has
 started is an error, never a silent mismatch.
@@ -111,7 +113,6 @@ def _configure_jax():
         _add_device_count_flag(cpu_count)  # must precede `import jax` to take effect
     import jax
 
-    jax.config.update("jax_enable_x64", True)
     if started:
         _check_started_backend(cpu_count, platform_name)
         return
@@ -125,6 +126,64 @@ def _configure_jax():
 _configure_jax()
 
 import jax  # noqa: E402  (configured above)
+
+# --------------------------------------------------------------------------- 64-bit types
+
+# JAX's x64 flag: a process-wide value the user owns, and a per-thread override that shardtensor sets
+# around its own work (torch's int64 / float64 need it) and puts back on the way out.
+_X64 = jax.enable_x64
+_KEEP = object()  # __exit__: the thread already had 64-bit types on, nothing to put back
+
+
+class x64_scope:
+    """JAX's 64-bit types on in the calling thread while shardtensor works, as they were afterwards.
+
+    Every entry where shardtensor creates, traces, compiles, uploads, runs or reads JAX values runs
+    under it (a ``with`` block, or `with_x64` as a decorator). The user's own setting
+    (``jax.config.update('jax_enable_x64', ...)`` or ``with jax.enable_x64(...)``) is left as it
+    was, also when the block raises. Nesting costs one flag read; the setting is per thread, so
+    a thread shardtensor starts enters its own scope.
+
+    Example::
+
+        with rt.x64_scope():
+            jnp.array(1).dtype   # int64
+        jnp.array(1).dtype       # int32 unless the user turned x64 on
+    """
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self):
+        self._previous = _KEEP if _X64.value else _X64.swap_local(True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not _KEEP:
+            _X64.set_local(self._previous)
+        return False
+
+
+def with_x64(fn):
+    """``fn`` running under `x64_scope` (the decorator form, one flag read when already inside).
+
+    Example::
+
+        @with_x64
+        def upload(host, sharding): return jax.device_put(host, sharding)
+    """
+
+    @functools.wraps(fn)
+    def run_with_x64(*args, **kwargs):
+        if _X64.value:
+            return fn(*args, **kwargs)
+        previous = _X64.swap_local(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _X64.set_local(previous)
+
+    return run_with_x64
+
 
 # --------------------------------------------------------------------------- SPMD mode
 

@@ -531,9 +531,11 @@ def _lowered_step():
     """White box: the pending lazy graph, lowered (shardtensor has no public accessor)."""
     from shardtensor.graph import state
     from shardtensor.graph.capture import lower
+    from shardtensor.runtime import x64_scope
 
-    lowered = lower(state.pending_cells(), donate=True)
-    return lowered.jitted().lower(*lowered.abstract_arguments())
+    with x64_scope():  # traced as the engine traces it: with 64-bit types
+        lowered = lower(state.pending_cells(), donate=True)
+        return lowered.jitted().lower(*lowered.abstract_arguments())
 
 
 def _lowered_step_text():

@@ -73,9 +73,15 @@ def test_single_process():
     assert rt.process_count() == 1
 
 
-def test_x64_is_on():
-    assert jax.config.jax_enable_x64
-    assert jax.numpy.arange(3).dtype == jax.numpy.int64
+def test_64_bit_types_only_inside_the_scope():
+    """shardtensor leaves JAX's process-wide x64 flag to the user (tests/test_x64_scope.py has more)."""
+    assert not jax.config.jax_enable_x64
+    with rt.x64_scope():
+        assert jax.numpy.arange(3).dtype == jax.numpy.int64
+        with rt.x64_scope():  # nested: nothing to do
+            assert jax.numpy.arange(3).dtype == jax.numpy.int64
+        assert jax.numpy.arange(3).dtype == jax.numpy.int64
+    assert jax.numpy.arange(3).dtype == jax.numpy.int32
 
 
 def test_is_spmd_follows_use_spmd_and_environment(monkeypatch):
@@ -110,7 +116,7 @@ def test_cpu_device_count_from_environment():
         SHARDTENSOR_CPU_DEVICES="3",
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["3", "True", "--xla_force_host_platform_device_count=3"]
+    assert result.stdout.split() == ["3", "False", "--xla_force_host_platform_device_count=3"]
 
 
 def test_cpu_device_count_when_jax_imported_but_not_started():

@@ -128,6 +128,7 @@ def _specs(input_sharding) -> list:
     )
 
 
+@runtime.with_x64  # on the loader's own thread: JAX's setting is per thread
 def upload(host: np.ndarray, mesh, spec, global_shape, local_tiles=None):
     """A jax array of ``global_shape`` laid out as (mesh, spec), padded at the end of uneven dims.
 

@@ -15,25 +15,22 @@ from shardtensor.dispatch.mutation import mutating_op
 from shardtensor.dispatch.record import record_and_wrap, zeros
 from shardtensor.dispatch.table import SPECIAL
 from shardtensor.dispatch.view_ops import view_op
-from shardtensor.graph.state import ENGINE_LOCK
+from shardtensor.graph.state import locked
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import backward_errors
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.sharded import set_op_handler
 
 
+@locked
 def handle(func, args, kwargs):
     """Run (or record) the aten op ``func`` on arguments that include ShardedTensors.
 
     Example: ``handle(torch.ops.aten.add.Tensor, (x, y), {})`` is ``x + y``.
 
-    One op at a time over all threads (``ENGINE_LOCK``): an op reads cells other threads may run.
+    An engine entry (``locked``): one op at a time over all threads, as an op reads cells other
+    threads may run, and with JAX's 64-bit types on (also in backward, on autograd's threads).
     """
-    with ENGINE_LOCK:
-        return _handle(func, args, kwargs)
-
-
-def _handle(func, args, kwargs):
     try:
         special = SPECIAL.get(func)
         if special is not None:

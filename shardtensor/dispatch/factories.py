@@ -7,6 +7,7 @@ import torch
 
 from shardtensor.dispatch.entry import handle
 from shardtensor.dispatch.record import record_and_wrap, zeros
+from shardtensor.graph.state import locked
 from shardtensor.ops import lookup
 from shardtensor.tensor import ShardedTensor
 
@@ -27,6 +28,7 @@ def _copy_from_kernel(src, dst, non_blocking=False):
     return handle(aten.copy_.default, (dst, src), {})
 
 
+@locked  # an engine entry like the dispatch entry: torch calls these kernels directly
 def _empty_kernel(size, *args, dtype=None, memory_format=None, **kwargs):
     """``torch.empty``/``empty_strided`` on st.device(): zeros, recorded lazily (no transfer), with the
     strides torch gives (``as_strided`` on the result addresses its storage as torch's would)."""
@@ -41,6 +43,7 @@ def _empty_kernel(size, *args, dtype=None, memory_format=None, **kwargs):
 
 
 def _factory_kernel(op):
+    @locked
     def kernel(*args, **kwargs):
         return record_and_wrap(op, args, kwargs)
 

@@ -4,6 +4,8 @@ inspected or exported without running it.
 
 ``st.compile`` captures a call to trace it, ``st.export`` captures one to export it, and
 ``st.explain`` captures one to show its shardings; none of them touches the engine's private state.
+Lowering and compiling have JAX's 64-bit types on (``runtime.with_x64``); the captured block itself
+runs with the caller's setting (its ops enter the engine through the dispatch entry).
 
 Example::
 
@@ -25,6 +27,7 @@ from shardtensor.graph.execute import cached_executable
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import Program
 from shardtensor.graph.state import STATE, pending_cells
+from shardtensor.runtime import with_x64
 
 
 class Capture:
@@ -103,6 +106,7 @@ class Lowered:
             self._jitted = cached_executable(self.program.key) or self.program.make_executable()
         return self._jitted
 
+    @with_x64
     def abstract_arguments(self):
         """(donated, kept, scalar vectors) as shapes, dtypes and shardings: what ``jitted`` takes."""
         program = self.jitted().program
@@ -111,11 +115,13 @@ class Lowered:
         vectors = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=replicated) for k, v in self.scalars.items()}
         return [avals[i] for i in program.donated], [avals[i] for i in program.kept], vectors
 
+    @with_x64
     def compile(self):
         """The compiled program (``jax.stages.Compiled``): output shardings, HLO text, memory."""
         return self.jitted().lower(*self.abstract_arguments()).compile()
 
 
+@with_x64
 def lower(cells, donate: bool = False, checks: bool | None = None) -> Lowered:
     """The program that computes the pending values of ``cells`` (``donate``: may reuse the buffers
     of the cells it overwrites, as a real run does; ``checks``: with the on-device checks' output,

@@ -29,15 +29,14 @@ from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import (
-    ENGINE_LOCK,
     STATE,
     has_only_pending,
+    locked,
     set_computed,
     set_failed,
 )
 from shardtensor.graph.waiting import wait_until_ready
 from shardtensor.ops.checks import checks_enabled
-from shardtensor.runtime import check_not_forked
 
 _EXECUTABLES = ExecutableCache()  # program key -> jitted function (its ``program`` attribute: the Program)
 
@@ -46,17 +45,16 @@ _EXECUTE_TIME = counters.metric("ExecuteTime", aliases=("ExecuteReplicatedTime",
 _LAZY_TRACING = counters.metric("LazyTracing")
 
 
+@locked
 def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
     Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
-    an earlier run raises first: nothing new runs on results that must not be used. Runs one at a
-    time over all threads (``ENGINE_LOCK``).
+    an earlier run raises first: nothing new runs on results that must not be used. An engine entry
+    (``locked``): runs one at a time over all threads, with JAX's 64-bit types on.
     """
-    check_not_forked("run a program")  # before the lock: a forked child may find it held for ever
-    with ENGINE_LOCK:
-        checks.verify()
-        return _run_cells(cells, wait)
+    checks.verify()
+    return _run_cells(cells, wait)
 
 
 def _run_cells(cells, wait):

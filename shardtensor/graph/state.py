@@ -10,6 +10,10 @@ PyTorch/XLA, so each thread records and syncs its own graph. What threads share 
 executable cache, the random key — is changed only under ``ENGINE_LOCK``, which the dispatch entry,
 runs and replays hold (one op or one run at a time; Python's GIL serializes that work anyway).
 Donating a buffer is allowed only when no other thread has pending work that might read it.
+
+64-bit types: every engine entry (``locked``: the dispatch entry, runs, replays, the random key,
+annotations) runs with JAX's 64-bit types on in its thread (``runtime.x64_scope``), and only there:
+the user's JAX keeps its own setting.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import time
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
-from shardtensor.runtime import check_not_forked
+from shardtensor.runtime import check_not_forked, with_x64
 
 ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
 _THREAD_PENDING: list = []  # weak references to every thread's pending dict
@@ -27,15 +31,22 @@ _EPOCH = [0]  # shared by all threads: any run invalidates every view cache
 
 
 def locked(fn):
-    """``fn`` runs holding ``ENGINE_LOCK`` (for entries that change shared cells outside an op)."""
+    """``fn`` is an engine entry: it runs holding ``ENGINE_LOCK``, with JAX's 64-bit types on in this
+    thread (``runtime.with_x64``; torch's int64 / float64 need them) and the user's setting back after.
+
+    Example::
+
+        @locked
+        def manual_seed(seed): ...
+    """
 
     @functools.wraps(fn)
     def run_locked(*args, **kwargs):
-        check_not_forked(fn.__name__)  # in a forked child the lock may be held by a thread that is gone
+        check_not_forked(f"use {fn.__name__}()")  # in a forked child the lock may be held by a thread that is gone
         with ENGINE_LOCK:
             return fn(*args, **kwargs)
 
-    return run_locked
+    return with_x64(run_locked)
 
 
 class _State(threading.local):

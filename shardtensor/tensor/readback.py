@@ -11,8 +11,10 @@ from shardtensor.dtypes import numpy_to_torch
 from shardtensor.graph import checks, execute, state, views
 from shardtensor.graph.ir import Cell, Failed
 from shardtensor.graph.waiting import wait_until_ready
+from shardtensor.runtime import with_x64
 
 
+@with_x64
 def materialize(t):
     """The concrete stored jax array of ShardedTensor ``t`` (computing what is pending).
 
@@ -40,6 +42,7 @@ def materialize(t):
     return cell.value
 
 
+@with_x64
 def to_cpu(t) -> torch.Tensor:
     """A torch CPU tensor with the value of ``t`` (on several processes: the whole tensor on each).
 

@@ -12,10 +12,11 @@ from shardtensor import sharding as sh
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import default_mesh
-from shardtensor.runtime import check_not_forked
+from shardtensor.runtime import check_not_forked, with_x64
 from shardtensor.tensor.sharded import ShardedTensor
 
 
+@with_x64  # without 64-bit types jax would store int64 / float64 hosts as int32 / float32
 def upload(host: np.ndarray, mesh, spec):
     """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims."""
     check_not_forked("move data to the devices")

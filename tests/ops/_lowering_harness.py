@@ -11,23 +11,24 @@ Python values.
   ``deferred_checks`` fixture, the checks of a test are batched and compared when the test ends;
 * ``call`` / ``call_random``: a lowering's jax result, eager or jitted; ``run``: any function on jax
   values, jitted with its arrays as inputs; ``assert_same``: a jax result against torch's.
+
+Lowerings run with JAX's 64-bit types on, as inside shardtensor's engine: tests/ops/conftest.py turns
+them on for each test of a module that uses this harness, in that test's thread only (never for the
+whole process, which would hide a shardtensor entry that forgot its own 64-bit scope).
 """
 from __future__ import annotations
 
 import numbers
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+import torch
 
-jax.config.update("jax_enable_x64", True)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import shardtensor.ops  # noqa: E402,F401  (registers every lowering)
-from shardtensor import dtypes  # noqa: E402
-from shardtensor.ops import registry  # noqa: E402
+import shardtensor.ops  # noqa: F401  (registers every lowering)
+from shardtensor import dtypes
+from shardtensor.ops import registry
 
 aten = torch.ops.aten
 # tolerances shared by the lowering tests: float64 lowerings against torch's float64 kernels, and
