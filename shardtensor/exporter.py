@@ -78,7 +78,7 @@ def export(fn: Callable[..., Any], *example_args: Any, **example_kwargs: Any) ->
 
 
 @runtime.with_x64  # fn ran with the caller's JAX setting; lowering and exporting need 64-bit types
-def _export_captured(seen, flat_args, in_tree, out_flat, out_tree) -> "ExportedProgram":
+def _export_captured(seen, flat_args, in_tree, out_flat, out_tree) -> ExportedProgram:
     """The ExportedProgram of what an ``export`` call captured."""
     _check_no_side_effects(seen, out_flat)
     out_cells = [x._cell for x in out_flat if isinstance(x, ShardedTensor)]

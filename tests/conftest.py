@@ -18,14 +18,15 @@ os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=8")
-_compile_flags = []
+_CHEAP = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+          "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
 if not os.environ.get("SHARDTENSOR_TEST_FULL_OPT"):
-    for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-                  "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1"):
-        if not any(f.startswith(_flag.split("=")[0]) for f in _flags):
+    for _flag in _CHEAP:
+        if not any(f.startswith(_flag.split("=")[0] + "=") for f in _flags):
             _flags.append(_flag)
-            _compile_flags.append(_flag)
 os.environ["XLA_FLAGS"] = " ".join(_flags)
 # Subprocess tests that start from a clean device set-up (no device count in XLA_FLAGS) put these
-# back into the child's XLA_FLAGS: the same cheap compiles as the suite.
-os.environ["SHARDTENSOR_TEST_COMPILE_FLAGS"] = " ".join(_compile_flags)
+# back into the child's XLA_FLAGS: the same compiles as the suite. Read back from XLA_FLAGS, not
+# from what this file added: pytest-xdist's workers inherit XLA_FLAGS with them already in.
+os.environ["SHARDTENSOR_TEST_COMPILE_FLAGS"] = " ".join(
+    f for f in _flags if f.split("=")[0] in {c.split("=")[0] for c in _CHEAP})
