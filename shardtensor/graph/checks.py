@@ -21,6 +21,7 @@ import numpy as np
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
+from shardtensor.graph.waiting import ExecutionFailedError, wait_until_ready
 
 _UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
 
@@ -49,6 +50,10 @@ def verify() -> None:
     _UNREAD.clear()
     first = None
     for rows, program, sites, suspects in runs:
+        try:
+            wait_until_ready([rows])  # interruptible, never for ever on a failed device
+        except ExecutionFailedError:
+            continue  # the run failed on the devices: graph.inflight raises that, with what it left
         error = _error(np.asarray(rows), program, sites)
         if error is not None:
             _poison(suspects, error)
