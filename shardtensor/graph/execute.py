@@ -59,6 +59,7 @@ def run_cells(cells, wait: bool = False):
     """
     check_not_forked("run a program")  # before the lock: a forked child may find it held for ever
     with ENGINE_LOCK:
+        param_aliasing_enabled()  # a bad XLA_ENABLE_PARAM_ALIASING raises here, with nothing changed
         checks.verify()
         inflight.settle()
         return _run_cells(cells, wait)

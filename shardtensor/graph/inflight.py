@@ -101,6 +101,11 @@ def user_site():
     return None
 
 
+def forget() -> None:
+    """Stop watching every run in flight (tests reset the engine between cases with it)."""
+    _RUNS.clear()
+
+
 def done(run: Run) -> None:
     """``run`` is known to have finished without error (its caller waited for it)."""
     if run in _RUNS:
