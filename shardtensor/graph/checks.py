@@ -21,7 +21,6 @@ import numpy as np
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
-from shardtensor.graph.waiting import ExecutionFailedError, wait_until_ready
 
 _UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
 
@@ -51,10 +50,10 @@ def verify() -> None:
     first = None
     for rows, program, sites, suspects in runs:
         try:
-            wait_until_ready([rows])  # interruptible, never for ever on a failed device
-        except ExecutionFailedError:
+            values = np.asarray(rows)
+        except Exception:  # noqa: BLE001  (jax raises a failed result as several types)
             continue  # the run failed on the devices: graph.inflight raises that, with what it left
-        error = _error(np.asarray(rows), program, sites)
+        error = _error(values, program, sites)
         if error is not None:
             _poison(suspects, error)
             first = first or error

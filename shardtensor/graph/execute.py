@@ -351,7 +351,7 @@ def assign_outputs(program, cells, outs, sites=None, before=None, what="a progra
     """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step;
     ``before``: id(cell) -> the array each overwritten cell had (kept to give back if the run fails,
     see ``inflight``); ``what``: the program, for errors. Returns the run in flight."""
-    record = inflight.track(what, cells, outs, before, program.aliasing)
+    record = inflight.track(what, cells, outs, before, program.aliasing, program.forwarded)
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
         if cell is not None:

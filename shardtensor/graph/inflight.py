@@ -38,7 +38,7 @@ ADVICE = ("To keep every input through such failures at the cost of memory (the 
           "twice while a program runs), set XLA_ENABLE_PARAM_ALIASING=0 or call st.set_param_aliasing(False).")
 OOM_ADVICE = ("If it ran out of memory, set SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the "
               "memory a device really has, so that a program which cannot fit is refused before it runs.")
-MAX_IN_FLIGHT = 64  # runs never looked at beyond this are waited for (each holds its results)
+MAX_IN_FLIGHT = 256  # beyond this many unfinished runs, the oldest are waited for (each holds its results)
 
 
 class ConsumedInputError(ExecutionFailedError):
@@ -56,12 +56,15 @@ class ConsumedInputError(ExecutionFailedError):
 class Run:
     """One dispatched program: what it is, its results, and for each output cell its value before."""
 
-    __slots__ = ("entries", "outputs", "rows", "site", "waits", "what")
+    __slots__ = ("entries", "outputs", "probe", "site", "waits", "what")
 
-    def __init__(self, what, site, entries, outputs, rows, waits):
+    def __init__(self, what, site, entries, outputs, probe, waits):
         self.what, self.site = what, site
         self.entries = entries  # (weak ref to cell, its new array, its array before or None, owned before)
-        self.outputs, self.rows = outputs, rows
+        self.outputs = outputs  # every result (check rows included)
+        # one result the program computed (not an input passed through): it is ready when the
+        # program has finished on every device, and holds the error if it failed (XLA fails them all)
+        self.probe = probe
         self.waits = waits  # it keeps buffers only to give them back: the next run waits for it
 
     def describe(self) -> str:
@@ -72,9 +75,10 @@ class Run:
 _RUNS: list[Run] = []
 
 
-def track(what, cells, outs, before, aliasing: bool) -> Run:
+def track(what, cells, outs, before, aliasing: bool, forwarded=()) -> Run:
     """Note a run that gives ``outs`` to ``cells``, before they are stored; ``before``: id(cell) ->
-    the array an overwritten cell had (donated or not); ``aliasing``: the program could donate."""
+    the array an overwritten cell had (donated or not); ``aliasing``: the program could donate;
+    ``forwarded``: the positions of outputs that are inputs passed through."""
     entries = []
     keeps = False
     for cell, out in zip(cells, outs):
@@ -82,8 +86,13 @@ def track(what, cells, outs, before, aliasing: bool) -> Run:
             old = before.get(id(cell)) if before else None
             keeps = keeps or old is not None
             entries.append((weakref.ref(cell), out, old, cell.owned))
-    run = Run(what, None, entries, list(outs), getattr(outs, "check_rows", None), keeps and not aliasing)
-    run.site = user_site()
+    outputs = list(outs)
+    rows = getattr(outs, "check_rows", None)
+    probe = rows if rows is not None else next(
+        (o for i, o in enumerate(outputs) if i not in forwarded and hasattr(o, "is_ready")), None)
+    if rows is not None:
+        outputs.append(rows)
+    run = Run(what, user_site(), entries, outputs, probe, keeps and not aliasing)
     _RUNS.append(run)
     return run
 
@@ -91,14 +100,20 @@ def track(what, cells, outs, before, aliasing: bool) -> Run:
 def user_site():
     """(file name, line) of the innermost frame outside shardtensor, torch, jax and the standard
     library: the user's line whose sync, step, read or call ran the program; None if none."""
-    dirs = recompile.library_dirs()
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if not name.startswith(dirs) and not name.startswith(("<frozen", "<eval_with_key>")):
+        library = _IS_LIBRARY.get(name)
+        if library is None:  # once per file: every run walks the stack
+            library = _IS_LIBRARY[name] = (name.startswith(recompile.library_dirs())
+                                           or name.startswith(("<frozen", "<eval_with_key>")))
+        if not library:
             return os.path.basename(name), frame.f_lineno
         frame = frame.f_back
     return None
+
+
+_IS_LIBRARY: dict[str, bool] = {}
 
 
 def forget() -> None:
@@ -126,14 +141,18 @@ def settle(wait_for=None) -> None:
     if not _RUNS:
         return
     first = None
-    crowded = len(_RUNS) > MAX_IN_FLIGHT
+    crowded = len(_RUNS) - MAX_IN_FLIGHT  # this many of the oldest are waited for
+    polling = True  # runs finish in order: past the first unfinished one, only waits are worth it
     for run in list(_RUNS):
-        wait = run.waits or crowded or (wait_for is not None and any(o is wait_for for o in run.outputs))
+        crowded -= 1
+        wait = run.waits or crowded >= 0 or (wait_for is not None and any(o is wait_for for o in run.outputs))
+        if not (wait or polling):
+            continue
         try:
-            arrays = run.outputs if run.rows is None else [*run.outputs, run.rows]
             if wait:
-                wait_until_ready(arrays)
-            elif not finished(arrays):
+                wait_until_ready(run.outputs)
+            elif run.probe is not None and not finished([run.probe]):
+                polling = False
                 continue
         except ExecutionFailedError as error:
             _RUNS.remove(run)

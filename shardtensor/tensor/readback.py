@@ -53,6 +53,8 @@ def to_cpu(t) -> torch.Tensor:
             # give back what the failed program overwrote, fail what it computed; raise that failure
             inflight.settle(wait_for=a)
         raise
+    with state.ENGINE_LOCK:
+        inflight.settle()  # finished runs let go of the old buffers they kept (aliasing off)
     with counters.timed("TransferFromDeviceTime"):
         if a.is_fully_addressable:
             host = np.asarray(a)
