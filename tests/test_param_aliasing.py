@@ -449,6 +449,21 @@ def test_on_a_consumed_input_says_so_when_read(mode, monkeypatch):
     _train_alike(device_step, ref, ref_opt, dev, dev_opt, batches[3:5])
 
 
+def test_on_a_failure_found_later_still_names_the_consumed_tensors(monkeypatch):
+    """Nobody reads the failed step's loss: the next step raises (at its sync if the failure is seen
+    by then, else when its own loss, computed from the failed results, is read), and every updated
+    tensor says it was consumed."""
+    ref, dev, ref_opt, dev_opt, device_step, batches = _warm_up(("lazy", True))
+    with failing_runs(monkeypatch):
+        device_step(*batches[3])
+    with pytest.raises(st.ExecutionFailedError, match="injected device fault"):
+        device_step(*batches[4]).item()
+    for t in _state(dev, dev_opt).values():
+        with pytest.raises(st.ConsumedInputError, match="injected device fault"):
+            t.cpu()
+    torch.testing.assert_close(dev.fc2.weight.cpu(), ref.fc2.weight)
+
+
 @pytest.mark.parametrize("enabled", [True, False])
 @pytest.mark.parametrize("mode", ["lazy", "compile"])
 def test_a_call_that_fails_after_taking_its_inputs(mode, enabled, monkeypatch):

@@ -56,15 +56,15 @@ class ConsumedInputError(ExecutionFailedError):
 class Run:
     """One dispatched program: what it is, its results, and for each output cell its value before."""
 
-    __slots__ = ("entries", "outputs", "probe", "site", "waits", "what")
+    __slots__ = ("computed", "entries", "outputs", "site", "waits", "what")
 
-    def __init__(self, what, site, entries, outputs, probe, waits):
+    def __init__(self, what, site, entries, outputs, computed, waits):
         self.what, self.site = what, site
         self.entries = entries  # (weak ref to cell, its new array, its array before or None, owned before)
         self.outputs = outputs  # every result (check rows included)
-        # one result the program computed (not an input passed through): it is ready when the
+        # the results the program computed (not inputs passed through): any one is ready when the
         # program has finished on every device, and holds the error if it failed (XLA fails them all)
-        self.probe = probe
+        self.computed = computed
         self.waits = waits  # it keeps buffers only to give them back: the next run waits for it
 
     def describe(self) -> str:
@@ -87,12 +87,12 @@ def track(what, cells, outs, before, aliasing: bool, forwarded=()) -> Run:
             keeps = keeps or old is not None
             entries.append((weakref.ref(cell), out, old, cell.owned))
     outputs = list(outs)
+    computed = [o for i, o in enumerate(outputs) if i not in forwarded and hasattr(o, "is_ready")]
     rows = getattr(outs, "check_rows", None)
-    probe = rows if rows is not None else next(
-        (o for i, o in enumerate(outputs) if i not in forwarded and hasattr(o, "is_ready")), None)
     if rows is not None:
         outputs.append(rows)
-    run = Run(what, user_site(), entries, outputs, probe, keeps and not aliasing)
+        computed.insert(0, rows)  # never donated to a later run
+    run = Run(what, user_site(), entries, outputs, computed, keeps and not aliasing)
     _RUNS.append(run)
     return run
 
@@ -151,9 +151,12 @@ def settle(wait_for=None) -> None:
         try:
             if wait:
                 wait_until_ready(run.outputs)
-            elif run.probe is not None and not finished([run.probe]):
-                polling = False
-                continue
+            else:
+                # one result that a later run has not consumed; none: the later runs answer for it
+                probe = next((o for o in run.computed if not o.is_deleted()), None)
+                if probe is not None and not finished([probe]):
+                    polling = False
+                    continue
         except ExecutionFailedError as error:
             _RUNS.remove(run)
             failure = resolve(run, error, remove=False)
