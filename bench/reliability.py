@@ -16,15 +16,20 @@ address-space limit with no configured limit) must raise ``torch.OutOfMemoryErro
 keep every parameter and optimizer state at its value before the step, and a retry with a small
 batch must train exactly as eager torch. Last, in a subprocess, a program that runs out of memory
 while it runs on some devices only (nothing configured refuses it) must raise when its result is read,
-not hang while the other devices wait for them in a collective.
+not hang while the other devices wait for them in a collective; it also updates a weight and its
+momentum in place. It runs twice: with parameter aliasing on (the default, as PyTorch/XLA), the
+program had consumed their donated buffers, so they are lost by design and reading them must raise
+``st.ConsumedInputError``; with it off (``--param-aliasing 0``, ``XLA_ENABLE_PARAM_ALIASING=0``)
+both must keep their values.
 
 Usage::
 
     python bench/reliability.py                   # 200 interrupts per mode
     python bench/reliability.py --interrupts 50   # quicker
 
-It prints ``interrupts tried / state lost`` and ``failed executions tried / state lost`` and exits
-with status 1 if any state was lost.
+It prints ``interrupts tried / state lost``, ``failed executions tried / state lost`` and, for each
+aliasing setting, the failures while running with the state they lost, and exits with status 1 if
+any state was lost (other than the donated state with aliasing on, which must say so when read).
 """
 from __future__ import annotations
 
@@ -281,41 +286,68 @@ def _failed_execution(kind, where):
     return not refused or bool(lost) or not _trains_alike(rng, twin, twin_opt, model, opt, device_step)
 
 
-def async_failure():
+def async_failure(aliasing):
     """Run out of memory while running, on some devices only (no limit refuses the program first):
-    the others wait for them in a collective. Reading the result must raise, not hang. Returns the
-    error's first line, or None when nothing was raised."""
+    the others wait for them in a collective. The program also updates two state tensors in place
+    (a weight and its momentum), donated when ``aliasing`` is on. Reading the result must raise, not
+    hang; then each state tensor must hold its value from before (aliasing off) or raise
+    ``st.ConsumedInputError`` (on). Returns (the error's first line or None, [(name, outcome)])."""
+    st.set_param_aliasing(aliasing)
     st.set_device_memory_limit("1TB")  # pretend the devices are big: the program is not refused
     mesh = st.Mesh(range(8), (8,), ("x",))
-    w = st.shard(torch.rand(8192, 256), mesh, ("x", None))
-    total = (w.repeat(1, 8) * 2).sort(1).values[:, :8].sum()  # ~350 MiB per device, then an all-reduce
+    torch.manual_seed(0)
+    initial = {"weight": torch.rand(8192, 256), "momentum": torch.rand(8192, 256)}
+    state = {name: st.shard(value, mesh, ("x", None)) for name, value in initial.items()}
+    st.sync(wait=True)
+    total = (state["weight"].repeat(1, 8) * 2).sort(1).values[:, :8].sum()  # ~350 MiB per device, then an all-reduce
+    state["momentum"].mul_(0.9).add_(total)
+    state["weight"].add_(state["momentum"], alpha=-0.1)
     with open("/proc/self/statm") as f:
         used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+    limit = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (used + (1 << 30), limit[1]))
+    message = None
     try:
         total.item()
     except st.ExecutionFailedError as error:
-        return str(error).splitlines()[0][:200]
-    return None
+        message = str(error).splitlines()[0][:200]
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limit)
+    outcomes = []
+    for name, t in state.items():
+        try:
+            kept = torch.equal(t.cpu(), initial[name])
+            outcomes.append((name, "kept" if kept else "WRONG VALUE"))
+        except st.ConsumedInputError as error:
+            outcomes.append((name, f"consumed, says so ({str(error)[:90]}...)"))
+        except Exception as error:  # noqa: BLE001  (anything else is a loss without a clear word)
+            outcomes.append((name, f"UNREADABLE: {type(error).__name__}: {str(error)[:120]}"))
+    return message, outcomes
 
 
-def _start_async_failure():
+def _start_async_failure(aliasing):
     """The scenario in its own process (the devices left waiting stay stuck), started at once so it
     runs beside the rest."""
-    return subprocess.Popen([sys.executable, __file__, "--async-failure"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, __file__, "--async-failure", "--param-aliasing", str(int(aliasing))],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _async_failure_result(process, timeout=120):
-    """(tried, raised, hung) of the scenario started by ``_start_async_failure``."""
+    """(tried, raised, hung, state tensors lost, lost without a clear error) of a scenario started by
+    ``_start_async_failure``."""
     try:
         out, err = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.communicate()
-        return 1, 0, 1
-    print("  " + (out.strip().splitlines() or [err[-300:]])[-1], flush=True)
-    return 1, int("raised:" in out), 0
+        return 1, 0, 1, 0, 0
+    lines = out.strip().splitlines()
+    for line in lines or [err[-300:]]:
+        print("  " + line, flush=True)
+    states = [line for line in lines if line.startswith("state ")]
+    lost = sum(" kept" not in line for line in states)
+    silent = sum(" kept" not in line and "consumed, says so" not in line for line in states)
+    return 1, int(any(line.startswith("raised:") for line in lines)), 0, lost, silent + (2 - len(states))
 
 
 def main():
@@ -323,12 +355,16 @@ def main():
     p.add_argument("--interrupts", type=int, default=200, help="interrupted steps per mode (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-failure", action="store_true", help="only the failure while running (a subprocess)")
+    p.add_argument("--param-aliasing", type=int, choices=(0, 1), default=1,
+                   help="with --async-failure: programs donate what they overwrite (1, the default) or not")
     args = p.parse_args()
     if args.async_failure:
-        message = async_failure()
+        message, outcomes = async_failure(bool(args.param_aliasing))
         print(f"raised: {message}" if message else "nothing raised")
+        for name, outcome in outcomes:
+            print(f"state {name}: {outcome}")
         return
-    running = _start_async_failure()
+    running = {True: _start_async_failure(True)}  # the two settings one after the other (memory)
     lost_any = False
     total = lost_total = 0
     for kind, label in (("sgd", "lazy, SGD"), ("adam", "st.compile, Adam")):
@@ -347,10 +383,15 @@ def main():
         print(f"failed execution, {name}: {outcome}")
     print(f"failed executions tried / state lost: {len(results)} / {failed} "
           f"({time.perf_counter() - start:.1f} s)")
-    tried, raised, hung = _async_failure_result(running)
-    print(f"failures while running (out of memory on some devices): {tried} tried, {raised} raised on read, "
-          f"{hung} hung")
-    lost_any |= bool(failed) or raised < tried
+    for aliasing in (True, False):
+        if aliasing not in running:
+            running[aliasing] = _start_async_failure(aliasing)
+        tried, raised, hung, lost, silent = _async_failure_result(running.pop(aliasing))
+        setting = "on (donated)" if aliasing else "off"
+        print(f"failures while running (out of memory on some devices), parameter aliasing {setting}: {tried} tried, "
+              f"{raised} raised on read, {hung} hung, state lost: {lost} of 2, lost without a clear error: {silent}")
+        # on, the donated state is lost by design (and must say so); off, nothing may be lost
+        lost_any |= raised < tried or bool(silent) or (not aliasing and bool(lost))
     sys.exit(1 if lost_any else 0)
 
 

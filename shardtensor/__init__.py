@@ -22,6 +22,8 @@ from shardtensor.graph.rng import manual_seed  # noqa: F401
 from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
 from shardtensor.graph.memory import OutOfDeviceMemoryError, set_device_memory_limit, device_memory_limit  # noqa: F401
 from shardtensor.graph.waiting import ExecutionFailedError  # noqa: F401
+from shardtensor.graph.aliasing import set_param_aliasing, param_aliasing_enabled  # noqa: F401
+from shardtensor.graph.inflight import ConsumedInputError  # noqa: F401
 from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
 from shardtensor.tensor.device import device, devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
@@ -56,7 +58,8 @@ __all__ = [
     "sync", "step", "eager_mode", "is_eager_mode", "UnexpectedExecutionError", "clear_executables",
     "executable_cache_size", "set_executable_cache_size", "manual_seed", "RecompilationWarning",
     "set_checks", "checks_enabled", "OutOfDeviceMemoryError", "set_device_memory_limit", "device_memory_limit",
-    "ExecutionFailedError", "compile", "CompiledFunction", "export", "deserialize", "ExportedProgram",
+    "ExecutionFailedError", "ConsumedInputError", "set_param_aliasing", "param_aliasing_enabled",
+    "compile", "CompiledFunction", "export", "deserialize", "ExportedProgram",
     "ExportError",
     # metrics
     "counter_value", "counter_names", "counters", "clear_counters", "metrics_report", "short_metrics_report",

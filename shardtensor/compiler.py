@@ -29,17 +29,19 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, execute, memory, recompile, rng
+from shardtensor.graph import checks, execute, inflight, memory, recompile, rng
+from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
 from shardtensor.graph.interrupts import deferred_interrupts
-from shardtensor.graph.ir import Cell
+from shardtensor.graph.ir import Cell, Failed
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import (
     check_execution_allowed,
     locked,
     others_pending,
     pending_cells,
+    set_failed,
 )
 from shardtensor.ops.checks import checks_enabled
 from shardtensor.replay_guard import Guard, Watched, watch
@@ -155,10 +157,13 @@ def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
         execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
     trace = _Trace(execution, flat, out, first_serial, broken)
     if execution is not None:
+        execution.what = f"compiled function {name} ({len(execution.program.steps)} ops)"
         try:
             execution.run()
         except Exception as error:
-            recover(cells, execution, error)
+            failure = recover(cells, execution, error)
+            if failure is not None:
+                raise failure from failure.__cause__
             raise
     return trace
 
@@ -267,6 +272,9 @@ class _Frozen:
         self.leaf_sigs = ex.program.key[2] if ex else ()
         self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
+        # (target, source) positions of the cells it overwrites (their values before a replay are kept)
+        leaf_of = {id(c): i for i, c in enumerate(ex.leaf_cells) if c is not None} if ex else {}
+        self.overwrites = [(j, leaf_of[id(c)]) for j, c in enumerate(ex.cells if ex else ()) if id(c) in leaf_of]
 
     @locked
     def replay(self, flat, name):
@@ -276,6 +284,8 @@ class _Frozen:
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
         if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
+            return _STALE
+        if self.executable.program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
             return _STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         arrays = []
@@ -290,8 +300,8 @@ class _Frozen:
             else:
                 arrays.append(ref)
                 continue
-            if cell.is_pending() or (i in self.donated and not cell.owned):
-                return _STALE
+            if cell.is_pending() or isinstance(cell.value, Failed) or (i in self.donated and not cell.owned):
+                return _STALE  # (a failed value raises when the Python reads it)
             arrays.append(to_mesh(cell.value, self.executable.program.mesh))
         program = self.executable.program
         for a, sig in zip(arrays, self.leaf_sigs):
@@ -312,13 +322,28 @@ class _Frozen:
             else:
                 cell = ref()
             cells.append(cell)
+        before = {id(cells[j]): cells[j].value for j, _ in self.overwrites if cells[j] is not None}
+        what = f"compiled function {name} ({len(program.steps)} ops)"
         with deferred_interrupts():  # from donating the inputs to storing every output
-            outs = execute.call_executable(self.executable, arrays, self.scalars)
-            assign_outputs(program, cells, outs, self.sites)
+            try:
+                outs = execute.call_executable(self.executable, arrays, self.scalars)
+            except Exception as error:
+                _consumed_by_failed_call(cells, before, what, error)
+                raise
+            assign_outputs(program, cells, outs, self.sites, before=before, what=what)
             for c in cells:
                 if c is not None:
                     c.version += 1
         return pytree.tree_unflatten(results, self.out_spec)
+
+
+def _consumed_by_failed_call(cells, before, what, error) -> None:
+    """A replay's call failed at once: cells whose donated buffer it took raise ``ConsumedInputError``
+    (the others still hold their values from before it)."""
+    for cell in cells:
+        old = before.get(id(cell)) if cell is not None else None
+        if old is not None and old.is_deleted():
+            set_failed(cell, Failed(inflight.consumed_error(what, cell, error)))
 
 
 class _HostStateMonitor(TorchDispatchMode):

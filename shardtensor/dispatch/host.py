@@ -13,6 +13,7 @@ from shardtensor.dispatch.table import special
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph import views
 from shardtensor.graph.execute import run_cells
+from shardtensor.graph.ir import Failed
 from shardtensor.graph.state import STATE, check_execution_allowed
 from shardtensor.mesh import default_mesh
 from shardtensor.ops.schema import facts
@@ -51,7 +52,23 @@ def _copy_(func, args, kwargs):
         return func(dst, to_cpu(src), **kwargs)
     if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
         src = upload_like(src.to(dst.dtype).expand(dst.shape), dst)
+    if isinstance(src, ShardedTensor) and not dst._chain and isinstance(dst._cell.value, Failed):
+        return _replace_lost_value(dst, src)
     return mutating_op(func, facts(func), (dst, src), {})
+
+
+def _replace_lost_value(dst, src):
+    """``dst.copy_(src)`` where ``dst``'s value was lost (its program failed, e.g. after consuming
+    it): the copy replaces all of it without reading it, so restoring from a checkpoint
+    (``load_state_dict``) works."""
+    if src.dtype != dst.dtype:
+        src = src.to(dst.dtype)
+    if tuple(src.shape) != tuple(dst.shape):
+        src = src.expand(dst.shape)
+    views.write(dst, views.read(src))
+    if STATE.eager:
+        run_cells([dst._cell])
+    return dst
 
 
 @special(aten._local_scalar_dense.default)

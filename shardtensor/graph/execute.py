@@ -9,7 +9,10 @@ A run is safe to interrupt and to fail: a program that cannot fit in memory is r
 runs (``memory``), Ctrl-C is held back from the call that donates buffers until every output is
 stored (``interrupts``), waiting can be interrupted and never hangs on a failed device (``waiting``),
 and after a failure every cell the program would have overwritten gets its value from before back
-when its buffer is intact (it was not donated, or the program never ran).
+when its buffer is intact (it was not donated, or the program never ran); one whose buffer was
+consumed raises ``ConsumedInputError``. A failure that shows only while the program runs is found
+later, by ``inflight`` (before the next run, or by the read that meets it); with parameter aliasing
+off (``aliasing``) nothing is ever donated, so nothing is ever consumed.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, memory, recompile
+from shardtensor.graph import checks, inflight, memory, recompile
+from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
@@ -50,10 +54,13 @@ def run_cells(cells, wait: bool = False):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
 
     Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
-    an earlier run raises first: nothing new runs on results that must not be used. An engine entry
-    (``locked``): runs one at a time over all threads, with JAX's 64-bit types on.
+    an earlier run, or an earlier run that failed on the devices, raises first: nothing new runs on
+    results that must not be used. An engine entry (``locked``): runs one at a time over all threads,
+    with JAX's 64-bit types on.
     """
+    param_aliasing_enabled()  # a bad XLA_ENABLE_PARAM_ALIASING raises here, with nothing changed
     checks.verify()
+    inflight.settle()
     return _run_cells(cells, wait)
 
 
@@ -70,7 +77,9 @@ def _run_cells(cells, wait):
         execution = Execution.prepare(cells, donate=complete)
         execution.run(wait=wait)
     except Exception as error:
-        recover(cells, execution, error)
+        failure = recover(cells, execution, error)
+        if failure is not None:
+            raise failure from failure.__cause__
         raise
     if STATE.eager:  # eager mode raises a failed check at the op
         checks.verify()
@@ -128,7 +137,7 @@ def run_single_node(node, cells) -> None:
             return run_cells(cells)
     if not arrays or STATE.tracing:
         return run_cells(cells)
-    key = (node.key, tuple(sig), checks_enabled())
+    key = (node.key, tuple(sig), checks_enabled(), param_aliasing_enabled())
     fn = _SINGLE_NODE.get(key)
     if fn is None:
         execution = run_cells(cells)
@@ -139,15 +148,23 @@ def run_single_node(node, cells) -> None:
         return execution
     counters.increment("CachedCompile")
     vectors: dict[str, np.ndarray] = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalars.items()}
+    before = _node_values_before(node, cells)
+    inflight.settle()  # an earlier run that failed raises first (run_cells does it for the other paths)
     try:
         memory.check(getattr(fn, "memory", None), "this op's program")
         with deferred_interrupts():
             outs = call_executable(fn, arrays, vectors)
-            assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None)
+            assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None,
+                           before=before, what=f"the program of the op {_op_name(node)}")
     except Exception as error:
-        _isolate_failure(cells, error, _node_values_before(node, cells))
+        _isolate_failure(cells, error, before)
         raise
     checks.verify()  # eager mode raises a failed check at the op
+
+
+def _op_name(node) -> str:
+    head = node.key[0] if isinstance(node.key, tuple) and node.key else node.key
+    return str(head)
 
 
 def _node_values_before(node, cells) -> dict:
@@ -164,19 +181,25 @@ def _node_values_before(node, cells) -> dict:
 def recover(cells, execution, error):
     """After the graph of ``cells`` failed with ``error`` (``execution``: its run, None if it was
     never built): every cell it would have overwritten gets its value from before back when that
-    buffer is intact; a program refused for memory leaves the other cells failed, any other failure
-    computes alone what can be (one bad tensor neither loses other results nor poisons every read).
+    buffer is intact, else (donated, consumed) raises ``ConsumedInputError``; a program refused for
+    memory leaves the other cells failed; a program that failed on the devices fails what it
+    computed; any other failure computes alone what can be (one bad tensor neither loses other
+    results nor poisons every read). Returns the error to raise instead of ``error``, or None.
     """
     before = execution.values_before() if execution is not None else {}
+    what = execution.what if execution is not None else ""
     if isinstance(error, memory.OutOfDeviceMemoryError):
         for cell in cells:
             if cell.is_pending():
-                _fail(cell, error, before)
-    elif execution is not None and execution.dispatched:  # failed on the devices: outputs stored
-        for cell in cells:
-            _fail(cell, error, before)
+                _fail(cell, error, before, what)
+    elif execution is not None and execution.record is not None:  # failed on the devices: outputs stored
+        return inflight.resolve(execution.record, error)
+    elif execution is not None and (execution.dispatched or any(a.is_deleted() for a in before.values())):
+        for cell in cells:  # the call took its donated inputs and failed: nothing can be computed again
+            _fail(cell, error, before, what)
     else:
         _isolate_failure(cells, error, before)
+    return None
 
 
 def _isolate_failure(cells, error, before):
@@ -192,13 +215,16 @@ def _isolate_failure(cells, error, before):
             _fail(cell, e, before)
 
 
-def _fail(cell, error, before):
-    """``cell`` lost its new value: back to its value from before the graph if intact, else failed."""
+def _fail(cell, error, before, what=""):
+    """``cell`` lost its new value: back to its value from before the graph if intact, consumed if
+    the failed program took its buffer (``what``: that program), else failed."""
     array = before.get(id(cell))
-    if array is not None and not array.is_deleted():
+    if array is None:
+        set_failed(cell, Failed(error))
+    elif not array.is_deleted():
         set_computed(cell, array, owned=cell.owned)
     else:
-        set_failed(cell, Failed(error))
+        set_failed(cell, Failed(inflight.consumed_error(what or "a program", cell, error)))
 
 
 class Execution:
@@ -210,6 +236,8 @@ class Execution:
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
         self.dispatched = False  # the program was called: its outputs are stored, perhaps failed
         self.sites = sites  # this run's user lines of checked ops, by program step
+        self.what = f"a program of {len(program.steps)} ops ({len(cells)} outputs)"  # for errors
+        self.record: inflight.Run | None = None  # the run in flight, once its outputs are stored
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -245,16 +273,18 @@ class Execution:
     def run(self, wait=False):
         what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
         memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
+        before = self.values_before()
         with deferred_interrupts():  # from donating the inputs to storing every output
             outs = call_executable(self.executable, self.arrays, self.scalars)
             self.dispatched = True
-            assign_outputs(self.program, self.cells, outs, self.sites)
+            self.record = assign_outputs(self.program, self.cells, outs, self.sites, before=before, what=self.what)
             for i in self.program.forwarded_leaves:
                 leaf_cell = self.leaf_cells[i]
                 if leaf_cell is not None:
                     leaf_cell.owned = False
         if wait:
             wait_until_ready(outs)
+            inflight.done(self.record)
         return outs
 
     def values_before(self) -> dict:
@@ -316,8 +346,11 @@ def call_executable(fn, arrays, scalars):
     return outs
 
 
-def assign_outputs(program, cells, outs, sites=None):
-    """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step."""
+def assign_outputs(program, cells, outs, sites=None, before=None, what="a program"):
+    """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step;
+    ``before``: id(cell) -> the array each overwritten cell had (kept to give back if the run fails,
+    see ``inflight``); ``what``: the program, for errors. Returns the run in flight."""
+    record = inflight.track(what, cells, outs, before, program.aliasing, program.forwarded)
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
         if cell is not None:
@@ -326,5 +359,6 @@ def assign_outputs(program, cells, outs, sites=None):
     rows = getattr(outs, "check_rows", None)
     if rows is not None:
         checks.watch(program, rows, sites, cells, outs)
+    return record
 
 

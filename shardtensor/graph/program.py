@@ -2,9 +2,10 @@
 arrays and Python scalars), and the outputs with their layouts.
 
 A ``Program`` is everything about a graph except its input values, and its ``key`` is structural
-(ops, static arguments, input shapes, dtypes and shardings, donation), so a loop of identical steps
-maps to one cached executable. Inputs stored padded are sliced on entry; outputs whose cell asks for
-a sharding are padded and constrained on exit; arrays of cells that the graph overwrites are donated.
+(ops, static arguments, input shapes, dtypes and shardings, donation and whether donation is allowed
+at all), so a loop of identical steps maps to one cached executable. Inputs stored padded are sliced
+on entry; outputs whose cell asks for a sharding are padded and constrained on exit; arrays of cells
+that the graph overwrites are donated, unless parameter aliasing is off (``aliasing``).
 
 With on-device checks on (``ops.checks``), the program has one more output: the rows of the checks its
 lowerings declared. If any fails, every cell the program overwrites gets its value from before the
@@ -25,6 +26,7 @@ from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
 from shardtensor import sharding as sh
+from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.ir import Cell, Leaf, Pending
 from shardtensor.mesh import default_mesh
 from shardtensor.ops import checks as op_checks
@@ -57,6 +59,7 @@ class Program:
         self.forwarded = set()  # outputs that are an input leaf unchanged
         self.forwarded_leaves = set()
         self.key = None
+        self.aliasing = True  # built while programs could donate (the key tells the two apart)
         self.mesh: jax.sharding.Mesh | None = None
         # on-device checks: whether traced, this build's user lines per step, output -> leaf restored
         # on failure; filled by the trace: the declared checks, outputs depending on a checked op
@@ -73,6 +76,8 @@ class Program:
         checks (default: ``ops.checks.checks_enabled()``)."""
         prog = cls()
         prog.checks = op_checks.checks_enabled() if checks is None else checks
+        prog.aliasing = param_aliasing_enabled()
+        donate = donate and prog.aliasing
         node_pos: dict[int, int] = {}
         leaf_pos: dict[int, int] = {}
         arrays: list = []
@@ -141,7 +146,7 @@ class Program:
         prog.mesh = mesh
         checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
         prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
-                    mesh, checked)
+                    mesh, checked, prog.aliasing)
         return prog, arrays, scalars
 
     def make_executable(self):

@@ -9,7 +9,7 @@ Every time a graph misses the executable cache, one line goes to stderr (seen in
 
 The comparison is with the cached graph of the same structure (the same ops wired the same way)
 that differs least: input shapes, dtypes and shardings, Python scalar types, non-tensor arguments,
-output layouts, donation and the mesh. No such graph: "a new graph".
+output layouts, donation, parameter aliasing and the mesh. No such graph: "a new graph".
 
 When one line of user code (the innermost frame outside shardtensor, torch, jax and the standard
 library) has caused more than ``RECOMPILE_WARNING_THRESHOLD`` compilations, a
@@ -103,7 +103,9 @@ def naming(argument_cells, function_name: str):
 _LIBRARY_DIRS = None
 
 
-def _library_dirs() -> tuple:
+def library_dirs() -> tuple:
+    """Directories of code that is not the user's (shardtensor, torch, jax, the standard library),
+    each ending with a separator, for ``str.startswith``."""
     global _LIBRARY_DIRS
     if _LIBRARY_DIRS is None:
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,7 +122,7 @@ def call_site():
 
         call_site()   # ('train.py', 41, '__main__') when called under train.py's st.sync()
     """
-    dirs = _library_dirs()
+    dirs = library_dirs()
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
@@ -235,9 +237,12 @@ def _describe_input(i, sig, cell) -> str:
 
 def _differences(new, old, leaf_cells) -> list[str]:
     """Human-readable differences between two program keys of the same skeleton."""
-    new_parts, new_outs, new_leaves, new_slots, new_donated, new_mesh, new_checks = new
-    old_parts, old_outs, old_leaves, old_slots, old_donated, old_mesh, old_checks = old
+    new_parts, new_outs, new_leaves, new_slots, new_donated, new_mesh, new_checks, new_aliasing = new
+    old_parts, old_outs, old_leaves, old_slots, old_donated, old_mesh, old_checks, old_aliasing = old
     reasons = []
+    if new_aliasing != old_aliasing:
+        reasons.append(f"parameter aliasing turned {'on' if new_aliasing else 'off'} "
+                       "(st.set_param_aliasing / XLA_ENABLE_PARAM_ALIASING)")
     if (new_checks is None) != (old_checks is None):
         reasons.append(f"on-device checks turned {'off' if new_checks is None else 'on'} (st.set_checks)")
     elif new_checks != old_checks:
@@ -316,7 +321,7 @@ def _nearest(key, executables):
         # every changed input attribute counts, so a graph with one change beats one with three
         score = (sum((a[2] != b[2]) + (a[1] != b[1]) + (a[3] != b[3]) for a, b in zip(key[2], other[2]))
                  + (key[1] != other[1]) + (key[3] != other[3])
-                 + (key[4] != other[4]) + (key[5] != other[5]) + (key[6] != other[6])
+                 + (key[4] != other[4]) + (key[5] != other[5]) + (key[6] != other[6]) + (key[7] != other[7])
                  + sum(a[0] != b[0] for a, b in zip(key[0], other[0])))
         if best_score is None or score <= best_score:  # ties: the most recent
             best, best_score = other, score

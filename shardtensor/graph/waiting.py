@@ -24,7 +24,7 @@ def wait_until_ready(arrays) -> None:
         outs = executable(*inputs)     # dispatched asynchronously
         wait_until_ready(outs)         # Ctrl-C works here; a failed device raises instead of hanging
     """
-    arrays = [a for a in arrays if hasattr(a, "is_ready")]
+    arrays = _live(arrays)
     if all(a.is_ready() for a in arrays):
         _raise_failure(arrays)
         return
@@ -40,6 +40,27 @@ def wait_until_ready(arrays) -> None:
             pause = min(pause * 2, 1e-3)  # a long wait overshoots by at most 1 ms
         else:
             shards = []
+
+
+def finished(arrays) -> bool:
+    """Whether every array in ``arrays`` is computed, without waiting; raise ``ExecutionFailedError``
+    if one failed. (Only whole arrays are looked at: cheap enough to ask before every run.)
+
+    Example::
+
+        if finished(outs): ...   # the program is done and nothing failed
+    """
+    arrays = _live(arrays)
+    if not all(a.is_ready() for a in arrays):
+        return False
+    _raise_failure(arrays)
+    return True
+
+
+def _live(arrays) -> list:
+    """The jax arrays among ``arrays`` that still have buffers (``is_ready()`` on a deleted or
+    donated array crashes the process in jax 0.10; a donated input has nothing left to wait for)."""
+    return [a for a in arrays if hasattr(a, "is_ready") and not a.is_deleted()]
 
 
 def _raise_failure(ready) -> None:

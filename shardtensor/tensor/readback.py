@@ -8,9 +8,9 @@ import torch
 
 from shardtensor import metrics as counters
 from shardtensor.dtypes import numpy_to_torch
-from shardtensor.graph import checks, execute, state, views
+from shardtensor.graph import checks, execute, inflight, state, views
 from shardtensor.graph.ir import Cell, Failed
-from shardtensor.graph.waiting import wait_until_ready
+from shardtensor.graph.waiting import ExecutionFailedError, wait_until_ready
 from shardtensor.runtime import with_x64
 
 
@@ -49,7 +49,15 @@ def to_cpu(t) -> torch.Tensor:
     Example: ``to_cpu(st.shard(torch.ones(2), mesh, (None,)))`` is ``tensor([1., 1.])``.
     """
     a = materialize(t)
-    wait_until_ready([a])  # interruptible, and raises (never hangs) when its program failed
+    try:
+        wait_until_ready([a])  # interruptible, and raises (never hangs) when its program failed
+    except ExecutionFailedError:
+        with state.ENGINE_LOCK:
+            # give back what the failed program overwrote, fail what it computed; raise that failure
+            inflight.settle(wait_for=a)
+        raise
+    with state.ENGINE_LOCK:
+        inflight.settle()  # finished runs let go of the old buffers they kept (aliasing off)
     with counters.timed("TransferFromDeviceTime"):
         if a.is_fully_addressable:
             host = np.asarray(a)
