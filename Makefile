@@ -22,7 +22,7 @@ PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
-LINT_PATHS ?= shardtensor tests bench
+LINT_PATHS ?= shardtensor tests bench setup.py
 
 PY := $(VENV)/bin/python
 # Written after a successful install; redone when pyproject.toml changes (or .venv is removed).

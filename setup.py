@@ -7,6 +7,7 @@ environment's own with ``pip install --no-build-isolation`` (the Makefile's way:
 set up). It is optional: without torch at build time, or without a C++ compiler, the package
 installs without it, and ``import shardtensor`` builds it on first use (or warns in one line).
 """
+
 import hashlib
 import pathlib
 import sys
@@ -23,8 +24,11 @@ def _extension_build():
     try:
         from torch.utils.cpp_extension import BuildExtension, CppExtension
     except ImportError:  # --no-build-isolation into an environment without torch
-        print("shardtensor: torch is not importable at build time; the C++ device extension will be built "
-              "on first import instead", file=sys.stderr)
+        print(
+            "shardtensor: torch is not importable at build time; the C++ device extension will be built "
+            "on first import instead",
+            file=sys.stderr,
+        )
         return {}
 
     # distutils' compiler rather than ninja: one source file gains nothing from ninja
@@ -37,13 +41,18 @@ def _extension_build():
                 super().build_extensions()
             except Exception as e:  # noqa: BLE001  (torch's compiler checks raise several kinds)
                 first_line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-                print(f"shardtensor: could not compile the C++ device extension ({first_line[:200]}); it will be "
-                      "built on first import instead", file=sys.stderr)
+                print(
+                    f"shardtensor: could not compile the C++ device extension ({first_line[:200]}); it will be "
+                    "built on first import instead",
+                    file=sys.stderr,
+                )
 
     extension = CppExtension(
-        "shardtensor.tensor._device_ext", [SOURCE],
+        "shardtensor.tensor._device_ext",
+        [SOURCE],
         # -g0: no debug info (a smaller wheel and a faster build); the module is a few trivial functions
-        extra_compile_args=["-g0", f"-DSHARDTENSOR_SOURCE_ID={SOURCE_ID:#x}ULL"])
+        extra_compile_args=["-g0", f"-DSHARDTENSOR_SOURCE_ID={SOURCE_ID:#x}ULL"],
+    )
     return {"ext_modules": [extension], "cmdclass": {"build_ext": OptionalBuildExtension}}
 
 

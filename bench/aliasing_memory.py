@@ -14,6 +14,7 @@ Usage::
     python bench/aliasing_memory.py
     python bench/aliasing_memory.py --model gpt --steps 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,17 +69,23 @@ def main():
     p.add_argument("--model", choices=["mlp", "gpt", "both"], default="both")
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args()
-    for kind in (["mlp", "gpt"] if args.model == "both" else [args.model]):
+    for kind in ["mlp", "gpt"] if args.model == "both" else [args.model]:
         results = {aliasing: measure(kind, aliasing, args.steps) for aliasing in (True, False)}
         (losses_on, on, state), (losses_off, off, _) = results[True], results[False]
-        print(f"{kind.upper()} training step (AdamW, FSDP over 8 devices): parameters + optimizer state "
-              f"{_mib(state)} per device; losses equal with and without aliasing: {losses_on == losses_off}")
+        print(
+            f"{kind.upper()} training step (AdamW, FSDP over 8 devices): parameters + optimizer state "
+            f"{_mib(state)} per device; losses equal with and without aliasing: {losses_on == losses_off}"
+        )
         for label, m in (("aliasing on ", on), ("aliasing off", off)):
-            print(f"  {label}: peak {_mib(m.peak)} per device = arguments {_mib(m.arguments)} + outputs "
-                  f"{_mib(m.outputs)} + temporaries {_mib(m.temporaries)} - {_mib(m.reused)} written into "
-                  "donated inputs")
-        print(f"  cost of keeping every input: +{_mib(off.peak - on.peak)} per device "
-              f"(+{100 * (off.peak - on.peak) / on.peak:.0f}% of the step's peak)")
+            print(
+                f"  {label}: peak {_mib(m.peak)} per device = arguments {_mib(m.arguments)} + outputs "
+                f"{_mib(m.outputs)} + temporaries {_mib(m.temporaries)} - {_mib(m.reused)} written into "
+                "donated inputs"
+            )
+        print(
+            f"  cost of keeping every input: +{_mib(off.peak - on.peak)} per device "
+            f"(+{100 * (off.peak - on.peak) / on.peak:.0f}% of the step's peak)"
+        )
     st.set_param_aliasing(None)
 
 

@@ -14,6 +14,7 @@ Example::
     .venv/bin/python bench/checks_cost.py              # 20 steps per run
     .venv/bin/python bench/checks_cost.py --steps 40 --modes compile
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,7 @@ def main():
     st.set_checks(True)
     med = {k: statistics.median(v[2:]) for k, v in times.items()}
     print(f"\n== GPT training step, {steps} steps, 8 devices, FSDP-style, AdamW: on-device checks on / off")
-    print(f"{'':8s} {'checks on':>11s} {'checks off':>11s} {'on / off':>9s} {'per step':>9s} "
-          f"{'max |loss diff|':>16s}")
+    print(f"{'':8s} {'checks on':>11s} {'checks off':>11s} {'on / off':>9s} {'per step':>9s} {'max |loss diff|':>16s}")
     for mode in modes:
         on, off = med[mode, True], med[mode, False]
         # the median of the ratios of the two runs' same steps (run back to back): robust to load drift

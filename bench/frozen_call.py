@@ -11,6 +11,7 @@ Usage::
 
 It uses only shardtensor's public API.
 """
+
 from __future__ import annotations
 
 import os
@@ -66,8 +67,10 @@ def main():
         loss.cpu()
         times.append((time.perf_counter() - start) / args.calls * 1e6)
     params = sum(1 for _ in model.parameters())
-    print(f"frozen st.compile step: {args.layers} layers ({params} parameters), {args.optimizer}, "
-          f"{len(st.devices())} devices; frozen: {bool(frozen)}")
+    print(
+        f"frozen st.compile step: {args.layers} layers ({params} parameters), {args.optimizer}, "
+        f"{len(st.devices())} devices; frozen: {bool(frozen)}"
+    )
     print(f"us per call: median {statistics.median(times):.1f}, min {min(times):.1f}")
 
 

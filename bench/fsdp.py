@@ -24,6 +24,7 @@ Example::
     .venv/bin/python bench/fsdp.py                 # 20 steps
     .venv/bin/python bench/fsdp.py --steps 8 --skip-memory
 """
+
 from __future__ import annotations
 
 import argparse
@@ -90,14 +91,21 @@ def main():
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in tvj.GPT().state_dict().items()}
     batches = tvj.make_batches("gpt", ARGS.steps)
-    print(f"jax {jax.__version__}, torch {torch.__version__}, {len(jax.devices())} {jax.devices()[0].platform} "
-          f"devices; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-    print(f"\n== FSDPv2 GPT (vocab 1024, 128 tokens, d=256, 4 blocks; {sum(v.numel() for v in state.values()):,} "
-          f"parameters), batch 16, mesh (8, 1) ('fsdp', 'model'), AdamW, {ARGS.steps} steps")
+    print(
+        f"jax {jax.__version__}, torch {torch.__version__}, {len(jax.devices())} {jax.devices()[0].platform} "
+        f"devices; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+    )
+    print(
+        f"\n== FSDPv2 GPT (vocab 1024, 128 tokens, d=256, 4 blocks; {sum(v.numel() for v in state.values()):,} "
+        f"parameters), batch 16, mesh (8, 1) ('fsdp', 'model'), AdamW, {ARGS.steps} steps"
+    )
 
-    runs = {"lazy": fsdp_run(state, mesh, compiled=False), "compile": fsdp_run(state, mesh, compiled=True),
-            "ckpt": fsdp_run(state, mesh, compiled=False, checkpointed=True),  # the cost of recomputing
-            "jax": tvj.JaxRun("gpt", state, jmesh)}
+    runs = {
+        "lazy": fsdp_run(state, mesh, compiled=False),
+        "compile": fsdp_run(state, mesh, compiled=True),
+        "ckpt": fsdp_run(state, mesh, compiled=False, checkpointed=True),  # the cost of recomputing
+        "jax": tvj.JaxRun("gpt", state, jmesh),
+    }
     times = {k: [] for k in runs}
     losses = {k: [] for k in runs}
     spies = {}
@@ -116,12 +124,18 @@ def main():
     med = {k: statistics.median(v[2:]) for k, v in times.items()}
     print(f"{'':26s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s}")
     for name in runs:
-        label = {"lazy": "FSDPv2 lazy", "compile": "FSDPv2 compile", "ckpt": "FSDPv2 lazy + checkpoint",
-                 "jax": "jax.jit"}[name]
+        label = {
+            "lazy": "FSDPv2 lazy",
+            "compile": "FSDPv2 compile",
+            "ckpt": "FSDPv2 lazy + checkpoint",
+            "jax": "jax.jit",
+        }[name]
         print(f"{label:26s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s")
     print("losses (first 3):", {k: [round(v, 5) for v in run[:3]] for k, run in losses.items()})
-    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}"
-                                     for k, run in losses.items() if k != "jax"})
+    print(
+        "max |loss - JAX loss|:",
+        {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}" for k, run in losses.items() if k != "jax"},
+    )
     x, y = batches[-1]
     print("collectives (count, per-device result bytes):")
     print(f"  jax      {tvj.describe(tvj.collectives(runs['jax'].hlo(x, y)))}")
@@ -143,13 +157,17 @@ def main():
         compiled = jrun.jitted.lower(jrun.params, jrun.m, jrun.v, jrun.count, xb, yb).compile()
         rows["jax.jit + jax.checkpoint" if remat else "jax.jit"] = fsdp_memory.memory_mib(compiled)
     for label, r in rows.items():
-        print(f"{label:34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
-              f"{r['peak']:7.2f} {first_loss if label.startswith('FSDPv2') else '':>9s}")
+        print(
+            f"{label:34s} {r['temp']:7.2f} {r['args']:7.2f} {r['out']:7.2f} {r['alias']:7.2f} "
+            f"{r['peak']:7.2f} {first_loss if label.startswith('FSDPv2') else '':>9s}"
+        )
     for ours, theirs in (("FSDPv2", "jax.jit"), ("FSDPv2 + checkpoint_module", "jax.jit + jax.checkpoint")):
         print(f"{ours}: peak {rows[ours]['peak'] / rows[theirs]['peak']:.2f}x {theirs}'s")
     for a, b in (("FSDPv2", "FSDPv2 + checkpoint_module"), ("jax.jit", "jax.jit + jax.checkpoint")):
-        print(f"checkpointing, {a}: peak {100 * (rows[b]['peak'] / rows[a]['peak'] - 1):+.0f}%, "
-              f"temporaries {100 * (rows[b]['temp'] / rows[a]['temp'] - 1):+.0f}%")
+        print(
+            f"checkpointing, {a}: peak {100 * (rows[b]['peak'] / rows[a]['peak'] - 1):+.0f}%, "
+            f"temporaries {100 * (rows[b]['temp'] / rows[a]['temp'] - 1):+.0f}%"
+        )
     return 0
 
 

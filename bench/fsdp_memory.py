@@ -15,6 +15,7 @@ Example::
     .venv/bin/python bench/fsdp_memory.py                 # 8 blocks, d=256, batch 64 x 128 tokens
     .venv/bin/python bench/fsdp_memory.py --blocks 4 --norm none
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from shardtensor.fsdp import FSDPv2, checkpoint_module, transformer_auto_wrap_po
 from shardtensor.graph import state  # noqa: E402
 from shardtensor.graph.capture import lower  # noqa: E402  (white box: the compiled program of the pending graph)
 
-MiB = 2 ** 20
+MiB = 2**20
 
 
 class Block(nn.Module):
@@ -71,8 +72,12 @@ def memory_mib(compiled) -> dict:
     """A compiled program's ``memory_analysis()`` per device, in MiB; ``peak`` counts an argument
     aliased by an output (donated) once."""
     m = compiled.memory_analysis()
-    out = {"args": m.argument_size_in_bytes, "out": m.output_size_in_bytes,
-           "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes}
+    out = {
+        "args": m.argument_size_in_bytes,
+        "out": m.output_size_in_bytes,
+        "alias": m.alias_size_in_bytes,
+        "temp": m.temp_size_in_bytes,
+    }
     out["peak"] = out["args"] + out["out"] - out["alias"] + out["temp"]
     return {k: v / MiB for k, v in out.items()}
 
@@ -86,8 +91,12 @@ def measure(reference: Net, batch: int, seq: int, checkpointed: bool) -> dict:
     """Memory of one recorded SGD step of a copy of ``reference``, then the step's loss."""
     mesh = st.Mesh(range(st.global_runtime_device_count()), (st.global_runtime_device_count(), 1), ("fsdp", "model"))
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
-    model = FSDPv2(copy.deepcopy(reference), mesh=mesh, auto_wrap_policy=policy,
-                   auto_wrapper_callable=checkpointed_wrapper if checkpointed else None)
+    model = FSDPv2(
+        copy.deepcopy(reference),
+        mesh=mesh,
+        auto_wrap_policy=policy,
+        auto_wrapper_callable=checkpointed_wrapper if checkpointed else None,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     d = reference.inp.in_features
@@ -110,24 +119,34 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=256)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--norm", choices=["layernorm", "none", "both"], default="both",
-                   help="pre-norm blocks (LayerNorm first) or plain MLP blocks")
+    p.add_argument(
+        "--norm",
+        choices=["layernorm", "none", "both"],
+        default="both",
+        help="pre-norm blocks (LayerNorm first) or plain MLP blocks",
+    )
     args = p.parse_args(argv)
     n = st.global_runtime_device_count()
     per_block = args.batch // n * args.seq * 4 * args.d * 4 / MiB
-    print(f"{args.blocks} blocks, d={args.d}, batch {args.batch} x {args.seq} tokens, mesh ({n}, 1); "
-          f"one 4d-wide activation is {per_block:.1f} MiB per device")
-    print(f"{'block':<10} {'variant':<13} {'temp MiB':>9} {'args':>6} {'out':>6} {'peak MiB':>9} "
-          f"{'fwd calls':>9} {'loss':>10}")
-    for norm in (["layernorm", "none"] if args.norm == "both" else [args.norm]):
+    print(
+        f"{args.blocks} blocks, d={args.d}, batch {args.batch} x {args.seq} tokens, mesh ({n}, 1); "
+        f"one 4d-wide activation is {per_block:.1f} MiB per device"
+    )
+    print(
+        f"{'block':<10} {'variant':<13} {'temp MiB':>9} {'args':>6} {'out':>6} {'peak MiB':>9} "
+        f"{'fwd calls':>9} {'loss':>10}"
+    )
+    for norm in ["layernorm", "none"] if args.norm == "both" else [args.norm]:
         torch.manual_seed(0)
         reference = Net(args.d, args.blocks, norm=norm == "layernorm")
         results = {}
         for checkpointed in (False, True):
             r = results[checkpointed] = measure(reference, args.batch, args.seq, checkpointed)
-            print(f"{'pre-norm' if norm == 'layernorm' else 'mlp':<10} "
-                  f"{'checkpointed' if checkpointed else 'plain':<13} {r['temp']:>9.1f} {r['args']:>6.1f} "
-                  f"{r['out']:>6.1f} {r['peak']:>9.1f} {r['calls']:>9} {r['loss']:>10.6f}")
+            print(
+                f"{'pre-norm' if norm == 'layernorm' else 'mlp':<10} "
+                f"{'checkpointed' if checkpointed else 'plain':<13} {r['temp']:>9.1f} {r['args']:>6.1f} "
+                f"{r['out']:>6.1f} {r['peak']:>9.1f} {r['calls']:>9} {r['loss']:>10.6f}"
+            )
         change = results[True]["peak"] / results[False]["peak"] - 1
         same = abs(results[True]["loss"] - results[False]["loss"]) <= 1e-5 * abs(results[False]["loss"])
         print(f"{'':<24} checkpointing: peak {100 * change:+.0f}%, losses equal: {same}")

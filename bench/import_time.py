@@ -16,6 +16,7 @@ Usage::
     python bench/import_time.py            # the best of 5 runs of each (first: 5 fresh copies)
     python bench/import_time.py --lazy     # also the lazy build (one run)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,17 +78,26 @@ def main():
     (base, _, base_cpu), (warm, _, warm_cpu), (first, loaded, first_cpu) = min(base), min(warm), min(first)
     print(f"shardtensor from {package}; wall time (the best of {args.runs}) and its ratio, CPU time and its ratio")
     print(f"import torch, jax (+ backend)  {base:6.2f} s           {base_cpu:6.2f} s CPU")
-    print(f"import shardtensor (warm)      {warm:6.2f} s  {warm / base:5.2f}x   {warm_cpu:6.2f} s CPU  "
-          f"{warm_cpu / base_cpu:5.2f}x   target <= 1.3x")
-    print(f"import shardtensor (first)     {first:6.2f} s  {first / base:5.2f}x   {first_cpu:6.2f} s CPU  "
-          f"{first_cpu / base_cpu:5.2f}x   target <= 2x   (loaded {loaded})")
+    print(
+        f"import shardtensor (warm)      {warm:6.2f} s  {warm / base:5.2f}x   {warm_cpu:6.2f} s CPU  "
+        f"{warm_cpu / base_cpu:5.2f}x   target <= 1.3x"
+    )
+    print(
+        f"import shardtensor (first)     {first:6.2f} s  {first / base:5.2f}x   {first_cpu:6.2f} s CPU  "
+        f"{first_cpu / base_cpu:5.2f}x   target <= 2x   (loaded {loaded})"
+    )
     if loaded != "shardtensor.tensor._device_ext":
-        print("  (the package has no usable compiled module, so that first import built it: reinstall, or "
-              "`python setup.py build_ext --inplace` in a checkout)")
+        print(
+            "  (the package has no usable compiled module, so that first import built it: reinstall, or "
+            "`python setup.py build_ext --inplace` in a checkout)"
+        )
     if args.lazy:
         lazy, loaded, lazy_cpu = _fresh_import(package, env, with_module=False)
-        print(f"import shardtensor (lazy)      {lazy:6.2f} s  {lazy / base:5.2f}x   {lazy_cpu:6.2f} s CPU  "
-              f"{lazy_cpu / base_cpu:5.2f}x   (no compiled module: builds {loaded})")
+        print(
+            f"import shardtensor (lazy)      {lazy:6.2f} s  {lazy / base:5.2f}x   {lazy_cpu:6.2f} s CPU  "
+            f"{lazy_cpu / base_cpu:5.2f}x   (no compiled module: builds {loaded})"
+        )
+
 
 if __name__ == "__main__":
     main()

@@ -30,6 +30,7 @@ Usage::
 
 It uses only shardtensor's public API.
 """
+
 from __future__ import annotations
 
 import os
@@ -54,23 +55,25 @@ TARGETS_US = {"lazy record": 20.0, "eager": 30.0, "compile overhead": 100.0}
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--devices", default=None,
-                   help="number of simulated CPU devices, or 'all' for one run per count in "
-                        f"{ALL_DEVICE_COUNTS} (default: $SHARDTENSOR_CPU_DEVICES, else 8)")
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="number of simulated CPU devices, or 'all' for one run per count in "
+        f"{ALL_DEVICE_COUNTS} (default: $SHARDTENSOR_CPU_DEVICES, else 8)",
+    )
     p.add_argument("--ops", type=int, default=200, help="elementwise ops per chain (default 200)")
     p.add_argument("--shape", type=int, nargs=2, default=(64, 64), metavar=("ROWS", "COLS"))
-    p.add_argument("--steps", type=int, default=12,
-                   help="lazy steps; the first is not timed (default 12)")
-    p.add_argument("--reps", type=int, default=7,
-                   help="repetitions of each eager chain; the median is reported (default 7)")
-    p.add_argument("--calls", type=int, default=100,
-                   help="compiled calls per repetition (default 100)")
-    p.add_argument("--compile-ops", type=int, default=4,
-                   help="elementwise ops in the compiled program (default 4)")
+    p.add_argument("--steps", type=int, default=12, help="lazy steps; the first is not timed (default 12)")
+    p.add_argument(
+        "--reps", type=int, default=7, help="repetitions of each eager chain; the median is reported (default 7)"
+    )
+    p.add_argument("--calls", type=int, default=100, help="compiled calls per repetition (default 100)")
+    p.add_argument("--compile-ops", type=int, default=4, help="elementwise ops in the compiled program (default 4)")
     return p.parse_args(argv)
 
 
 # ----------------------------------------------------------------------------- re-exec per count
+
 
 def _run_all(argv):
     """One subprocess per device count, each with the environment set before jax starts."""
@@ -103,8 +106,7 @@ def _set_device_count(n: int) -> None:
         raise RuntimeError("the device count must be set before jax is imported")
     os.environ["SHARDTENSOR_CPU_DEVICES"] = str(n)
     # A count forced through XLA_FLAGS (as tests/conftest.py does) would contradict ours.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                   os.environ.get("XLA_FLAGS", "")).strip()
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
     if flags:
         os.environ["XLA_FLAGS"] = flags
     else:
@@ -112,6 +114,7 @@ def _set_device_count(n: int) -> None:
 
 
 # ----------------------------------------------------------------------------- the program
+
 
 def torch_chain(y, b, n_ops):
     """n_ops elementwise ops on torch tensors (plain or ShardedTensor)."""
@@ -148,6 +151,7 @@ def jax_chain(y, b, n_ops):
 
 
 # ----------------------------------------------------------------------------- timing helpers
+
 
 def _median(xs):
     return statistics.median(xs)
@@ -280,6 +284,7 @@ def bench_compile(st, a, b, ja, jb, args, torch_inputs, notes):
 
 # ----------------------------------------------------------------------------- one run
 
+
 def run(args):
     import shardtensor as st  # first: it sets jax up (platform, device count) before jax starts
     # isort: split
@@ -296,8 +301,10 @@ def run(args):
     spec = ("x", None)
     if args.shape[0] % mesh_shape[0]:
         # shardtensor pads uneven shards, but plain JAX (the reference here) refuses them.
-        sys.exit(f"--shape: {args.shape[0]} rows do not divide over the {mesh_shape[0]} devices of "
-                 f"mesh axis 'x' (mesh {mesh_shape}); plain JAX needs an even split")
+        sys.exit(
+            f"--shape: {args.shape[0]} rows do not divide over the {mesh_shape[0]} devices of "
+            f"mesh axis 'x' (mesh {mesh_shape}); plain JAX needs an even split"
+        )
 
     torch.manual_seed(0)
     ta = torch.randn(*args.shape)
@@ -333,9 +340,11 @@ def run(args):
     def verdict(value, target):
         return "ok" if value <= target else "MISS"
 
-    print(f"shardtensor overhead — torch {torch.__version__}, jax {jax.__version__}, platform "
-          f"{platform}, {n} device(s), mesh {mesh_shape} ('x', 'y'), "
-          f"tensor {tuple(args.shape)} float32 sharded {spec}, {args.ops} elementwise ops per chain")
+    print(
+        f"shardtensor overhead — torch {torch.__version__}, jax {jax.__version__}, platform "
+        f"{platform}, {n} device(s), mesh {mesh_shape} ('x', 'y'), "
+        f"tensor {tuple(args.shape)} float32 sharded {spec}, {args.ops} elementwise ops per chain"
+    )
     print()
     w = 14
     print(f"{'mode':<16}{'us/op':>{w}}{'x torch':>{w}}{'x jax eager':>{w}}{'target':>{w}}")
@@ -358,8 +367,10 @@ def run(args):
     t = f"<= {TARGETS_US['compile overhead']:g} {verdict(overhead_us, TARGETS_US['compile overhead'])}"
     print(f"{'st.compile':<16}{comp_us:>{w}.1f}{comp_us / jit_us:>{w}.2f}{overhead_us:>{w}.1f}{t:>{w}}")
     print()
-    print(f"first lazy step (record + compile + run): {lazy_first * 1e3:.1f} ms; "
-          f"first compiled call (trace + compile + run): {comp_first * 1e3:.1f} ms")
+    print(
+        f"first lazy step (record + compile + run): {lazy_first * 1e3:.1f} ms; "
+        f"first compiled call (trace + compile + run): {comp_first * 1e3:.1f} ms"
+    )
     for note in notes:
         print(note)
 

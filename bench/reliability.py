@@ -31,6 +31,7 @@ It prints ``interrupts tried / state lost``, ``failed executions tried / state l
 aliasing setting, the failures while running with the state they lost, and exits with status 1 if
 any state was lost (other than the donated state with aliasing on, which must say so when read).
 """
+
 from __future__ import annotations
 
 import os
@@ -124,14 +125,20 @@ def load_twin(twin, twin_opt, model, opt):
             twin_opt.state.pop(twin_params[i], None)
             continue
         twin_opt.state[twin_params[i]] = {
-            k: (device_state[f"param{i}.{k}"].reshape(twin_state.get(f"param{i}.{k}", v).shape)
-                if isinstance(v, torch.Tensor) else v) for k, v in dev_state.items()}
+            k: (
+                device_state[f"param{i}.{k}"].reshape(twin_state.get(f"param{i}.{k}", v).shape)
+                if isinstance(v, torch.Tensor)
+                else v
+            )
+            for k, v in dev_state.items()
+        }
     twin_opt.zero_grad(set_to_none=True)
 
 
 def matches(value, *candidates):
-    return any(c is not None and value.shape == c.shape and torch.allclose(value, c, rtol=RTOL, atol=ATOL)
-               for c in candidates)
+    return any(
+        c is not None and value.shape == c.shape and torch.allclose(value, c, rtol=RTOL, atol=ATOL) for c in candidates
+    )
 
 
 def lost_state(model, opt, before, after):
@@ -152,6 +159,7 @@ def _interrupt_after(delay):
     def fire():
         time.sleep(delay)
         os.kill(os.getpid(), signal.SIGINT)
+
     thread = threading.Thread(target=fire, daemon=True)
     thread.start()
     return thread
@@ -226,8 +234,13 @@ def _trains_alike(rng, twin, twin_opt, model, opt, device_step, steps=3, n=32):
 def failed_executions():
     """[(scenario, state lost?)] for steps refused for memory, each followed by a good retry."""
     results = []
-    for kind, where in (("momentum", "lazy"), ("adam", "compile"), ("adam", "frozen"), ("momentum", "eager"),
-                        ("momentum", "address-space")):
+    for kind, where in (
+        ("momentum", "lazy"),
+        ("adam", "compile"),
+        ("adam", "frozen"),
+        ("momentum", "eager"),
+        ("momentum", "address-space"),
+    ):
         results.append((f"{where} ({kind})", _failed_execution(kind, where)))
     return results
 
@@ -328,8 +341,12 @@ def async_failure(aliasing):
 def _start_async_failure(aliasing):
     """The scenario in its own process (the devices left waiting stay stuck), started at once so it
     runs beside the rest."""
-    return subprocess.Popen([sys.executable, __file__, "--async-failure", "--param-aliasing", str(int(aliasing))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, __file__, "--async-failure", "--param-aliasing", str(int(aliasing))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _async_failure_result(process, timeout=120):
@@ -355,8 +372,13 @@ def main():
     p.add_argument("--interrupts", type=int, default=200, help="interrupted steps per mode (default 200)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--async-failure", action="store_true", help="only the failure while running (a subprocess)")
-    p.add_argument("--param-aliasing", type=int, choices=(0, 1), default=1,
-                   help="with --async-failure: programs donate what they overwrite (1, the default) or not")
+    p.add_argument(
+        "--param-aliasing",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="with --async-failure: programs donate what they overwrite (1, the default) or not",
+    )
     args = p.parse_args()
     if args.async_failure:
         message, outcomes = async_failure(bool(args.param_aliasing))
@@ -370,8 +392,11 @@ def main():
     for kind, label in (("sgd", "lazy, SGD"), ("adam", "st.compile, Adam")):
         start = time.perf_counter()
         tried, inside, lost, resumed = interrupt_loop(kind, args.interrupts, args.seed)
-        print(f"interrupts ({label}): {tried} tried, {inside} inside the step, {lost} state lost, "
-              f"training resumed alike: {resumed} ({time.perf_counter() - start:.1f} s)", flush=True)
+        print(
+            f"interrupts ({label}): {tried} tried, {inside} inside the step, {lost} state lost, "
+            f"training resumed alike: {resumed} ({time.perf_counter() - start:.1f} s)",
+            flush=True,
+        )
         total, lost_total = total + tried, lost_total + lost
         lost_any |= bool(lost) or not resumed
     print(f"interrupts tried / state lost: {total} / {lost_total}")
@@ -381,15 +406,16 @@ def main():
     for name, lost in results:
         outcome = "STATE LOST" if lost else "refused at the step, state kept, retry trains alike"
         print(f"failed execution, {name}: {outcome}")
-    print(f"failed executions tried / state lost: {len(results)} / {failed} "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(f"failed executions tried / state lost: {len(results)} / {failed} ({time.perf_counter() - start:.1f} s)")
     for aliasing in (True, False):
         if aliasing not in running:
             running[aliasing] = _start_async_failure(aliasing)
         tried, raised, hung, lost, silent = _async_failure_result(running.pop(aliasing))
         setting = "on (donated)" if aliasing else "off"
-        print(f"failures while running (out of memory on some devices), parameter aliasing {setting}: {tried} tried, "
-              f"{raised} raised on read, {hung} hung, state lost: {lost} of 2, lost without a clear error: {silent}")
+        print(
+            f"failures while running (out of memory on some devices), parameter aliasing {setting}: {tried} tried, "
+            f"{raised} raised on read, {hung} hung, state lost: {lost} of 2, lost without a clear error: {silent}"
+        )
         # on, the donated state is lost by design (and must say so); off, nothing may be lost
         lost_any |= raised < tried or bool(silent) or (not aliasing and bool(lost))
     sys.exit(1 if lost_any else 0)

@@ -12,6 +12,7 @@ Example::
     .venv/bin/python bench/train_vs_jax.py                 # both models, 20 steps each
     .venv/bin/python bench/train_vs_jax.py --model mlp --steps 10
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 0.01
 
 
 # ---- the models, in torch ----------------------------------------------------------------------
+
 
 class MLP(nn.Module):
     def __init__(self, d=1024, layers=4):
@@ -92,6 +94,7 @@ class GPT(nn.Module):
 
 
 # ---- the same models, in JAX (parameters keyed by the torch names) -----------------------------
+
 
 def _linear(p, name, x):
     return x @ p[name + ".weight"].T + p[name + ".bias"]
@@ -156,6 +159,7 @@ def jax_adamw(params, grads, m, v, step):
 
 # ---- shardings ---------------------------------------------------------------------------------
 
+
 def fsdp_spec(shape):
     """'fsdp' on the largest dimension (ties: the lowest index); scalars replicated."""
     if not shape:
@@ -210,6 +214,7 @@ class ProgramSpy:
 
 # ---- the three ways ----------------------------------------------------------------------------
 
+
 def make_batches(kind, n, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
@@ -233,8 +238,9 @@ class ShardtensorRun:
             for p in model.parameters():
                 st.mark_sharding(p, mesh, fsdp_spec(tuple(p.shape)))
         self.model = model
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                     capturable=True)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True
+        )
         self.mesh, self.kind, self.compiled = mesh, kind, compiled
         self.trace_seconds = []
         self.step_fn = st.compile(self.record_step) if compiled else self.record_step
@@ -315,9 +321,11 @@ def bench(kind, steps):
     mesh = st.Mesh(range(8), (8,), ("fsdp",))
     jmesh = mesh.get_jax_mesh()
     batches = make_batches(kind, steps)
-    runs = {"lazy": ShardtensorRun(kind, state, mesh, compiled=False),
-            "compile": ShardtensorRun(kind, state, mesh, compiled=True),
-            "jax": JaxRun(kind, state, jmesh)}
+    runs = {
+        "lazy": ShardtensorRun(kind, state, mesh, compiled=False),
+        "compile": ShardtensorRun(kind, state, mesh, compiled=True),
+        "jax": JaxRun(kind, state, jmesh),
+    }
     times = {k: [] for k in runs}
     losses = {k: [] for k in runs}
     spies = {}
@@ -340,15 +348,21 @@ def bench(kind, steps):
     print(f"{'':10s} {'median step':>12s} {'x JAX':>7s} {'first step':>11s} {'tracing/step':>13s}")
     for name in runs:
         tracing = statistics.median(runs[name].trace_seconds[2:]) if name != "compile" else float("nan")
-        print(f"{name:10s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s "
-              f"{tracing * 1e3:11.1f}ms")
+        print(
+            f"{name:10s} {med[name] * 1e3:10.1f}ms {med[name] / med['jax']:7.2f} {times[name][0]:10.2f}s "
+            f"{tracing * 1e3:11.1f}ms"
+        )
     trace_ratio = statistics.median(runs["lazy"].trace_seconds[2:]) / statistics.median(runs["jax"].trace_seconds[2:])
-    print(f"tracing: lazy records {trace_ratio:.2f}x"
-          " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
-          f"traces (CompileReplay={st.counter_value('CompileReplay')})")
+    print(
+        f"tracing: lazy records {trace_ratio:.2f}x"
+        " JAX's own trace (jax.jit(...).trace) per step; st.compile replays a frozen program after two "
+        f"traces (CompileReplay={st.counter_value('CompileReplay')})"
+    )
     print("losses (first 3):", {k: [round(v, 5) for v in run[:3]] for k, run in losses.items()})
-    print("max |loss - JAX loss|:", {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}"
-                                     for k, run in losses.items() if k != "jax"})
+    print(
+        "max |loss - JAX loss|:",
+        {k: f"{max(abs(a - b) for a, b in zip(run, losses['jax'])):.2e}" for k, run in losses.items() if k != "jax"},
+    )
     x, y = batches[-1]
     print("collectives (count, per-device result bytes):")
     print(f"  jax      {describe(collectives(runs['jax'].hlo(x, y)))}")
@@ -363,7 +377,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     a = ap.parse_args()
     print(f"jax {jax.__version__}, torch {torch.__version__}, {len(jax.devices())} {jax.devices()[0].platform} devices")
-    for kind in (["mlp", "gpt"] if a.model == "both" else [a.model]):
+    for kind in ["mlp", "gpt"] if a.model == "both" else [a.model]:
         bench(kind, a.steps)
 
 

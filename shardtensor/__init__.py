@@ -6,11 +6,18 @@ Example::
     mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
     x = st.shard(torch.randn(64, 16), mesh, ("data", None))
 """
+
 # The order is deliberate: runtime configures jax first, ops fills the lowering table, dispatch installs the handler.
 # isort: off
 from shardtensor.runtime import (  # noqa: F401  (configures jax before anything else imports it)
-    use_spmd, is_spmd, global_runtime_device_count, addressable_runtime_device_count,
-    global_runtime_device_attributes, runtime_device_attributes, process_index, process_count,
+    use_spmd,
+    is_spmd,
+    global_runtime_device_count,
+    addressable_runtime_device_count,
+    global_runtime_device_attributes,
+    runtime_device_attributes,
+    process_index,
+    process_count,
 )
 from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
@@ -32,7 +39,12 @@ from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor.metrics import (  # noqa: F401
-    metrics_report, short_metrics_report, metric_data, metric_names, clear_metrics, clear_all,
+    metrics_report,
+    short_metrics_report,
+    metric_data,
+    metric_names,
+    clear_metrics,
+    clear_all,
 )
 from shardtensor.runtime import initialize_cache  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
@@ -46,25 +58,77 @@ P = PartitionSpec
 
 __all__ = [
     # runtime and processes
-    "use_spmd", "is_spmd", "global_runtime_device_count", "addressable_runtime_device_count",
-    "global_runtime_device_attributes", "runtime_device_attributes", "process_index", "process_count",
+    "use_spmd",
+    "is_spmd",
+    "global_runtime_device_count",
+    "addressable_runtime_device_count",
+    "global_runtime_device_attributes",
+    "runtime_device_attributes",
+    "process_index",
+    "process_count",
     "initialize_cache",
     # meshes and specs
-    "Mesh", "HybridMesh", "MeshError", "get_1d_mesh", "set_global_mesh", "get_global_mesh",
-    "PartitionSpec", "P", "ShardingSpec", "ShardingSpecError", "ShardingType",
+    "Mesh",
+    "HybridMesh",
+    "MeshError",
+    "get_1d_mesh",
+    "set_global_mesh",
+    "get_global_mesh",
+    "PartitionSpec",
+    "P",
+    "ShardingSpec",
+    "ShardingSpecError",
+    "ShardingType",
     # tensors and the device
-    "ShardedTensor", "Shard", "device", "devices", "shard", "mark_sharding", "clear_sharding",
+    "ShardedTensor",
+    "Shard",
+    "device",
+    "devices",
+    "shard",
+    "mark_sharding",
+    "clear_sharding",
     # execution
-    "sync", "step", "eager_mode", "is_eager_mode", "UnexpectedExecutionError", "clear_executables",
-    "executable_cache_size", "set_executable_cache_size", "manual_seed", "RecompilationWarning",
-    "set_checks", "checks_enabled", "OutOfDeviceMemoryError", "set_device_memory_limit", "device_memory_limit",
-    "ExecutionFailedError", "ConsumedInputError", "set_param_aliasing", "param_aliasing_enabled",
-    "compile", "CompiledFunction", "export", "deserialize", "ExportedProgram",
+    "sync",
+    "step",
+    "eager_mode",
+    "is_eager_mode",
+    "UnexpectedExecutionError",
+    "clear_executables",
+    "executable_cache_size",
+    "set_executable_cache_size",
+    "manual_seed",
+    "RecompilationWarning",
+    "set_checks",
+    "checks_enabled",
+    "OutOfDeviceMemoryError",
+    "set_device_memory_limit",
+    "device_memory_limit",
+    "ExecutionFailedError",
+    "ConsumedInputError",
+    "set_param_aliasing",
+    "param_aliasing_enabled",
+    "compile",
+    "CompiledFunction",
+    "export",
+    "deserialize",
+    "ExportedProgram",
     "ExportError",
     # metrics
-    "counter_value", "counter_names", "counters", "clear_counters", "metrics_report", "short_metrics_report",
-    "metric_data", "metric_names", "clear_metrics", "clear_all",
+    "counter_value",
+    "counter_names",
+    "counters",
+    "clear_counters",
+    "metrics_report",
+    "short_metrics_report",
+    "metric_data",
+    "metric_names",
+    "clear_metrics",
+    "clear_all",
     # data, utilities, debugging
-    "MpDeviceLoader", "clip_grad_norm_", "visualize_sharding", "visualize_tensor_sharding", "explain",
+    "MpDeviceLoader",
+    "clip_grad_norm_",
+    "visualize_sharding",
+    "visualize_tensor_sharding",
+    "explain",
     "Explanation",
 ]

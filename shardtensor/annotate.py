@@ -1,4 +1,5 @@
 """Annotating tensors with shardings: ``shard``, ``mark_sharding``, ``clear_sharding``."""
+
 from __future__ import annotations
 
 from typing import cast

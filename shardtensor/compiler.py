@@ -17,6 +17,7 @@ Threads: a compiled function may be called from several threads; each call trace
 thread's state (graph/state.py), and a replay runs under the engine lock. The engine's work (runs,
 replays) has JAX's 64-bit types on; ``fn``'s own Python runs with the caller's JAX setting.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,10 +54,12 @@ aten = torch.ops.aten
 @overload
 def compile(fn: Callable[..., Any], *, full_graph: bool = False, name: str | None = None) -> CompiledFunction: ...
 @overload
-def compile(fn: None = None, *, full_graph: bool = False,
-            name: str | None = None) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
-def compile(fn: Callable[..., Any] | None = None, *, full_graph: bool = False,
-            name: str | None = None) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
+def compile(
+    fn: None = None, *, full_graph: bool = False, name: str | None = None
+) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
+def compile(
+    fn: Callable[..., Any] | None = None, *, full_graph: bool = False, name: str | None = None
+) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Compile ``fn`` (also usable as ``@st.compile`` or ``@st.compile(full_graph=True)``).
 
     With ``full_graph=True`` anything inside that needs a concrete value (``.item()``,
@@ -115,9 +118,11 @@ class CompiledFunction:
         monitor = _HostStateMonitor()
         guard = None
         if self.full_graph:
-            guard = (f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
-                     "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
-                     "full_graph=False.")
+            guard = (
+                f"st.compile({self.name}, full_graph=True) needs the whole function as one program: "
+                "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
+                "full_graph=False."
+            )
         with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor:
             monitor.watched = watched
             out = self.fn(*args, **kwargs)
@@ -126,10 +131,17 @@ class CompiledFunction:
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
         trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken)
         objects = watched.objects()
-        if trace.broken is None and entry is not None and not (  # (entry: set when previous is)
-                _same_objects(previous, objects) and entry.holds(tensor_args)):
-            trace.broken = ("it changes Python state a replay would not (.grad left set or removed, "
-                            "hooks, parameters, requires_grad, optimizer groups)")
+        if (
+            trace.broken is None
+            and entry is not None
+            and not (  # (entry: set when previous is)
+                _same_objects(previous, objects) and entry.holds(tensor_args)
+            )
+        ):
+            trace.broken = (
+                "it changes Python state a replay would not (.grad left set or removed, "
+                "hooks, parameters, requires_grad, optimizer groups)"
+            )
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
         exit_guard = Guard(objects, tensor_args)
@@ -223,15 +235,24 @@ class _Trace:
                     targets.append(("new", new_count))
                     new_count += 1
         for x in self.out_flat:
-            if isinstance(x, ShardedTensor) and id(x._cell) in returned and not (
-                    execution and any(c is x._cell for c in execution.cells)):
+            if (
+                isinstance(x, ShardedTensor)
+                and id(x._cell) in returned
+                and not (execution and any(c is x._cell for c in execution.cells))
+            ):
                 self.broken = self.broken or "it returns a tensor it did not compute"
         scalars = tuple((k, tuple(v.tolist())) for k, v in sorted(execution.scalars.items())) if execution else ()
         key = program.key if program else None
         plain_outputs = tuple(x if not isinstance(x, torch.Tensor) else None for x in self.out_flat)
         self.sources, self.targets = sources, targets
-        self.fingerprint = (key, scalars, tuple(s[:2] for s in sources), tuple(targets), self.out_spec,
-                            _hashable(plain_outputs))
+        self.fingerprint = (
+            key,
+            scalars,
+            tuple(s[:2] for s in sources),
+            tuple(targets),
+            self.out_spec,
+            _hashable(plain_outputs),
+        )
 
     def freeze(self, guard):
         return _Frozen(self, guard)
@@ -364,7 +385,6 @@ class _HostStateMonitor(TorchDispatchMode):
         if self.reason is None:
             if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
                 self.reason = "it reads a CPU tensor's value (.item())"
-            elif func._schema.is_mutable and any(
-                    type(a) is torch.Tensor and a.device.type == "cpu" for a in args):
+            elif func._schema.is_mutable and any(type(a) is torch.Tensor and a.device.type == "cpu" for a in args):
                 self.reason = f"it updates a CPU tensor in place ({func})"
         return func(*args, **kwargs)

@@ -14,6 +14,7 @@ Example::
     st.visualize_tensor_sharding(x)   # 4 rows: CPU [0, 1] / CPU [2, 3] / CPU [4, 5] / CPU [6, 7]
     x                                  # in Jupyter: the grid, "rows 0:2, cols 0:4" in the first cell
 """
+
 from __future__ import annotations
 
 import html
@@ -53,15 +54,34 @@ def tensor_sharding(t: ShardedTensor) -> tuple[str, Mesh | None, sh.PartitionSpe
 # --------------------------------------------------------------------------- rich tables
 
 # tab20's dark hues then its light ones, so neighbouring device ids get different hues
-_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
-            "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94",
-            "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
+_PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+    "#aec7e8",
+    "#ffbb78",
+    "#98df8a",
+    "#ff9896",
+    "#c5b0d5",
+    "#c49c94",
+    "#f7b6d2",
+    "#c7c7c7",
+    "#dbdb8d",
+    "#9edae5",
+)
 
 
 def _colour(device_id: int) -> tuple[str, str]:
     """(background, text colour) of a device: the same in every table and grid."""
     bg = _PALETTE[int(device_id) % len(_PALETTE)]
-    r, g, b = (int(bg[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(bg[i : i + 2], 16) / 255 for i in (1, 3, 5))
     return bg, "#000000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.6 else "#ffffff"
 
 
@@ -78,14 +98,16 @@ def _cells_2d(parsed: ParsedSharding, sharding: str) -> list[list[list[int]]]:
         raise ValueError(
             f"sharding {sharding!r} is not organized as expected: visualize_sharding shows tilings of "
             f"at least two dimensions, this one tiles {len(parsed.tile_dims)} (as in PyTorch/XLA); "
-            "in Jupyter, display the tensor itself to see a 1-D sharding")
+            "in Jupyter, display the tensor itself to see a 1-D sharding"
+        )
     grid = parsed.device_grid()
     rows, cols = parsed.tile_dims[:2]
     return [[grid[i, j].reshape(-1).tolist() for j in range(cols)] for i in range(rows)]
 
 
-def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1., min_width: int = 9,
-                       max_width: int = 80) -> rich.table.Table:
+def visualize_sharding(
+    sharding: str, use_color: bool = True, scale: float = 1.0, min_width: int = 9, max_width: int = 80
+) -> rich.table.Table:
     """Print and return a ``rich`` table of which device holds which block of a sharding.
 
     Shows the first two tile dimensions: a tile's cell reads ``'CPU 0'``; a replica group's (from
@@ -112,9 +134,14 @@ def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1.,
     print(f"Visualizing {sharding} (showing up to the first two dimensions)")
     console = rich.console.Console(width=max_width)
     use_color = use_color and console.color_system is not None
-    table = rich.table.Table(show_header=False, show_lines=not use_color, padding=0,
-                             highlight=not use_color, pad_edge=False,
-                             box=None if use_color else rich.box.SQUARE)
+    table = rich.table.Table(
+        show_header=False,
+        show_lines=not use_color,
+        padding=0,
+        highlight=not use_color,
+        pad_edge=False,
+        box=None if use_color else rich.box.SQUARE,
+    )
     rows, cols = len(cells), len(cells[0])
     base_height = int(10 * scale)
     for row in cells:
@@ -133,8 +160,11 @@ def visualize_sharding(sharding: str, use_color: bool = True, scale: float = 1.,
                 pad = [p + 1 for p in pad]
                 style = rich.style.Style(bgcolor=bg, color=fg)
             top, right, bottom, left = (max(p, 0) for p in pad)
-            out.append(rich.padding.Padding(rich.align.Align(text, "center", vertical="middle"),
-                                            (top, right, bottom, left), style=style))
+            out.append(
+                rich.padding.Padding(
+                    rich.align.Align(text, "center", vertical="middle"), (top, right, bottom, left), style=style
+                )
+            )
         table.add_row(*out)
     console.print(table, end="\n\n")
     return table
@@ -189,8 +219,9 @@ def _tensor_html(t: ShardedTensor) -> str:
     parsed = parse_sharding_string(string)
     platform = runtime.device_type()
     grid_dims = (parsed.tile_dims or (1,) * len(shape)) if parsed.kind == "tiled" else (1,) * len(shape)
-    devices = (parsed.device_grid() if parsed.kind == "tiled"
-               else np.array(parsed.devices).reshape((1,) * len(shape) + (-1,)))
+    devices = (
+        parsed.device_grid() if parsed.kind == "tiled" else np.array(parsed.devices).reshape((1,) * len(shape) + (-1,))
+    )
     sizes = [-(-n // k) for n, k in zip(shape, grid_dims)]  # ceil(N/k), padding at the end
     # the grid: dims 0 (rows) and 1 (cols); a 1-D tensor is one row; later split dims list blocks
     rows = grid_dims[0] if len(shape) >= 2 else 1
@@ -203,21 +234,27 @@ def _tensor_html(t: ShardedTensor) -> str:
             lead = (i, j) if len(shape) >= 2 else ((j,) if shape else ())
             texts: list[str] = []
             first: int | None = None
-            for rest in np.ndindex(*grid_dims[len(lead):]):
+            for rest in np.ndindex(*grid_dims[len(lead) :]):
                 tile = lead + rest
                 ids = devices[tile].reshape(-1).tolist()
                 first = ids[0] if first is None else first
                 block = [(min(k * s, n), min((k + 1) * s, n)) for k, s, n in zip(tile, sizes, shape)]
-                texts += [_device_text(ids, platform, as_group=parsed.kind == "replicated"),
-                          _ranges_text(shape, block, shown)]
+                texts += [
+                    _device_text(ids, platform, as_group=parsed.kind == "replicated"),
+                    _ranges_text(shape, block, shown),
+                ]
             assert first is not None  # np.ndindex() yields at least one (possibly empty) index
             tds.append(_td(texts, first))
         lines.append(f"<tr>{''.join(tds)}</tr>")
     dtype = str(t.dtype).removeprefix("torch.")
-    title = (f"<b>ShardedTensor</b> {html.escape(str(shape))} {html.escape(dtype)} &mdash; "
-             f"{html.escape(string)}{html.escape(_mesh_text(mesh))}")
-    return (f'<div class="shardtensor-sharding" style="font-family:monospace;font-size:12px">'
-            f"<div>{title}</div><table style=\"{_TABLE}\">{''.join(lines)}</table></div>")
+    title = (
+        f"<b>ShardedTensor</b> {html.escape(str(shape))} {html.escape(dtype)} &mdash; "
+        f"{html.escape(string)}{html.escape(_mesh_text(mesh))}"
+    )
+    return (
+        f'<div class="shardtensor-sharding" style="font-family:monospace;font-size:12px">'
+        f'<div>{title}</div><table style="{_TABLE}">{"".join(lines)}</table></div>'
+    )
 
 
 def _axis_labels(mesh: Mesh) -> list[str]:
@@ -245,11 +282,13 @@ def _mesh_html(mesh: Mesh) -> str:
             rows.append(f'<tr><th style="{_HEAD}">{label}</th>{cells}</tr>')
         caption = ", ".join(f"{n}={k}" for n, k in zip(names, lead))
         caption = f'<div style="color:#666666">{html.escape(caption)}</div>' if caption else ""
-        grids.append(f"{caption}<table style=\"{_TABLE}\">{''.join(rows)}</table>")
+        grids.append(f'{caption}<table style="{_TABLE}">{"".join(rows)}</table>')
     axes = " &times; ".join(html.escape(f"{n}={s}") for n, s in zip(_axis_labels(mesh), mesh.mesh_shape))
     title = f"<b>{html.escape(type(mesh).__name__)}</b> {axes} ({mesh.size()} {html.escape(platform)} devices)"
-    return (f'<div class="shardtensor-mesh" style="font-family:monospace;font-size:12px">'
-            f"<div>{title}</div>{''.join(grids)}</div>")
+    return (
+        f'<div class="shardtensor-mesh" style="font-family:monospace;font-size:12px">'
+        f"<div>{title}</div>{''.join(grids)}</div>"
+    )
 
 
 # tensor.py and mesh.py sit below this module and must not import it (and tensor.py is edited

@@ -32,6 +32,7 @@ Options:
   its loss is read; compile runs ``st.compile(train_step)``; eager runs each op
   at once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ DEFAULT_STEPS = 200
 
 
 # --------------------------------------------------------------------------- the model (plain torch)
+
 
 class Block(nn.Module):
     """A pre-norm transformer block: causal self-attention and a GELU MLP."""
@@ -111,6 +113,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------------------- the data (plain torch)
 
+
 class MarkovDataset(torch.utils.data.Dataset):
     """``size`` token sequences (inputs, next-token targets) of a fixed sparse Markov chain: each of
     the ``vocab`` tokens has 2 possible successors, so a model can learn to ~log(2) nats per token.
@@ -140,8 +143,9 @@ class MarkovDataset(torch.utils.data.Dataset):
 
 def make_loader(steps: int, batch: int = BATCH, seed: int = 0) -> torch.utils.data.DataLoader:
     """A DataLoader of exactly ``steps`` batches (in order, so a reference run sees the same ones)."""
-    return torch.utils.data.DataLoader(MarkovDataset(steps * batch, seed=seed), batch_size=batch, shuffle=False,
-                                       drop_last=True)
+    return torch.utils.data.DataLoader(
+        MarkovDataset(steps * batch, seed=seed), batch_size=batch, shuffle=False, drop_last=True
+    )
 
 
 def make_optimizer(params, capturable: bool = True) -> torch.optim.Optimizer:
@@ -149,6 +153,7 @@ def make_optimizer(params, capturable: bool = True) -> torch.optim.Optimizer:
 
 
 # --------------------------------------------------------------------------- platform start-up
+
 
 def _start_platform(platform: str | None, devices: int | None) -> None:
     """Apply ``--platform`` and the simulated CPU device count before JAX starts its backend.
@@ -160,8 +165,11 @@ def _start_platform(platform: str | None, devices: int | None) -> None:
     """
     if platform:
         os.environ["SHARDTENSOR_PLATFORM"] = platform
-    if platform in (None, "cpu") and devices and "xla_force_host_platform_device_count" not in os.environ.get(
-            "XLA_FLAGS", ""):
+    if (
+        platform in (None, "cpu")
+        and devices
+        and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+    ):
         os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", str(devices))
     from shardtensor import runtime
 
@@ -169,6 +177,7 @@ def _start_platform(platform: str | None, devices: int | None) -> None:
 
 
 # --------------------------------------------------------------------------- training
+
 
 @dataclasses.dataclass
 class Result:
@@ -196,8 +205,9 @@ def parameter_bytes(model: nn.Module) -> tuple[int, int]:
     return per_device, total
 
 
-def train(steps: int = DEFAULT_STEPS, mode: str = "lazy", mesh_shape=(8, 1), seed: int = 0,
-          progress: bool = True) -> Result:
+def train(
+    steps: int = DEFAULT_STEPS, mode: str = "lazy", mesh_shape=(8, 1), seed: int = 0, progress: bool = True
+) -> Result:
     """Train the FSDPv2-wrapped GPT for ``steps`` steps in ``mode`` on a mesh of ``mesh_shape``."""
     from tqdm.auto import tqdm  # a widget in Jupyter, a text bar in a terminal
 
@@ -222,12 +232,12 @@ def train(steps: int = DEFAULT_STEPS, mode: str = "lazy", mesh_shape=(8, 1), see
 
         if mode == "compile":
             train_step = st.compile(train_step)
-        loader = st.MpDeviceLoader(make_loader(steps, seed=seed), st.device(),
-                                   input_sharding=st.ShardingSpec(mesh, ("fsdp", None)))
+        loader = st.MpDeviceLoader(
+            make_loader(steps, seed=seed), st.device(), input_sharding=st.ShardingSpec(mesh, ("fsdp", None))
+        )
         compiles_before = st.counter_value("UncachedCompile") or 0
         losses, times, compiles = [], [], []
-        bar = tqdm(loader, desc=f"FSDPv2 {mode} on {mesh_shape}", unit="step", disable=not progress,
-                   dynamic_ncols=True)
+        bar = tqdm(loader, desc=f"FSDPv2 {mode} on {mesh_shape}", unit="step", disable=not progress, dynamic_ncols=True)
         with st.eager_mode(mode == "eager"):
             start = time.perf_counter()
             for x, y in bar:  # the loader syncs before each batch: in lazy mode, one program per step
@@ -253,14 +263,14 @@ _BARS = "▁▂▃▄▅▆▇█"
 def sparkline(values, width: int = 60) -> str:
     """``values`` as a one-line bar chart, averaged into at most ``width`` buckets."""
     n, width = len(values), min(len(values), width)
-    means = [statistics.fmean(values[i * n // width:(i + 1) * n // width]) for i in range(width)]
+    means = [statistics.fmean(values[i * n // width : (i + 1) * n // width]) for i in range(width)]
     lo, hi = min(means), max(means)
     scale = (len(_BARS) - 1) / (hi - lo) if hi > lo else 0.0
     return "".join(_BARS[round((m - lo) * scale)] for m in means)
 
 
 def _fmt_bytes(n: int) -> str:
-    return f"{n / 1024:,.1f} KiB" if n < 2 ** 20 else f"{n / 2 ** 20:,.2f} MiB"
+    return f"{n / 1024:,.1f} KiB" if n < 2**20 else f"{n / 2**20:,.2f} MiB"
 
 
 def summary(result: Result, mesh_shape) -> str:
@@ -300,10 +310,18 @@ def main(argv=None) -> int:
     """Parse the options, train, print the summary; non-zero when the loss did not fall."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps (default {DEFAULT_STEPS})")
-    parser.add_argument("--mesh", type=_parse_mesh, default=None,
-                        help="sizes of the ('fsdp', 'model') axes, e.g. 8,1 or 4,2 (default: all devices, 1)")
-    parser.add_argument("--platform", choices=("cpu", "cuda", "tpu"), default=None,
-                        help="the PJRT platform (default: SHARDTENSOR_PLATFORM, else JAX's choice)")
+    parser.add_argument(
+        "--mesh",
+        type=_parse_mesh,
+        default=None,
+        help="sizes of the ('fsdp', 'model') axes, e.g. 8,1 or 4,2 (default: all devices, 1)",
+    )
+    parser.add_argument(
+        "--platform",
+        choices=("cpu", "cuda", "tpu"),
+        default=None,
+        help="the PJRT platform (default: SHARDTENSOR_PLATFORM, else JAX's choice)",
+    )
     parser.add_argument("--mode", choices=("lazy", "compile", "eager"), default="lazy")
     args = parser.parse_args(argv)
     if args.steps < 3:
@@ -314,13 +332,17 @@ def main(argv=None) -> int:
 
     mesh_shape = args.mesh or (jax.device_count(), 1)
     if math.prod(mesh_shape) > jax.device_count():
-        parser.error(f"--mesh {mesh_shape} needs {math.prod(mesh_shape)} devices; "
-                     f"{jax.default_backend()} has {jax.device_count()}")
+        parser.error(
+            f"--mesh {mesh_shape} needs {math.prod(mesh_shape)} devices; "
+            f"{jax.default_backend()} has {jax.device_count()}"
+        )
 
     result = train(args.steps, args.mode, mesh_shape)
-    print(f"\nFSDPv2 GPT ({sum(p.numel() for p in result.model.parameters()):,} parameters, {LAYERS} blocks) "
-          f"on {jax.device_count()} {jax.default_backend()} device(s), mesh {mesh_shape} "
-          f"{('fsdp', 'model')[:len(mesh_shape)]}, mode {args.mode}, {args.steps} steps of {BATCH}x{SEQ} tokens")
+    print(
+        f"\nFSDPv2 GPT ({sum(p.numel() for p in result.model.parameters()):,} parameters, {LAYERS} blocks) "
+        f"on {jax.device_count()} {jax.default_backend()} device(s), mesh {mesh_shape} "
+        f"{('fsdp', 'model')[: len(mesh_shape)]}, mode {args.mode}, {args.steps} steps of {BATCH}x{SEQ} tokens"
+    )
     print(summary(result, mesh_shape))
     if not result.losses[-1] < result.losses[0]:
         print(f"error: the loss did not fall ({result.losses[0]:.4f} -> {result.losses[-1]:.4f})", file=sys.stderr)

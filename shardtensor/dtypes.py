@@ -6,6 +6,7 @@ Example::
     to_jax(torch.int64)      # dtype('int64')
     to_torch(jnp.bfloat16)   # torch.bfloat16
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -51,8 +52,14 @@ def to_torch(dtype) -> torch.dtype:
 
 
 # --- torch <-> numpy for every dtype (numpy lacks bfloat16 and float8: go through same-width ints) ---
-_BITCAST = {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.int8, torch.float8_e5m2: torch.int8,
-            torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+_BITCAST = {
+    torch.bfloat16: torch.int16,
+    torch.float8_e4m3fn: torch.int8,
+    torch.float8_e5m2: torch.int8,
+    torch.uint16: torch.int16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:

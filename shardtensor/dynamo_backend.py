@@ -45,6 +45,7 @@ Importing this module does not import ``torch._dynamo`` (about 3 s); the backend
 when Dynamo's backend registry is imported (and is also announced through the
 ``torch_dynamo_backends`` entry point).
 """
+
 from __future__ import annotations
 
 import importlib.abc
@@ -104,8 +105,12 @@ class _TracingShardedTensor(ShardedTensor):
     @staticmethod
     def __new__(cls, meta, ctx=None, size=None, stride=None):
         r = torch.Tensor._make_wrapper_subclass(
-            cls, meta.shape if size is None else size, strides=meta.stride() if stride is None else stride,
-            storage_offset=meta.storage_offset(), dtype=meta.dtype, device=_st_device(),
+            cls,
+            meta.shape if size is None else size,
+            strides=meta.stride() if stride is None else stride,
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=_st_device(),
             requires_grad=meta.requires_grad,
         )
         r._meta = meta
@@ -160,11 +165,14 @@ def _refuse_aot_autograd():
     """AOTAutograd flattens subclasses to their inner tensors and compiles for those: for a
     ShardedTensor that is a meta placeholder, so the program would compute nothing. Say so."""
     modes = torch._C._TorchDispatchModeKey
-    if torch._C._get_dispatch_mode(modes.PROXY) is not None or torch._C._get_dispatch_mode(
-            modes.FUNCTIONAL) is not None:
+    if (
+        torch._C._get_dispatch_mode(modes.PROXY) is not None
+        or torch._C._get_dispatch_mode(modes.FUNCTIONAL) is not None
+    ):
         raise RuntimeError(
             "ShardedTensor works with torch.compile(backend='shardtensor') only; AOTAutograd-based "
-            "backends (inductor, aot_eager, ...) cannot compile for tensors whose data lives in JAX.")
+            "backends (inductor, aot_eager, ...) cannot compile for tensors whose data lives in JAX."
+        )
 
 
 def unflatten(inner_tensors, ctx, outer_size, outer_stride):
@@ -195,8 +203,9 @@ def _prepare_dynamo():
     # (_torchdynamo_disable), and their frames and everything they call (the lazy graph, JAX) run
     # untraced (SKIP, SKIP: torch._dynamo.skip would still trace the frames they call)
     for fn in (annotate.mark_sharding, annotate.clear_sharding, annotate.shard):
-        fn.__dict__.update(_torchdynamo_disable=True,
-                           _torchdynamo_disable_msg="shardtensor changes a tensor's sharding between graphs")
+        fn.__dict__.update(
+            _torchdynamo_disable=True, _torchdynamo_disable_msg="shardtensor changes a tensor's sharding between graphs"
+        )
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
 
 

@@ -20,6 +20,7 @@ Example::
     # output 0: (8, 4) float32  {replicated}  P(None, None)
     # all-reduce  1  128 B
 """
+
 from __future__ import annotations
 
 import html
@@ -65,8 +66,10 @@ class CollectiveOp:
 
 # `%name = <result type> <kind>[-start|-done](` ; the result type may be a tuple
 _INSTRUCTION = re.compile(
-    r"=\s*(?P<type>.+?)\s+(?P<kind>" + "|".join(sorted(COLLECTIVE_KINDS + _EXTRA_KINDS, key=len, reverse=True))
-    + r")(?P<phase>-start|-done)?\(")
+    r"=\s*(?P<type>.+?)\s+(?P<kind>"
+    + "|".join(sorted(COLLECTIVE_KINDS + _EXTRA_KINDS, key=len, reverse=True))
+    + r")(?P<phase>-start|-done)?\("
+)
 _ARRAY = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,<=]*)\]")
 
 
@@ -198,11 +201,14 @@ class Explanation:
         for o in shown:
             dtype = str(o.dtype).removeprefix("torch.")
             state = "" if o.pending else "  [computed]"
-            lines.append(f"  {o.label:<{width}}  {tuple(o.shape)} {dtype}  {o.sharding}  "
-                         f"{_spec_text(o.partition_spec)}{state}")
+            lines.append(
+                f"  {o.label:<{width}}  {tuple(o.shape)} {dtype}  {o.sharding}  {_spec_text(o.partition_spec)}{state}"
+            )
         if hidden:
-            lines.append(f"  and {hidden} other pending value(s) the call created (gradients, values "
-                         "saved for backward, ...): see .outputs")
+            lines.append(
+                f"  and {hidden} other pending value(s) the call created (gradients, values "
+                "saved for backward, ...): see .outputs"
+            )
         if not self.total_count:
             lines.append("collectives: none")
             return "\n".join(lines)
@@ -227,21 +233,30 @@ class Explanation:
             f"<td {cell}>{e(str(o.dtype).removeprefix('torch.'))}</td><td {cell}>{e(o.sharding)}</td>"
             f"<td {cell}>{e(_spec_text(o.partition_spec))}</td>"
             f"<td {cell}>{'pending' if o.pending else 'computed'}</td></tr>"
-            for o in self.outputs)
-        head = "".join(f"<th {cell}>{h}</th>" for h in ("output", "shape", "dtype", "sharding",
-                                                          "PartitionSpec", "state"))
-        parts = [f"<div><b>{e(self._header())}</b></div>",
-                 f"<table style=\"border-collapse:collapse\"><tr>{head}</tr>{rows}</table>"]
+            for o in self.outputs
+        )
+        head = "".join(
+            f"<th {cell}>{h}</th>" for h in ("output", "shape", "dtype", "sharding", "PartitionSpec", "state")
+        )
+        parts = [
+            f"<div><b>{e(self._header())}</b></div>",
+            f'<table style="border-collapse:collapse"><tr>{head}</tr>{rows}</table>',
+        ]
         if self.total_count:
-            crow = "".join(f"<tr><td {cell}>{e(k)}</td><td {cell}>{c.count}</td>"
-                           f"<td {cell}>{e(_format_bytes(c.bytes))}</td></tr>"
-                           for k, c in self.collectives.items() if c.count)
-            crow += (f"<tr><td {cell}><b>total</b></td><td {cell}><b>{self.total_count}</b></td>"
-                     f"<td {cell}><b>{e(_format_bytes(self.total_bytes))}</b></td></tr>")
-            parts.append("<div>collectives (bytes: each instruction's result buffer on one device, "
-                         "summed)</div>")
-            parts.append(f"<table style=\"border-collapse:collapse\"><tr><th {cell}>kind</th>"
-                         f"<th {cell}>count</th><th {cell}>bytes</th></tr>{crow}</table>")
+            crow = "".join(
+                f"<tr><td {cell}>{e(k)}</td><td {cell}>{c.count}</td><td {cell}>{e(_format_bytes(c.bytes))}</td></tr>"
+                for k, c in self.collectives.items()
+                if c.count
+            )
+            crow += (
+                f"<tr><td {cell}><b>total</b></td><td {cell}><b>{self.total_count}</b></td>"
+                f"<td {cell}><b>{e(_format_bytes(self.total_bytes))}</b></td></tr>"
+            )
+            parts.append("<div>collectives (bytes: each instruction's result buffer on one device, summed)</div>")
+            parts.append(
+                f'<table style="border-collapse:collapse"><tr><th {cell}>kind</th>'
+                f"<th {cell}>count</th><th {cell}>bytes</th></tr>{crow}</table>"
+            )
         else:
             parts.append("<div>collectives: none</div>")
         return f'<div class="shardtensor-explain" style="font-family:monospace;font-size:12px">{"".join(parts)}</div>'
@@ -250,8 +265,9 @@ class Explanation:
 # --------------------------------------------------------------------------- explain
 
 
-def explain(t_or_fn: ShardedTensor | Sequence[ShardedTensor] | Callable[..., Any], *args: Any,
-            **kwargs: Any) -> Explanation:
+def explain(
+    t_or_fn: ShardedTensor | Sequence[ShardedTensor] | Callable[..., Any], *args: Any, **kwargs: Any
+) -> Explanation:
     """Which shardings XLA gives the outputs, and which collectives it inserts — without running.
 
     ``explain(t)`` / ``explain([t1, t2])``: the pending graph that would compute these tensors is
@@ -279,13 +295,17 @@ def explain(t_or_fn: ShardedTensor | Sequence[ShardedTensor] | Callable[..., Any
     if callable(t_or_fn) and not isinstance(t_or_fn, torch.Tensor):
         return _explain_call(t_or_fn, args, kwargs)
     if args or kwargs:
-        raise TypeError("st.explain(tensor) takes no further arguments; to explain a function, pass "
-                        "the function first: st.explain(fn, *args)")
+        raise TypeError(
+            "st.explain(tensor) takes no further arguments; to explain a function, pass "
+            "the function first: st.explain(fn, *args)"
+        )
     tensors = list(t_or_fn) if isinstance(t_or_fn, (list, tuple)) else [t_or_fn]
     for i, t in enumerate(tensors):
         if not isinstance(t, ShardedTensor):
-            raise TypeError(f"st.explain: item {i} is a {type(t).__name__}, not a tensor on st.device(); pass "
-                            "ShardedTensors (or a function and its arguments)")
+            raise TypeError(
+                f"st.explain: item {i} is a {type(t).__name__}, not a tensor on st.device(); pass "
+                "ShardedTensors (or a function and its arguments)"
+            )
     return _explain([(f"output {i}", t) for i, t in enumerate(tensors)], [])
 
 
@@ -295,11 +315,16 @@ def _explain_call(fn, args, kwargs) -> Explanation:
     returned = [(f"output {i}", x) for i, x in enumerate(pytree.tree_leaves(out)) if isinstance(x, ShardedTensor)]
     returned_cells = {id(x._cell) for _, x in returned}  # a returned view's base is no side effect
     # what the call left pending: values it updated in place and new values still alive
-    effects = [("new pending value" if seen.is_new(c) else "updated in place", c)
-               for c in seen.pending() if id(c) not in returned_cells]
+    effects = [
+        ("new pending value" if seen.is_new(c) else "updated in place", c)
+        for c in seen.pending()
+        if id(c) not in returned_cells
+    ]
     if not returned and not effects:
-        raise ValueError(f"st.explain: calling {getattr(fn, '__name__', fn)!r} recorded nothing on the devices "
-                         "(it returned no ShardedTensor and changed none); pass tensors on st.device()")
+        raise ValueError(
+            f"st.explain: calling {getattr(fn, '__name__', fn)!r} recorded nothing on the devices "
+            "(it returned no ShardedTensor and changed none); pass tensors on st.device()"
+        )
     return _explain(returned, effects)
 
 

@@ -15,6 +15,7 @@ Example::
     # later, in a fresh process with the same devices:
     y = st.deserialize(blob)(x)          # a ShardedTensor laid out as when exported
 """
+
 from __future__ import annotations
 
 import io
@@ -68,7 +69,8 @@ def export(fn: Callable[..., Any], *example_args: Any, **example_kwargs: Any) ->
         if isinstance(a, torch.Tensor) and not isinstance(a, ShardedTensor):
             raise ExportError(
                 f"st.export: argument {i} is a {a.device} tensor; pass ShardedTensors (st.shard(t, mesh, spec)) "
-                "so the program knows each input's sharding")
+                "so the program knows each input's sharding"
+            )
     with capture() as seen:
         out = fn(*example_args, **example_kwargs)
         out_flat, out_tree = pytree.tree_flatten(out)
@@ -97,10 +99,13 @@ def _export_captured(seen, flat_args, in_tree, out_flat, out_tree) -> ExportedPr
         else:
             constants.append(k)
     exported = jax_export.export(jitted)(
-        [], [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays],
-        {kind: jax.ShapeDtypeStruct(v.shape, v.dtype) for kind, v in scalars.items()})
+        [],
+        [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in arrays],
+        {kind: jax.ShapeDtypeStruct(v.shape, v.dtype) for kind, v in scalars.items()},
+    )
     meta = {
-        "format": _FORMAT, "version": _VERSION,
+        "format": _FORMAT,
+        "version": _VERSION,
         "mesh": _mesh_meta(program.mesh),
         "in_tree": pytree.treespec_dumps(in_tree),
         "out_tree": pytree.treespec_dumps(out_tree),
@@ -147,8 +152,9 @@ def deserialize(blob: bytes, *, max_size: int | None = MAX_SIZE) -> ExportedProg
     except MemoryError:
         raise
     except Exception as e:  # zipfile, zlib, json and utf-8 each raise their own
-        raise ValueError(f"st.deserialize: these bytes are not a serialized st.export program "
-                         f"({type(e).__name__}: {e})") from e
+        raise ValueError(
+            f"st.deserialize: these bytes are not a serialized st.export program ({type(e).__name__}: {e})"
+        ) from e
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("version") != _VERSION:
         what = (meta.get("format"), meta.get("version")) if isinstance(meta, dict) else type(meta).__name__
         raise ValueError(f"st.deserialize: unsupported format {what!r}: not an st.export program of version {_VERSION}")
@@ -177,8 +183,9 @@ class _Budget:
 
     def check(self, n: int, what: str) -> None:
         if self.left is not None and n > self.left:
-            raise _TooBig(f"{what} declares {n} bytes, which would take what it inflates past "
-                          f"max_size={self.max_size} bytes")
+            raise _TooBig(
+                f"{what} declares {n} bytes, which would take what it inflates past max_size={self.max_size} bytes"
+            )
 
     def take(self, n: int) -> None:
         if self.left is not None:
@@ -201,8 +208,10 @@ def _read_zip(data: bytes, names, budget: _Budget, where: str) -> dict:
             with z.open(infos[n]) as f:
                 content = f.read(size + 1)  # at most one byte past what the header declares
             if len(content) != size:
-                raise zipfile.BadZipFile(f"{where}: member {n} holds {'more' if len(content) > size else 'less'} "
-                                         f"than the {size} bytes its header declares")
+                raise zipfile.BadZipFile(
+                    f"{where}: member {n} holds {'more' if len(content) > size else 'less'} "
+                    f"than the {size} bytes its header declares"
+                )
             budget.take(size)
             out[n] = content
     return out
@@ -219,14 +228,17 @@ def _read_npz(data: bytes, budget: _Budget) -> dict:
             raise ValueError(f"values.npz holds {name!r}, not a .npy array")
         f = io.BytesIO(content)
         version = np.lib.format.read_magic(f)
-        read_header = {(1, 0): np.lib.format.read_array_header_1_0,
-                       (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+        read_header = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(
+            version
+        )
         if read_header is None:
             raise ValueError(f"values.npz: {name} has .npy version {version}, expected 1.0 or 2.0")
         shape, _, dtype = read_header(f)
         if dtype.hasobject or math.prod(shape) * dtype.itemsize != len(content) - f.tell():
-            raise ValueError(f"values.npz: {name}'s header ({shape}, {dtype}) does not match its "
-                             f"{len(content) - f.tell()} bytes of data")
+            raise ValueError(
+                f"values.npz: {name}'s header ({shape}, {dtype}) does not match its "
+                f"{len(content) - f.tell()} bytes of data"
+            )
         values[name.removesuffix(".npy")] = np.load(io.BytesIO(content), allow_pickle=False)
     return values
 
@@ -234,6 +246,7 @@ def _read_npz(data: bytes, budget: _Budget) -> dict:
 def _check_meta(meta: dict, values: dict) -> None:
     """Raise ValueError unless ``meta`` describes a program these values can run (what ``__call__``
     reads), so a malformed archive fails here and not at its first call."""
+
     def need(ok, what):
         if not ok:
             raise ValueError(f"meta.json: {what}")
@@ -242,25 +255,40 @@ def _check_meta(meta: dict, values: dict) -> None:
         return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in x)
 
     mesh = meta.get("mesh")
-    need(isinstance(mesh, dict) and ints(mesh.get("device_ids")) and ints(mesh.get("shape"))
-         and isinstance(mesh.get("axis_names"), list) and len(mesh["axis_names"]) == len(mesh["shape"])
-         and math.prod(mesh["shape"]) == len(mesh["device_ids"]) > 0, "mesh is not a valid mesh")
+    need(
+        isinstance(mesh, dict)
+        and ints(mesh.get("device_ids"))
+        and ints(mesh.get("shape"))
+        and isinstance(mesh.get("axis_names"), list)
+        and len(mesh["axis_names"]) == len(mesh["shape"])
+        and math.prod(mesh["shape"]) == len(mesh["device_ids"]) > 0,
+        "mesh is not a valid mesh",
+    )
     for tree in ("in_tree", "out_tree"):
         need(isinstance(meta.get(tree), str), f"{tree} is not a tree description")
         pytree.treespec_loads(meta[tree])
     n = meta.get("n_leaves")
     need(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "n_leaves is not a count")
-    need(ints(meta.get("constants")) and all(k < n and f"leaf{k}" in values for k in meta["constants"]),
-         "constants do not match the stored values")
+    need(
+        ints(meta.get("constants")) and all(k < n and f"leaf{k}" in values for k in meta["constants"]),
+        "constants do not match the stored values",
+    )
     need(isinstance(meta.get("inputs"), list) and isinstance(meta.get("outputs"), list), "inputs or outputs missing")
     for spec in meta["inputs"] + [o for o in meta["outputs"] if not (isinstance(o, dict) and "value" in o)]:
-        need(isinstance(spec, dict) and ints(spec.get("shape")) and isinstance(spec.get("dtype"), str)
-             and (spec.get("spec") is None or isinstance(spec["spec"], list)), f"bad tensor description {spec!r}")
+        need(
+            isinstance(spec, dict)
+            and ints(spec.get("shape"))
+            and isinstance(spec.get("dtype"), str)
+            and (spec.get("spec") is None or isinstance(spec["spec"], list)),
+            f"bad tensor description {spec!r}",
+        )
         _dtype(spec["dtype"])
     for spec in meta["inputs"]:
         need(ints([spec.get("leaf"), spec.get("arg")]) and spec["leaf"] < n, f"bad input {spec!r}")
-    need(isinstance(meta.get("scalar_kinds"), list)
-         and all(f"scalars_{k}" in values for k in meta["scalar_kinds"]), "scalars do not match the stored values")
+    need(
+        isinstance(meta.get("scalar_kinds"), list) and all(f"scalars_{k}" in values for k in meta["scalar_kinds"]),
+        "scalars do not match the stored values",
+    )
 
 
 class ExportedProgram:
@@ -293,8 +321,9 @@ class ExportedProgram:
             m = self._meta["mesh"]
             n = len(jax.devices())
             if max(m["device_ids"]) >= n:
-                raise RuntimeError(f"this program was exported for device ids {m['device_ids']}, "
-                                   f"but this process has {n} devices")
+                raise RuntimeError(
+                    f"this program was exported for device ids {m['device_ids']}, but this process has {n} devices"
+                )
             self._mesh = Mesh(m["device_ids"], tuple(m["shape"]), tuple(m["axis_names"]))
         return self._mesh
 
@@ -325,24 +354,25 @@ class ExportedProgram:
         if self._device_constants is None:
             # flat over (donated=[], kept=leaves, scalar vectors): the leaves come first
             leaf_shardings = list(self._exported.in_shardings_jax(self.mesh.get_jax_mesh()))
-            self._device_constants = [jax.device_put(self._values[f"leaf{k}"], leaf_shardings[k])
-                                      for k in self._meta["constants"]]
+            self._device_constants = [
+                jax.device_put(self._values[f"leaf{k}"], leaf_shardings[k]) for k in self._meta["constants"]
+            ]
         return self._device_constants
 
     def _input_array(self, value, spec):
         shape, dtype = tuple(spec["shape"]), _dtype(spec["dtype"])
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape or value.dtype != dtype:
             got = f"{tuple(value.shape)} {value.dtype}" if isinstance(value, torch.Tensor) else type(value).__name__
-            raise TypeError(f"argument {spec['arg']}: expected a tensor of shape {shape} and dtype {dtype}, "
-                            f"got {got}")
+            raise TypeError(f"argument {spec['arg']}: expected a tensor of shape {shape} and dtype {dtype}, got {got}")
         mesh, part = self.mesh, tuple(spec["spec"]) if spec["spec"] is not None else None
         if isinstance(value, ShardedTensor):
             value = value.detach()
             if part is not None and (value._chain or value._cell.spec != part or value._cell.mesh != mesh):
                 value = value.cpu()
         if not isinstance(value, ShardedTensor):
-            cell = cell_from_host(torch_to_numpy(value.detach().contiguous()), mesh, part or (None,) * len(shape),
-                                  dtype)
+            cell = cell_from_host(
+                torch_to_numpy(value.detach().contiguous()), mesh, part or (None,) * len(shape), dtype
+            )
             return cell.value
         array = value._concrete_array()
         return to_mesh(array, mesh.get_jax_mesh())
@@ -353,8 +383,10 @@ def _with_output_shardings(lowered):
     one, else the layout XLA's propagation chose (so the exported text states it)."""
     program = lowered.program
     chosen = program.make_executable().lower(*lowered.abstract_arguments()).compile().output_shardings
-    program.outputs = [(code, pad, sharding if sharding is not None else chosen[i])
-                       for i, (code, pad, sharding) in enumerate(program.outputs)]
+    program.outputs = [
+        (code, pad, sharding if sharding is not None else chosen[i])
+        for i, (code, pad, sharding) in enumerate(program.outputs)
+    ]
     return program.make_executable()
 
 
@@ -372,19 +404,22 @@ def _check_no_side_effects(seen, out_flat):
         raise ExportError(
             f"st.export: the function updates {len(updated)} existing tensor(s) in place (for example an "
             "optimizer step, or BatchNorm running statistics in training mode). An exported program only "
-            "returns values: call model.eval(), or return the updated tensors.")
+            "returns values: call model.eval(), or return the updated tensors."
+        )
 
 
 def _mesh_meta(jax_mesh):
-    return {"device_ids": [runtime.device_id(d) for d in np.asarray(jax_mesh.devices).reshape(-1)],
-            "shape": [int(n) for n in jax_mesh.devices.shape], "axis_names": list(jax_mesh.axis_names)}
+    return {
+        "device_ids": [runtime.device_id(d) for d in np.asarray(jax_mesh.devices).reshape(-1)],
+        "shape": [int(n) for n in jax_mesh.devices.shape],
+        "axis_names": list(jax_mesh.axis_names),
+    }
 
 
 def _input_meta(leaf, arg, tensor):
     cell = tensor._cell
     spec = list(cell.spec) if cell.spec is not None else None
-    return {"leaf": leaf, "arg": arg, "shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype),
-            "spec": spec}
+    return {"leaf": leaf, "arg": arg, "shape": list(tensor.shape), "dtype": _dtype_name(tensor.dtype), "spec": spec}
 
 
 def _output_meta(x):
@@ -393,8 +428,10 @@ def _output_meta(x):
         return {"shape": list(x.shape), "dtype": _dtype_name(x.dtype), "spec": spec}
     if isinstance(x, (int, float, bool, str, type(None))):
         return {"value": x}
-    raise ExportError(f"st.export: the function returns a {type(x).__name__}; exported programs return "
-                      "tensors on the devices and plain Python numbers or strings")
+    raise ExportError(
+        f"st.export: the function returns a {type(x).__name__}; exported programs return "
+        "tensors on the devices and plain Python numbers or strings"
+    )
 
 
 def _wrap_output(array, spec, mesh):

@@ -9,6 +9,7 @@ Example::
     mesh.get_logical_mesh()   # [[0, 1], [2, 3], [4, 5], [6, 7]]
     mesh.shape()              # OrderedDict([('x', 4), ('y', 2)])
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,8 +51,9 @@ class Mesh:
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...] | None
 
-    def __init__(self, device_ids: Iterable[int], mesh_shape: Sequence[int],
-                 axis_names: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, device_ids: Iterable[int], mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
+    ) -> None:
         ids = np.array(list(device_ids) if isinstance(device_ids, range) else device_ids).reshape(-1)
         mesh_shape = tuple(mesh_shape)
         axis_names = None if axis_names is None else tuple(axis_names)
@@ -298,14 +300,19 @@ class HybridMesh(Mesh):
     ici_mesh_shape: tuple[int, ...]
     dcn_mesh_shape: tuple[int, ...]
 
-    def __init__(self, *, ici_mesh_shape: Sequence[int], dcn_mesh_shape: Sequence[int] | None = None,
-                 axis_names: Sequence[str] | None = None, device_attributes: list[dict] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        ici_mesh_shape: Sequence[int],
+        dcn_mesh_shape: Sequence[int] | None = None,
+        axis_names: Sequence[str] | None = None,
+        device_attributes: list[dict] | None = None,
+    ) -> None:
         ici = tuple(ici_mesh_shape)
         dcn = tuple(dcn_mesh_shape) if dcn_mesh_shape is not None else (1,) * len(ici)
         if len(ici) != len(dcn):
             raise MeshError(
-                f"ici_mesh_shape {ici} and dcn_mesh_shape {dcn} must have the same length "
-                "(one entry per mesh axis)."
+                f"ici_mesh_shape {ici} and dcn_mesh_shape {dcn} must have the same length (one entry per mesh axis)."
             )
         if device_attributes is None:
             device_attributes = runtime.global_runtime_device_attributes()
@@ -342,11 +349,12 @@ def _multislice_device_mesh(ici: tuple, dcn: tuple, by_ordinal: dict) -> np.ndar
     for ordinal in sorted(by_ordinal):
         slices[by_ordinal[ordinal]["slice_index"]].append(ordinal)
     if len(slices) != math.prod(dcn):
-        raise MeshError(
-            f"Number of slices {len(slices)} must equal the product of dcn_mesh_shape {dcn}"
-        )
-    laid_out = [_LaidOut(int(ordinal), key) for key in sorted(slices)
-                for ordinal in _slice_device_mesh(ici, slices[key], by_ordinal).reshape(-1)]
+        raise MeshError(f"Number of slices {len(slices)} must equal the product of dcn_mesh_shape {dcn}")
+    laid_out = [
+        _LaidOut(int(ordinal), key)
+        for key in sorted(slices)
+        for ordinal in _slice_device_mesh(ici, slices[key], by_ordinal).reshape(-1)
+    ]
     blocks = mesh_utils.create_hybrid_device_mesh(ici, dcn, laid_out)
     return np.vectorize(lambda d: d.id, otypes=[np.int64])(blocks)
 
@@ -364,9 +372,7 @@ class _LaidOut:
 def _slice_device_mesh(ici: tuple, ordinals: list, by_ordinal: dict) -> np.ndarray:
     """The devices of one slice as an array of shape `ici`, physically laid out where possible."""
     if math.prod(ici) != len(ordinals):
-        raise MeshError(
-            f"Number of devices {len(ordinals)} must equal the product of mesh_shape {ici}"
-        )
+        raise MeshError(f"Number of devices {len(ordinals)} must equal the product of mesh_shape {ici}")
     physical = _physical_mesh(ordinals, by_ordinal)
     if physical is not None:
         assigned = _assign_to_torus(physical, ici)

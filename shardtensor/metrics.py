@@ -26,6 +26,7 @@ Example::
     st.counter_value("UncachedCompile")     # 1: the loop compiled once
     st.metric_data("CompileTime")[0]        # 1 sample
 """
+
 from __future__ import annotations
 
 import collections
@@ -301,8 +302,13 @@ def metrics_report() -> str:
 
 
 SHORT_REPORT_COUNTERS = ("CachedCompile", "MarkStep")
-SHORT_REPORT_METRICS = ("CompileTime", "ExecuteTime", "ExecuteReplicatedTime", "TransferToDeviceTime",
-                        "TransferFromDeviceTime")
+SHORT_REPORT_METRICS = (
+    "CompileTime",
+    "ExecuteTime",
+    "ExecuteReplicatedTime",
+    "TransferToDeviceTime",
+    "TransferFromDeviceTime",
+)
 
 
 def short_metrics_report(counter_names: list | None = None, metric_names: list | None = None) -> str:

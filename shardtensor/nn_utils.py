@@ -7,6 +7,7 @@ Each gradient's norm is a reduction over its shards that XLA partitions; the tot
 factor stay on the devices, so in lazy mode the whole step — backward, clipping, optimizer — remains
 one program.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -14,8 +15,13 @@ from collections.abc import Iterable
 import torch
 
 
-def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
     """Scale the gradients of ``parameters`` in place so that their joint norm is at most ``max_norm``.
 
     Same arguments, result and numerics as ``torch.nn.utils.clip_grad_norm_`` (gradients are
@@ -41,7 +47,8 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
-                "anyway, set `error_if_nonfinite=False`")
+                "anyway, set `error_if_nonfinite=False`"
+            )
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef)  # a 0-d factor keeps each gradient's dtype, as in torch

@@ -23,6 +23,7 @@ Example::
     ...
     guard.holds((x,))      # False after p.grad was set, a hook added, ...
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -147,7 +148,7 @@ class Guard:
             return None
         roots = list(map(operator.call, self._roots))  # all alive: a death marks the guard dead
         m, o, _ = self.counts
-        return tuple(roots[:m]), tuple(roots[m:m + o]), tuple(roots[m + o:])
+        return tuple(roots[:m]), tuple(roots[m : m + o]), tuple(roots[m + o :])
 
     def holds(self, args: Sequence = ()) -> bool:
         """Whether everything is as it was when the guard was taken."""
@@ -182,8 +183,14 @@ class Guard:
         containers = list(itertools.chain.from_iterable(map(_CONTAINERS, modules)))
         identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
         identities += itertools.chain.from_iterable(map(dict.values, containers))
-        plain = [torch.is_grad_enabled(), torch.is_inference_mode_enabled(), requires_grad, arg_requires_grad,
-                 list(map(_TRAINING, modules)), list(map(len, containers))]
+        plain = [
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            requires_grad,
+            arg_requires_grad,
+            list(map(_TRAINING, modules)),
+            list(map(len, containers)),
+        ]
         for opt in optimizers:
             plain.append(id(opt.state))  # the optimizer holds it
             plain.append(len(opt.state))

@@ -20,6 +20,7 @@ Example::
     rt.global_runtime_device_count()     # 8
     rt.global_runtime_device_attributes()[0]['name']   # 'CPU:0'
 """
+
 from __future__ import annotations
 
 import functools
@@ -257,7 +258,8 @@ def check_not_forked(what: str) -> None:
             "JAX (a DataLoader worker, say), and JAX does not survive a fork - it would wait forever. Keep "
             "shardtensor tensors out of worker processes (datasets return CPU tensors; MpDeviceLoader "
             "moves the batches), or start the workers with multiprocessing_context='spawn' "
-            "(or 'forkserver').")
+            "(or 'forkserver')."
+        )
 
 
 # --------------------------------------------------------------------------- devices
@@ -492,7 +494,10 @@ def initialize_cache(path: str | os.PathLike[str], readonly: bool = False) -> No
             warnings.warn(
                 f"st.initialize_cache({absolute!r}): {problem}, so the persistent compilation cache is off "
                 "(programs compile as usual, nothing is kept on disk). Pass a directory this process can "
-                f"{'read' if readonly else 'write'}.", RuntimeWarning, stacklevel=2)
+                f"{'read' if readonly else 'write'}.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         return
     from jax.experimental.compilation_cache import compilation_cache
 
@@ -566,7 +571,9 @@ class _CheckedEntries:
         warnings.warn(
             f"The persistent compilation cache entry {path} cannot be loaded ({type(error).__name__}: {error}); "
             "the program is compiled again" + (" and the entry replaced." if removed else "."),
-            RuntimeWarning, stacklevel=2)
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def __getattr__(self, name):  # put, clear, path ...: JAX's own
         return getattr(self._base, name)

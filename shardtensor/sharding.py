@@ -13,6 +13,7 @@ Example::
     # '{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}'
     placements((8, 4), mesh, P('x', 'y'))[3].indices   # (slice(2, 4, 1), slice(2, 4, 1))
 """
+
 from __future__ import annotations
 
 import functools
@@ -139,8 +140,9 @@ class ShardingSpec:
                 "axis first, e.g. ('data', None), or drop minibatch=True."
             )
 
-    def global_shape(self, local_shape: Sequence[int],
-                     local_device_ids: Iterable[int] | None = None) -> tuple[int, ...]:
+    def global_shape(
+        self, local_shape: Sequence[int], local_device_ids: Iterable[int] | None = None
+    ) -> tuple[int, ...]:
         """The shape of the global tensor of which this process holds ``local_shape``.
 
         Without ``minibatch`` that is ``local_shape`` itself (every process holds the whole tensor).
@@ -200,8 +202,7 @@ def _canonical_spec(spec) -> tuple:
     """`spec` as a plain tuple with list entries turned into tuples."""
     if isinstance(spec, (str, int)) or spec is None:
         raise ShardingSpecError(
-            f"A partition spec must be a tuple, got {spec!r}; for one dimension write "
-            f"({spec!r},). {_SPEC_HELP}"
+            f"A partition spec must be a tuple, got {spec!r}; for one dimension write ({spec!r},). {_SPEC_HELP}"
         )
     return tuple(_tuple_if_list(e) for e in spec)
 
@@ -223,16 +224,14 @@ def _check_entry_types(spec: tuple) -> None:
                 continue
             if not (isinstance(member, str) or _is_axis_index(member)):
                 raise ShardingSpecError(
-                    f"Spec type {type(member)} is not supported in partition spec {spec}. "
-                    f"{_SPEC_HELP}"
+                    f"Spec type {type(member)} is not supported in partition spec {spec}. {_SPEC_HELP}"
                 )
 
 
 def _check_rank(spec: tuple, ndim: int) -> None:
     if len(spec) != ndim:
         raise ShardingSpecError(
-            f"Partition spec length ({len(spec)}) should be equal to the input rank ({ndim}). "
-            f"{_SPEC_HELP}"
+            f"Partition spec length ({len(spec)}) should be equal to the input rank ({ndim}). {_SPEC_HELP}"
         )
 
 
@@ -385,10 +384,15 @@ def minibatch_local_tiles(mesh: Mesh, spec, local_device_ids) -> tuple[int, ...]
     tiling = _tiling(mesh, spec)
     grid = tiling.shard_counts + (tiling.replicas,)
     local = {int(i) for i in local_device_ids}
-    return tuple(sorted({
-        int(np.unravel_index(position, grid)[0])
-        for position, device in enumerate(tiling.device_order) if device in local
-    }))
+    return tuple(
+        sorted(
+            {
+                int(np.unravel_index(position, grid)[0])
+                for position, device in enumerate(tiling.device_order)
+                if device in local
+            }
+        )
+    )
 
 
 # --------------------------------------------------------------------------- shapes and placement
@@ -445,9 +449,7 @@ def _placements(shape: tuple, mesh: Mesh, spec: tuple) -> tuple[Placement, ...]:
     by_device = {}
     for position, device in enumerate(tiling.device_order):
         *tile, replica = (int(c) for c in np.unravel_index(position, grid))
-        indices = tuple(
-            slice(min(t * s, n), min((t + 1) * s, n), 1) for t, s, n in zip(tile, sizes, shape)
-        )
+        indices = tuple(slice(min(t * s, n), min((t + 1) * s, n), 1) for t, s, n in zip(tile, sizes, shape))
         by_device[device] = Placement(device, indices, sizes, replica)
     return tuple(by_device[d] for d in sorted(by_device))
 
@@ -541,7 +543,8 @@ def parse_sharding_string(sharding: str, device_count: int | None = None) -> Par
         raise ValueError(
             f"sharding {sharding!r} is not organized as expected: expected '{{replicated}}', "
             "'{devices=[d0,d1,...]id,id,... (last_tile_dim_replicate)}' or its iota form "
-            "'{devices=[...]<=[...]}' (manual and tuple shardings cannot be shown)")
+            "'{devices=[...]<=[...]}' (manual and tuple shardings cannot be shown)"
+        )
     dims = _ints(m.group("dims"))
     total = math.prod(dims)
     if m.group("ids") is not None:
@@ -551,12 +554,15 @@ def parse_sharding_string(sharding: str, device_count: int | None = None) -> Par
         iota = _ints(m.group("iota"))
         perm = _ints(m.group("perm")) if m.group("perm") else list(range(len(iota)))
         if math.prod(iota) != total or sorted(perm) != list(range(len(iota))):
-            raise ValueError(f"sharding {sharding!r}: its iota {iota} T{tuple(perm)} does not fill the tile "
-                             f"dims {dims}")
+            raise ValueError(
+                f"sharding {sharding!r}: its iota {iota} T{tuple(perm)} does not fill the tile dims {dims}"
+            )
         devices = np.arange(total).reshape(iota).transpose(perm).reshape(-1).tolist()
     if len(devices) != total or len(set(devices)) != total:
-        raise ValueError(f"sharding {sharding!r}: tile dims {dims} need {total} distinct device ids, "
-                         f"got {len(devices)} ids ({len(set(devices))} distinct)")
+        raise ValueError(
+            f"sharding {sharding!r}: tile dims {dims} need {total} distinct device ids, "
+            f"got {len(devices)} ids ({len(set(devices))} distinct)"
+        )
     replicas = dims.pop() if m.group("suffix").strip() else 1
     return ParsedSharding("tiled", tuple(dims), replicas, tuple(devices))
 
@@ -619,6 +625,7 @@ def array_sharding(array, ndim: int) -> tuple[str, Mesh | None, PartitionSpec | 
     parsed = parse_sharding_string(str(s._to_xla_hlo_sharding(ndim)))
     # HLO's ids are positions in the sharding's device assignment, not device ids
     assignment = [runtime.device_id(d) for d in s._device_assignment]
-    parsed = ParsedSharding(parsed.kind, parsed.tile_dims, parsed.replicas,
-                            tuple(assignment[i] for i in parsed.devices))
+    parsed = ParsedSharding(
+        parsed.kind, parsed.tile_dims, parsed.replicas, tuple(assignment[i] for i in parsed.devices)
+    )
     return _v1_string(parsed), None, None

@@ -13,6 +13,7 @@ Example::
     map_leaves(lambda v: v * 10, {'a': [1, (2, 3)]})        # {'a': [10, (20, 30)]}
     [t.shape for t in tensors_in((x, {'y': y}, 'text'))]    # [x.shape, y.shape]
 """
+
 from __future__ import annotations
 
 import copy
@@ -28,8 +29,9 @@ def _opened_here(value) -> bool:
     """A container torch's pytree leaves whole but this module opens."""
     if pytree._get_node_type(value) in pytree.SUPPORTED_NODES:
         return False
-    return (isinstance(value, (Mapping, tuple, list))
-            or (dataclasses.is_dataclass(value) and not isinstance(value, type)))
+    return isinstance(value, (Mapping, tuple, list)) or (
+        dataclasses.is_dataclass(value) and not isinstance(value, type)
+    )
 
 
 def map_leaves(fn: Callable[[Any], Any], tree):
@@ -40,6 +42,7 @@ def map_leaves(fn: Callable[[Any], Any], tree):
 
         map_leaves(str, ([1, 2], {'k': 3.5}))    # (['1', '2'], {'k': '3.5'})
     """
+
     def visit(value):  # a leaf of torch's pytree: a true leaf, or a container opened here
         return _rebuild(value, lambda child: map_leaves(fn, child)) if _opened_here(value) else fn(value)
 

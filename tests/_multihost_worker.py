@@ -1,6 +1,7 @@
 """One process of the two-process job of tests/test_multihost.py: ``python _multihost_worker.py PORT
 PROCESS_ID``, with SHARDTENSOR_CPU_DEVICES=4. Prints one line ``REPORT <json>`` of what it saw; the test
 compares it with eager torch (computed there from the same seeds)."""
+
 import json
 import sys
 
@@ -15,9 +16,11 @@ import torch.nn.functional as F  # noqa: E402
 import shardtensor as st  # noqa: E402
 from shardtensor.fsdp import FSDPv2  # noqa: E402
 
-report = {"ids": [a["id"] for a in rt.global_runtime_device_attributes()],
-          "names": [a["name"] for a in rt.global_runtime_device_attributes()],
-          "owners": [a["process_index"] for a in rt.global_runtime_device_attributes()]}
+report = {
+    "ids": [a["id"] for a in rt.global_runtime_device_attributes()],
+    "names": [a["name"] for a in rt.global_runtime_device_attributes()],
+    "owners": [a["process_index"] for a in rt.global_runtime_device_attributes()],
+}
 mesh = st.Mesh(range(8), (8,), ("fsdp",))
 g = torch.Generator().manual_seed(0)
 X = torch.randn(16, 6, generator=g)  # the same global tensor in both processes
@@ -32,7 +35,7 @@ report["local_shards"] = [(s.device, s.indices[0].start, s.indices[0].stop) for 
 
 # MpDeviceLoader with minibatch: each process feeds its half of the global batch of 16
 spec = st.ShardingSpec(mesh, ("fsdp", None), minibatch=True)
-(batch,) = list(st.MpDeviceLoader([X[8 * pid:8 * (pid + 1)]], st.device(), input_sharding=spec))
+(batch,) = list(st.MpDeviceLoader([X[8 * pid : 8 * (pid + 1)]], st.device(), input_sharding=spec))
 report["minibatch_shape"] = list(batch.shape)
 report["minibatch"] = batch.cpu().tolist()
 

@@ -7,6 +7,7 @@ Example::
     ref, dev, ref_losses, dev_losses = run_both(make_mlp, shard_mlp, mesh, batches, sgd, mode="lazy")
     assert_trained_alike(ref, dev, ref_losses, dev_losses)
 """
+
 from __future__ import annotations
 
 import copy
@@ -185,13 +186,14 @@ def mlp_batches(n, g, batch=16):
 
 
 def lm_batches(n, g, batch=8, T=8, vocab=30):
-    return [(torch.randint(0, vocab, (batch, T), generator=g), torch.randint(0, vocab, (batch, T), generator=g))
-            for _ in range(n)]
+    return [
+        (torch.randint(0, vocab, (batch, T), generator=g), torch.randint(0, vocab, (batch, T), generator=g))
+        for _ in range(n)
+    ]
 
 
 def cnn_batches(n, g, batch=8):
-    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 5, (batch,), generator=g))
-            for _ in range(n)]
+    return [(torch.randn(batch, 3, 8, 8, generator=g), torch.randint(0, 5, (batch,), generator=g)) for _ in range(n)]
 
 
 # --- training -------------------------------------------------------------------------------------
@@ -256,8 +258,19 @@ def shard_batches(batches, mesh, x_spec, y_spec):
     return [(st.shard(x, mesh, x_spec), st.shard(y, mesh, y_spec)) for x, y in batches]
 
 
-def run_both(make_model, specs, mesh, batches, make_opt, mode, loss_fn=F.cross_entropy,
-             x_spec=None, y_spec=None, seed=0, compiles=None):
+def run_both(
+    make_model,
+    specs,
+    mesh,
+    batches,
+    make_opt,
+    mode,
+    loss_fn=F.cross_entropy,
+    x_spec=None,
+    y_spec=None,
+    seed=0,
+    compiles=None,
+):
     """Train the model on CPU and on st.device() (parameters sharded by ``specs``) the same way."""
     ref, dev = make_pair(make_model, seed)
     shard_params(dev, mesh, specs)

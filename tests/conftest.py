@@ -11,6 +11,7 @@ is still checked, and no reference depends on how the code generator fuses multi
 and the benches compile with the defaults. Set ``SHARDTENSOR_TEST_FULL_OPT=1`` to run the suite
 with them too.
 """
+
 import os
 
 os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
@@ -18,8 +19,12 @@ os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "").split()
 if not any(f.startswith("--xla_force_host_platform_device_count") for f in _flags):
     _flags.append("--xla_force_host_platform_device_count=8")
-_CHEAP = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
-          "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")
+_CHEAP = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
+)
 if not os.environ.get("SHARDTENSOR_TEST_FULL_OPT"):
     for _flag in _CHEAP:
         if not any(f.startswith(_flag.split("=")[0] + "=") for f in _flags):
@@ -29,4 +34,5 @@ os.environ["XLA_FLAGS"] = " ".join(_flags)
 # back into the child's XLA_FLAGS: the same compiles as the suite. Read back from XLA_FLAGS, not
 # from what this file added: pytest-xdist's workers inherit XLA_FLAGS with them already in.
 os.environ["SHARDTENSOR_TEST_COMPILE_FLAGS"] = " ".join(
-    f for f in _flags if f.split("=")[0] in {c.split("=")[0] for c in _CHEAP})
+    f for f in _flags if f.split("=")[0] in {c.split("=")[0] for c in _CHEAP}
+)

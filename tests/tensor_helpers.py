@@ -1,4 +1,5 @@
 """Shared helpers for the ShardedTensor tests (test_tensor, test_views, test_properties)."""
+
 from __future__ import annotations
 
 import contextlib

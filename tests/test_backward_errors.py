@@ -1,6 +1,7 @@
 """Issue 2 §6: an error raised inside ``backward()`` reaches the user as that error (a Python
 PrivateUse1 backend otherwise turns it into a bare SystemError), in lazy, eager and compile mode;
 an op with no lowering hit only in backward names the op."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,10 +192,12 @@ def test_exit_right_after_backward_does_not_abort():
     import subprocess
     import sys
 
-    code = ("import torch, shardtensor as st\n"
-            "w = torch.randn(16, 16).to(st.device()).requires_grad_()\n"
-            "(torch.randn(16, 16).to(st.device()) @ w).sum().backward()\n"
-            "print('done')\n")
+    code = (
+        "import torch, shardtensor as st\n"
+        "w = torch.randn(16, 16).to(st.device()).requires_grad_()\n"
+        "(torch.randn(16, 16).to(st.device()) @ w).sum().backward()\n"
+        "print('done')\n"
+    )
     for guard in ("cpp", "python"):
         env = dict(os.environ)
         if guard == "python":

@@ -3,6 +3,7 @@
 The cache is process-wide and would make every later test write to disk, so everything that turns
 it on runs in short subprocesses; this process only checks the errors raised before it is on.
 """
+
 import json
 import os
 import subprocess
@@ -44,23 +45,35 @@ def _start(path, mode, script=SCRIPT):
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("SHARDTENSOR_DEBUG", None)
-    return subprocess.Popen([sys.executable, "-c", script, str(path), mode], env=env, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(path), mode],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _result(proc, with_stderr=False):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     line = [ln for ln in out.splitlines() if ln.startswith("RESULT")][-1]
-    result = json.loads(line[len("RESULT"):])
+    result = json.loads(line[len("RESULT") :])
     return (result, err) if with_stderr else result
 
 
 def _listing(path):
     """Every file with its size and modification time: any write changes it."""
-    return sorted((os.path.relpath(os.path.join(d, f), path), os.stat(os.path.join(d, f)).st_size,
-                   os.stat(os.path.join(d, f)).st_mtime_ns)
-                  for d, _, files in os.walk(path) for f in files)
+    return sorted(
+        (
+            os.path.relpath(os.path.join(d, f), path),
+            os.stat(os.path.join(d, f)).st_size,
+            os.stat(os.path.join(d, f)).st_mtime_ns,
+        )
+        for d, _, files in os.walk(path)
+        for f in files
+    )
 
 
 def test_second_process_hits_readonly_never_writes(tmp_path):
@@ -103,8 +116,11 @@ def test_readonly_needs_an_existing_directory(tmp_path):
 def test_an_unusable_path_warns_once_and_leaves_caching_off(tmp_path, where):
     """Checked at initialize_cache, before JAX is configured, so this process stays cache-free."""
     (tmp_path / "file").write_text("not a directory")
-    path = {"a file": tmp_path / "file", "under a file": tmp_path / "file" / "cache",
-            "read-only directory": tmp_path / "locked"}[where]
+    path = {
+        "a file": tmp_path / "file",
+        "under a file": tmp_path / "file" / "cache",
+        "read-only directory": tmp_path / "locked",
+    }[where]
     if where == "read-only directory":
         if os.geteuid() == 0:  # root writes into any mode-0500 directory, into no procfs one
             path = "/proc/self/fdinfo"

@@ -6,6 +6,7 @@ is read or at the next sync, in eager mode at the op, with ``st.compile`` on the
 Inputs are sharded over a (4, 2) mesh, unevenly (6 rows over 4 shards: padded storage), with the bad
 value in the last shard, so the flags are reduced across shards and padding never trips a check.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -46,48 +47,78 @@ CASES = {
     "getitem": (lambda x, i: x[i], (X, _t(0, 1, 2, 3, 4, -7)), (X, _t(0, 1, 2, 3, 4, -6))),
     "setitem": (_setitem, (X, _t(0, 1, 2, 3, 4, 6)), (X, _t(0, 1, 2, 3, 4, -1))),
     "index_put_accumulate": (_index_put_acc, (X, _t(0, 1, 2, 3, 4, 9)), (X, _t(0, 1, 1, 3, 4, 5))),
-    "scatter_": (lambda x, i: x.clone().scatter_(0, i, 1.0), (X, _t(0, 1, 2, 3, 4, 6)[:, None].expand(6, 3)),
-                 (X, _t(5, 1, 2, 3, 4, 0)[:, None].expand(6, 3))),
-    "scatter_add_": (lambda x, i: x.clone().scatter_add_(0, i, torch.ones_like(x)),
-                     (X, _t(0, 1, 2, 3, 4, 6)[:, None].expand(6, 3)),
-                     (X, _t(0, 0, 2, 3, 4, 4)[:, None].expand(6, 3))),
-    "scatter_reduce": (lambda x, i: x.scatter_reduce(0, i, x * 2, "amax"),
-                       (X, _t(0, 1, 2, 3, 4, 7)[:, None].expand(6, 3)),
-                       (X, _t(0, 0, 2, 3, 1, 4)[:, None].expand(6, 3))),
+    "scatter_": (
+        lambda x, i: x.clone().scatter_(0, i, 1.0),
+        (X, _t(0, 1, 2, 3, 4, 6)[:, None].expand(6, 3)),
+        (X, _t(5, 1, 2, 3, 4, 0)[:, None].expand(6, 3)),
+    ),
+    "scatter_add_": (
+        lambda x, i: x.clone().scatter_add_(0, i, torch.ones_like(x)),
+        (X, _t(0, 1, 2, 3, 4, 6)[:, None].expand(6, 3)),
+        (X, _t(0, 0, 2, 3, 4, 4)[:, None].expand(6, 3)),
+    ),
+    "scatter_reduce": (
+        lambda x, i: x.scatter_reduce(0, i, x * 2, "amax"),
+        (X, _t(0, 1, 2, 3, 4, 7)[:, None].expand(6, 3)),
+        (X, _t(0, 0, 2, 3, 1, 4)[:, None].expand(6, 3)),
+    ),
     "index_add_": (lambda x, i: x.clone().index_add_(0, i, x[:2]), (X, _t(0, 6)), (X, _t(5, 5))),
     "index_copy_": (lambda x, i: x.clone().index_copy_(0, i, x[:2]), (X, _t(-1, 2)), (X, _t(5, 2))),
     "index_fill_": (lambda x, i: x.clone().index_fill_(0, i, 1.0), (X, _t(0, -7)), (X, _t(0, -6))),
     "take": (lambda x, i: x.take(i), (X, _t(0, 1, 2, 3, 4, 18)), (X, _t(0, 1, 2, 3, 4, -18))),
     "embedding": (lambda w, i: F.embedding(i, w), (X, _t(0, 1, 2, 3, 4, 6)), (X, _t(5, 1, 2, 3, 4, 0))),
     "embedding_negative": (lambda w, i: F.embedding(i, w), (X, _t(0, 1, 2, 3, 4, -1)), None),
-    "embedding_bag": (lambda w, i: F.embedding_bag(i, w), (X, _t(0, 1, 2, 3, 4, 6).reshape(3, 2)),
-                      (X, _t(0, 1, 2, 3, 4, 5).reshape(3, 2))),
+    "embedding_bag": (
+        lambda w, i: F.embedding_bag(i, w),
+        (X, _t(0, 1, 2, 3, 4, 6).reshape(3, 2)),
+        (X, _t(0, 1, 2, 3, 4, 5).reshape(3, 2)),
+    ),
     "one_hot": (lambda i: F.one_hot(i, 3), (_t(0, 1, 2, 0, 1, 3),), (_t(0, 1, 2, 0, 1, 2),)),
     "one_hot_negative": (lambda i: F.one_hot(i, 3), (_t(0, 1, 2, 0, 1, -1),), None),
     "one_hot_inferred_classes": (lambda i: F.one_hot(i), None, (_t(0, 1, 4, 0, 1, 2),)),
     "cross_entropy": (lambda x, t: F.cross_entropy(x, t), (X, _t(0, 1, 2, 0, 1, 3)), (X, _t(0, 1, 2, -100, 1, 2))),
     "cross_entropy_negative": (lambda x, t: F.cross_entropy(x, t), (X, _t(0, 1, 2, 0, 1, -1)), None),
-    "cross_entropy_ignore_index": (lambda x, t: F.cross_entropy(x, t, ignore_index=5), (X, _t(0, 1, 2, 0, 1, 7)),
-                                   (X, _t(0, 1, 2, 0, 5, 5))),
+    "cross_entropy_ignore_index": (
+        lambda x, t: F.cross_entropy(x, t, ignore_index=5),
+        (X, _t(0, 1, 2, 0, 1, 7)),
+        (X, _t(0, 1, 2, 0, 5, 5)),
+    ),
     "nll_loss": (lambda x, t: F.nll_loss(x, t), (X, _t(0, 1, 2, 0, 1, 3)), (X, _t(0, 1, 2, 0, 1, 2))),
     "multi_margin_loss": (lambda x, t: F.multi_margin_loss(x, t), (X, _t(0, 1, 2, 0, 1, 3)), (X, _t(0, 1, 2, 0, 1, 2))),
-    "multilabel_margin_loss": (lambda x, t: F.multilabel_margin_loss(x, t),
-                               (X, _t(*[0, 1, -1] * 5, 0, 3, -1).reshape(6, 3)),
-                               (X, _t(*[0, 1, -1] * 5, 2, 0, 1).reshape(6, 3))),
+    "multilabel_margin_loss": (
+        lambda x, t: F.multilabel_margin_loss(x, t),
+        (X, _t(*[0, 1, -1] * 5, 0, 3, -1).reshape(6, 3)),
+        (X, _t(*[0, 1, -1] * 5, 2, 0, 1).reshape(6, 3)),
+    ),
     "multinomial_negative": (lambda p: torch.multinomial(p, 1), (X - 0.1,), (X + 0.1,)),
     "multinomial_nan": (lambda p: torch.multinomial(p, 1), (X.where(X[5, 2] != X, float("nan")),), None),
     "multinomial_zero_row": (lambda p: torch.multinomial(p, 1), (X * (torch.arange(6) < 5)[:, None],), None),
-    "floor_divide": (lambda a, b: a // b, (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
-                     (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5))),
+    "floor_divide": (
+        lambda a, b: a // b,
+        (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
+        (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
+    ),
     "floor_divide_scalar": (lambda a: a // 0, (_t(7, 8, 9, 1, 2, 3),), None),
-    "remainder": (lambda a, b: a % b, (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
-                  (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5))),
-    "fmod": (lambda a, b: torch.fmod(a, b), (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
-             (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5))),
-    "div_trunc": (lambda a, b: torch.div(a, b, rounding_mode="trunc"), (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
-                  (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5))),
-    "div_floor": (lambda a, b: torch.div(a, b, rounding_mode="floor"), (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
-                  (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5))),
+    "remainder": (
+        lambda a, b: a % b,
+        (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
+        (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
+    ),
+    "fmod": (
+        lambda a, b: torch.fmod(a, b),
+        (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
+        (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
+    ),
+    "div_trunc": (
+        lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+        (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
+        (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
+    ),
+    "div_floor": (
+        lambda a, b: torch.div(a, b, rounding_mode="floor"),
+        (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
+        (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
+    ),
 }
 
 
@@ -118,8 +149,13 @@ def _clean():
 
 # every op in every mode; the variants of an op (negative ids, NaN, a scalar divisor ...) lazily only
 _VARIANTS = ("_negative", "_nan", "_zero_row", "_scalar", "_ignore_index")
-_BAD = [pytest.param(n, m, id=f"{n}-{m}") for n, case in CASES.items() if case[1] is not None
-        for m in ("lazy", "eager", "compile") if m == "lazy" or not n.endswith(_VARIANTS)]
+_BAD = [
+    pytest.param(n, m, id=f"{n}-{m}")
+    for n, case in CASES.items()
+    if case[1] is not None
+    for m in ("lazy", "eager", "compile")
+    if m == "lazy" or not n.endswith(_VARIANTS)
+]
 
 
 @pytest.mark.parametrize(("name", "mode"), _BAD)
@@ -221,8 +257,11 @@ def test_failed_step_keeps_parameters_and_training_resumes(mode):
     good = (_t(0, 1, 2, 3, 4, 5, 0, 1), _t(0, 1, 2, 0, 1, 2, 0, 1))
     bad_ids = (_t(0, 1, 2, 3, 4, 5, 0, 6), good[1])
     bad_target = (good[0], _t(0, 1, 2, 0, 1, 2, 0, 3))
-    step = st.compile(lambda i, t: _train_step(model, opt, i, t)) if mode == "compile" else (
-        lambda i, t: _train_step(model, opt, i, t))
+    step = (
+        st.compile(lambda i, t: _train_step(model, opt, i, t))
+        if mode == "compile"
+        else (lambda i, t: _train_step(model, opt, i, t))
+    )
 
     def run(batch):
         loss = step(_put(batch[0]), _put(batch[1]))

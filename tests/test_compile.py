@@ -2,6 +2,7 @@
 equal to eager torch, freezing of a trace (later calls run no Python of fn's body) with SGD and
 Adam(capturable=True), default Adam re-running Python but compiling once, in-place updates visible
 after the call, and full_graph=True errors."""
+
 import copy
 
 import pytest
@@ -145,6 +146,7 @@ def test_compile_new_input_signature_traces_again():
 
 def test_compile_python_scalar_argument():
     """A Python number argument is part of the signature: results follow it."""
+
     @st.compile
     def g(x, s):
         return x * s + 1
@@ -201,6 +203,7 @@ def test_compile_inplace_update_of_argument_and_captured_state():
 
 def test_compile_inplace_through_view_argument_base():
     """Writing into a slice/row of an argument updates the argument."""
+
     @st.compile
     def f(x):
         x[:, 0] = 7
@@ -234,8 +237,13 @@ def test_compile_batchnorm_buffers_updated():
         out = fwd(st.shard(x, mesh, ("m", None, None, None)))
         torch.testing.assert_close(out.cpu(), ref(x).detach().mean(), rtol=1e-5, atol=1e-5)
         for name in ("running_mean", "running_var", "num_batches_tracked"):
-            torch.testing.assert_close(getattr(dev[1], name).cpu(), getattr(ref[1], name),
-                                       rtol=1e-5, atol=1e-6, msg=lambda m, k=k, name=name: f"step {k} {name}: {m}")
+            torch.testing.assert_close(
+                getattr(dev[1], name).cpu(),
+                getattr(ref[1], name),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=lambda m, k=k, name=name: f"step {k} {name}: {m}",
+            )
 
 
 # --- training: freezing, optimizer state -----------------------------------------------------------
@@ -279,16 +287,21 @@ def _assert_same_training(ref, dev, losses, ref_losses, ref_opt=None, dev_opt=No
             for k, v in ref_opt.state[p_ref].items():
                 got = dev_opt.state[p_dev][k]
                 got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
-                torch.testing.assert_close(got, torch.as_tensor(v), rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, k=k: f"{k}: {m}")
+                torch.testing.assert_close(
+                    got, torch.as_tensor(v), rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}"
+                )
 
 
 @pytest.mark.parametrize("opt", ["sgd", "sgd_momentum", "sgd_momentum_foreach_false"])
 def test_compile_sgd_freezes_and_trains(opt):
-    kw = {"sgd": dict(lr=0.1), "sgd_momentum": dict(lr=0.1, momentum=0.9),
-          "sgd_momentum_foreach_false": dict(lr=0.1, momentum=0.9, foreach=False)}[opt]
+    kw = {
+        "sgd": dict(lr=0.1),
+        "sgd_momentum": dict(lr=0.1, momentum=0.9),
+        "sgd_momentum_foreach_false": dict(lr=0.1, momentum=0.9, foreach=False),
+    }[opt]
     ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(
-        lambda ps: torch.optim.SGD(ps, **kw), steps=7)
+        lambda ps: torch.optim.SGD(ps, **kw), steps=7
+    )
     assert len(calls) <= 3, f"the body ran {len(calls)} times: the trace never froze"
     assert n("CompileFrozen") == 1
     assert n("CompileReplay") == 7 - len(calls)
@@ -299,9 +312,11 @@ def test_compile_sgd_freezes_and_trains(opt):
 @pytest.mark.parametrize("foreach", [None, True, False])
 def test_compile_adam_capturable_freezes_and_trains(foreach):
     ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(
-        lambda ps: torch.optim.Adam(ps, lr=1e-3, capturable=True, foreach=foreach), steps=6,
+        lambda ps: torch.optim.Adam(ps, lr=1e-3, capturable=True, foreach=foreach),
+        steps=6,
         # capturable=True is refused for CPU parameters; the CPU reference is numerically the same
-        make_ref_opt=lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=foreach))
+        make_ref_opt=lambda ps: torch.optim.Adam(ps, lr=1e-3, foreach=foreach),
+    )
     assert len(calls) <= 3, f"the body ran {len(calls)} times: the trace never froze"
     assert n("CompileFrozen") == 1
     assert compiles[-1] == compiles[2]
@@ -312,8 +327,10 @@ def test_compile_adam_capturable_freezes_and_trains(foreach):
 def test_compile_default_adam_reruns_python_but_compiles_once(opt):
     """Default Adam keeps its step counters on the CPU and reads them (.item()): the body re-runs
     each call, yet after the warm-up (state created in call 1) every call reuses one executable."""
-    make = {"adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
-            "adamw_foreach_false": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False)}[opt]
+    make = {
+        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+        "adamw_foreach_false": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+    }[opt]
     ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(make, steps=5)
     assert len(calls) == 5
     assert n("CompileFrozen") == 0
@@ -344,8 +361,9 @@ def test_compile_cnn_batchnorm_training_state_visible():
         ref_opt.zero_grad()
         torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-4, atol=1e-5)
         for name, v in ref.state_dict().items():
-            torch.testing.assert_close(dev.state_dict()[name].cpu(), v, rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(
+                dev.state_dict()[name].cpu(), v, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+            )
 
 
 # --- full_graph=True -------------------------------------------------------------------------------
@@ -409,6 +427,7 @@ def test_full_graph_without_value_reads_freezes():
 
 def test_compile_under_eager_mode():
     """A compiled function called in eager mode still gives torch's results."""
+
     @st.compile
     def g(x):
         return F.silu(x) @ x.t()

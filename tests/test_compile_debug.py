@@ -1,5 +1,6 @@
 """Issue 4 §5: SHARDTENSOR_DEBUG=1 says why each compilation happened and warns about loops that keep
 compiling. Shapes are unusual (x 37..) so that no earlier test has compiled these graphs."""
+
 import re
 import warnings
 
@@ -76,8 +77,9 @@ def test_compiled_function_names_its_argument(capsys):
     scale(st.shard(torch.ones(8, 43), mesh, ("data", None)))
     scale(st.shard(torch.ones(8, 44), mesh, ("data", None)))
     lines = _lines(capsys)
-    assert any("input 0 (argument 0 of scale; (8, 44) float32" in ln and "(8, 43) -> (8, 44)" in ln
-               for ln in lines), lines
+    assert any("input 0 (argument 0 of scale; (8, 44) float32" in ln and "(8, 43) -> (8, 44)" in ln for ln in lines), (
+        lines
+    )
 
 
 def test_a_loop_that_keeps_compiling_warns_once(capsys, monkeypatch):

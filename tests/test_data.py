@@ -6,6 +6,7 @@ break and deletion (no thread left behind), worker errors, batches_per_execution
 uneven batches (padded, shape kept) and minibatch divisibility; and a short training loop fed by
 the loader, compared with eager PyTorch.
 """
+
 import collections
 import copy
 import os
@@ -168,8 +169,9 @@ def test_uploads_do_not_alias_the_cpu_batch():
 
 
 def test_dict_spec_with_a_tensor_batch_is_a_value_error():
-    loader = st.MpDeviceLoader([torch.randn(8, 2)], st.device(),
-                               input_sharding={"x": st.ShardingSpec(MESH_8, ("data", None))})
+    loader = st.MpDeviceLoader(
+        [torch.randn(8, 2)], st.device(), input_sharding={"x": st.ShardingSpec(MESH_8, ("data", None))}
+    )
     with pytest.raises(ValueError) as info:
         next(iter(loader))
     assert str(info.value) == "input batch should be a dict when input sharding is a dict."
@@ -290,8 +292,12 @@ def test_deleting_the_loader_stops_the_threads():
 
 
 def test_a_temporary_loader_is_not_stopped_under_the_loop():
-    out = [b.cpu()[0, 0].item() for b in st.MpDeviceLoader(SlowLoader(n=12, delay=0.005), st.device(),
-                                                             loader_prefetch_size=1, device_prefetch_size=1)]
+    out = [
+        b.cpu()[0, 0].item()
+        for b in st.MpDeviceLoader(
+            SlowLoader(n=12, delay=0.005), st.device(), loader_prefetch_size=1, device_prefetch_size=1
+        )
+    ]
     assert out == [float(i) for i in range(12)]
 
 
@@ -310,8 +316,9 @@ def test_close_and_an_exception_in_the_loop_body_stop_the_threads():
 
 
 def test_several_transfer_threads_keep_the_order():
-    loader = st.MpDeviceLoader(SlowLoader(n=40), st.device(), host_to_device_transfer_threads=3,
-                               loader_prefetch_size=4, device_prefetch_size=2)
+    loader = st.MpDeviceLoader(
+        SlowLoader(n=40), st.device(), host_to_device_transfer_threads=3, loader_prefetch_size=4, device_prefetch_size=2
+    )
     assert [b.cpu()[0, 0].item() for b in loader] == [float(i) for i in range(40)]
     assert len(_threads_of(loader)) == 4
 
@@ -377,13 +384,22 @@ def test_minibatch_batch():
 def test_minibatch_indivisible_batch_is_an_error():
     spec = st.ShardingSpec(MESH_8, ("data", None, None, None), minibatch=True)
     loader = st.MpDeviceLoader([torch.randn(7, 3, 4, 4)], st.device(), input_sharding=spec)
-    with pytest.raises(RuntimeError, match=(
+    with pytest.raises(
+        RuntimeError,
+        match=(
             r"When minibatch is configured, the per-host batch size must be divisible by local runtime "
-            r"device count. Per host input data shape = \[7, 3, 4, 4\]; dimension 0 is split into 8 shards")):
+            r"device count. Per host input data shape = \[7, 3, 4, 4\]; dimension 0 is split into 8 shards"
+        ),
+    ):
         list(loader)
     with pytest.raises(RuntimeError, match="split into 4 shards"):
-        list(st.MpDeviceLoader([torch.randn(6, 2)], st.device(),
-                               input_sharding=st.ShardingSpec(MESH_42, ("data", None), minibatch=True)))
+        list(
+            st.MpDeviceLoader(
+                [torch.randn(6, 2)],
+                st.device(),
+                input_sharding=st.ShardingSpec(MESH_42, ("data", None), minibatch=True),
+            )
+        )
 
 
 def test_minibatch_global_shape_math():
@@ -433,8 +449,9 @@ def test_training_loop_fed_by_the_loader_matches_eager_pytorch():
         dev_opt.zero_grad()
         dev_losses.append(loss.detach())
     assert st.counter_value("UncachedCompile") == compiles  # steps 3.. reuse one program
-    torch.testing.assert_close(torch.stack([v.cpu() for v in dev_losses]), torch.stack(ref_losses),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.stack([v.cpu() for v in dev_losses]), torch.stack(ref_losses), rtol=1e-4, atol=1e-5
+    )
     for (name, p_ref), p_dev in zip(ref.named_parameters(), dev.parameters()):
         torch.testing.assert_close(p_dev.cpu(), p_ref.detach(), rtol=1e-4, atol=1e-5, msg=name)
 
@@ -456,8 +473,10 @@ def test_loader_uploads_are_counted_and_timed():
 
 @pytest.mark.parametrize("spec", [None, "tensor", "dict"])
 def test_none_and_other_non_tensor_batches_pass_through(spec):
-    spec = {"tensor": st.ShardingSpec(MESH_8, ("data", None)),
-            "dict": {"x": st.ShardingSpec(MESH_8, ("data", None))}}.get(spec)
+    spec = {
+        "tensor": st.ShardingSpec(MESH_8, ("data", None)),
+        "dict": {"x": st.ShardingSpec(MESH_8, ("data", None))},
+    }.get(spec)
     batches = [1, None, 2, 3, "end of the loader", (None,), {"x": None}]
     assert list(st.MpDeviceLoader(batches, st.device(), input_sharding=spec)) == batches
 

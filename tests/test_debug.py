@@ -1,4 +1,5 @@
 """Seeing shardings: visualize_sharding tables, the Jupyter HTML grids, and st.explain."""
+
 import io
 import re
 
@@ -35,20 +36,30 @@ def _rendered(table, width=120):
 # --------------------------------------------------------------------------- visualize_sharding
 
 
-@pytest.mark.parametrize(("sharding", "cells"), [
-    (f"{{devices=[2,4]{IDS}}}", [["CPU 0", "CPU 1", "CPU 2", "CPU 3"], ["CPU 4", "CPU 5", "CPU 6", "CPU 7"]]),
-    (f"{{devices=[4,1,2]{IDS} last_tile_dim_replicate}}",
-     [["CPU [0, 1]"], ["CPU [2, 3]"], ["CPU [4, 5]"], ["CPU [6, 7]"]]),
-    ("{replicated}", [["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]]),
-    ("", [["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]]),
-    # multi-host style: ids >= 10, the row-major order of the string
-    ("{devices=[2,8]0,4,8,12,2,6,10,14,1,5,9,13,3,7,11,15}",
-     [[f"CPU {i}" for i in (0, 4, 8, 12, 2, 6, 10, 14)], [f"CPU {i}" for i in (1, 5, 9, 13, 3, 7, 11, 15)]]),
-    # V2 (iota) strings, as jax prints them
-    ("{devices=[4,2]<=[2,4]T(1,0)}", [["CPU 0", "CPU 4"], ["CPU 1", "CPU 5"], ["CPU 2", "CPU 6"], ["CPU 3", "CPU 7"]]),
-    # later tile dims are shown as groups in the first two
-    ("{devices=[2,2,2]<=[8]}", [["CPU [0, 1]", "CPU [2, 3]"], ["CPU [4, 5]", "CPU [6, 7]"]]),
-])
+@pytest.mark.parametrize(
+    ("sharding", "cells"),
+    [
+        (f"{{devices=[2,4]{IDS}}}", [["CPU 0", "CPU 1", "CPU 2", "CPU 3"], ["CPU 4", "CPU 5", "CPU 6", "CPU 7"]]),
+        (
+            f"{{devices=[4,1,2]{IDS} last_tile_dim_replicate}}",
+            [["CPU [0, 1]"], ["CPU [2, 3]"], ["CPU [4, 5]"], ["CPU [6, 7]"]],
+        ),
+        ("{replicated}", [["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]]),
+        ("", [["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]]),
+        # multi-host style: ids >= 10, the row-major order of the string
+        (
+            "{devices=[2,8]0,4,8,12,2,6,10,14,1,5,9,13,3,7,11,15}",
+            [[f"CPU {i}" for i in (0, 4, 8, 12, 2, 6, 10, 14)], [f"CPU {i}" for i in (1, 5, 9, 13, 3, 7, 11, 15)]],
+        ),
+        # V2 (iota) strings, as jax prints them
+        (
+            "{devices=[4,2]<=[2,4]T(1,0)}",
+            [["CPU 0", "CPU 4"], ["CPU 1", "CPU 5"], ["CPU 2", "CPU 6"], ["CPU 3", "CPU 7"]],
+        ),
+        # later tile dims are shown as groups in the first two
+        ("{devices=[2,2,2]<=[8]}", [["CPU [0, 1]", "CPU [2, 3]"], ["CPU [4, 5]", "CPU [6, 7]"]]),
+    ],
+)
 def test_visualize_sharding_cells(sharding, cells, capsys):
     table = st.visualize_sharding(sharding)
     assert _cells(table) == cells
@@ -76,27 +87,33 @@ def test_visualize_sharding_colours_when_the_console_can(monkeypatch, capsys):
     assert st.visualize_sharding(f"{{devices=[2,4]{IDS}}}", use_color=False).box is rich.box.SQUARE
 
 
-@pytest.mark.parametrize("bad", [
-    "{devices=[4]0,1,2,3}",  # rank-1 tiling
-    f"{{devices=[4,2]{IDS} last_tile_dim_replicate}}",  # rank 1 plus replication
-    "{devices=[2,2]0,1,2}",  # too few ids
-    "{devices=[2,2]0,1,2,2}",  # repeated id
-    "{manual}",
-    "devices=[2,2]0,1,2,3",
-    "nonsense",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{devices=[4]0,1,2,3}",  # rank-1 tiling
+        f"{{devices=[4,2]{IDS} last_tile_dim_replicate}}",  # rank 1 plus replication
+        "{devices=[2,2]0,1,2}",  # too few ids
+        "{devices=[2,2]0,1,2,2}",  # repeated id
+        "{manual}",
+        "devices=[2,2]0,1,2,3",
+        "nonsense",
+    ],
+)
 def test_visualize_sharding_rejects_what_it_cannot_show(bad):
     with pytest.raises(ValueError, match="not organized as expected|distinct device ids"):
         st.visualize_sharding(bad)
 
 
-@pytest.mark.parametrize(("spec", "first_row"), [
-    (("x", "y"), ["CPU 0", "CPU 1"]),
-    (("y", "x"), ["CPU 0", "CPU 2", "CPU 4", "CPU 6"]),
-    (("x", None), ["CPU [0, 1]"]),
-    ((None, "y"), ["CPU [0, 2, 4, 6]", "CPU [1, 3, 5, 7]"]),
-    ((None, None), ["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]),
-])
+@pytest.mark.parametrize(
+    ("spec", "first_row"),
+    [
+        (("x", "y"), ["CPU 0", "CPU 1"]),
+        (("y", "x"), ["CPU 0", "CPU 2", "CPU 4", "CPU 6"]),
+        (("x", None), ["CPU [0, 1]"]),
+        ((None, "y"), ["CPU [0, 2, 4, 6]", "CPU [1, 3, 5, 7]"]),
+        ((None, None), ["CPU [0, 1, 2, 3, 4, 5, 6, 7]"]),
+    ],
+)
 def test_visualize_tensor_sharding(spec, first_row, capsys):
     x = st.shard(torch.randn(8, 4), MESH, spec)
     table = st.visualize_tensor_sharding(x, use_color=False)
@@ -138,11 +155,19 @@ def test_tensor_html_grid():
 
 def test_tensor_html_shows_the_real_extents_of_uneven_shards():
     cells = _td_texts(st.shard(torch.randn(10, 3), MESH, ("x", None))._repr_html_())
-    assert [c.split(" | ")[1] for c in cells] == ["rows 0:3, cols 0:3", "rows 3:6, cols 0:3", "rows 6:9, cols 0:3",
-                                                  "rows 9:10, cols 0:3"]
+    assert [c.split(" | ")[1] for c in cells] == [
+        "rows 0:3, cols 0:3",
+        "rows 3:6, cols 0:3",
+        "rows 6:9, cols 0:3",
+        "rows 9:10, cols 0:3",
+    ]
     cells = _td_texts(st.shard(torch.randn(5), st.Mesh(range(8), (4, 2), ("x", "y")), ("x",))._repr_html_())
-    assert cells == ["CPU [0, 1] | elements 0:2", "CPU [2, 3] | elements 2:4", "CPU [4, 5] | elements 4:5",
-                     "CPU [6, 7] | elements 5:5, (padding only)"]
+    assert cells == [
+        "CPU [0, 1] | elements 0:2",
+        "CPU [2, 3] | elements 2:4",
+        "CPU [4, 5] | elements 4:5",
+        "CPU [6, 7] | elements 5:5, (padding only)",
+    ]
 
 
 def test_tensor_html_of_higher_rank_scalars_and_computed_layouts():
@@ -206,10 +231,11 @@ def test_explain_contraction_sharded_matmul_compiles_without_running():
     assert reduced == 8 * 4 * 4  # the per-device partial product, f32[8,4]
     assert ex.collectives["all-gather"].count == 0 and ex.total_bytes == reduced
     jm = MESH_8.get_jax_mesh()
-    assert _counts(ex) == _jax_counts(jnp.dot, jax.ShapeDtypeStruct((8, 16), jnp.float32,
-                                                                    sharding=NamedSharding(jm, JP(None, "x"))),
-                                      jax.ShapeDtypeStruct((16, 4), jnp.float32,
-                                                           sharding=NamedSharding(jm, JP("x", None))))
+    assert _counts(ex) == _jax_counts(
+        jnp.dot,
+        jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(jm, JP(None, "x"))),
+        jax.ShapeDtypeStruct((16, 4), jnp.float32, sharding=NamedSharding(jm, JP("x", None))),
+    )
     text = str(ex)
     assert "all-reduce" in text and "128 B" in text and "{replicated}" in text and "not run" in text
     torch.testing.assert_close(c.cpu(), a @ b)  # still runs normally afterwards
@@ -241,9 +267,11 @@ def test_explain_batch_sharded_cross_entropy_matches_jax():
         return -jnp.sum(jnp.where(valid, picked, 0.0)) / jnp.sum(valid.astype(lg.dtype))
 
     jm = MESH_8.get_jax_mesh()
-    expected = _jax_counts(reference,
-                           jax.ShapeDtypeStruct((32, 10), jnp.float32, sharding=NamedSharding(jm, JP("x", None))),
-                           jax.ShapeDtypeStruct((32,), jnp.int64, sharding=NamedSharding(jm, JP("x"))))
+    expected = _jax_counts(
+        reference,
+        jax.ShapeDtypeStruct((32, 10), jnp.float32, sharding=NamedSharding(jm, JP("x", None))),
+        jax.ShapeDtypeStruct((32,), jnp.int64, sharding=NamedSharding(jm, JP("x"))),
+    )
     assert _counts(ex) == expected
     assert ex.outputs[0].shape == () and ex.outputs[0].sharding == "{replicated}"
     torch.testing.assert_close(F.cross_entropy(sl, stg).cpu(), F.cross_entropy(logits, targets))
@@ -305,6 +333,10 @@ def test_hlo_collective_parser():
     assert c["all-gather"] == (1, 16 * 4 * 4)  # the -done's result, once
     assert c["all-reduce"] == (1, 4 + 2 * 15)
     assert c["reduce-scatter"] == (1, 7) and c["collective-permute"] == (1, 16) and c["all-to-all"] == (0, 0)
-    assert [op.kind for op in collective_ops(hlo)] == ["all-gather", "all-reduce", "reduce-scatter",
-                                                      "collective-permute"]
+    assert [op.kind for op in collective_ops(hlo)] == [
+        "all-gather",
+        "all-reduce",
+        "reduce-scatter",
+        "collective-permute",
+    ]
     assert result_bytes("c64[2]") == 16 and result_bytes("f8e4m3fn[3]") == 3 and result_bytes("token[]") == 0

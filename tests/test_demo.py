@@ -5,6 +5,7 @@ unwrapped, in eager PyTorch on the CPU; the compile count settles; each device h
 parameter bytes. In a fresh process: `python -m shardtensor.demo` sets up its own devices from the
 options and prints its summary.
 """
+
 import os
 import subprocess
 import sys
@@ -48,8 +49,7 @@ def test_fsdp_demo_trains_like_eager_torch():
     # the loss falls, and matches eager torch step for step
     assert len(result.losses) == STEPS
     assert result.losses[-1] < result.losses[0] - 0.05, result.losses
-    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(eager_torch_losses(STEPS)),
-                               rtol=0, atol=1e-4)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(eager_torch_losses(STEPS)), rtol=0, atol=1e-4)
 
     # at most two programs (the first step also creates AdamW's state), none after the first two steps
     assert result.compiles[-1] <= 2, result.compiles
@@ -57,7 +57,9 @@ def test_fsdp_demo_trains_like_eager_torch():
 
     # each of the 8 devices holds an eighth of the parameter bytes (every size divides by 8 here)
     assert abs(result.bytes_per_device * 8 - result.bytes_total) <= 0.01 * result.bytes_total, (
-        result.bytes_per_device, result.bytes_total)
+        result.bytes_per_device,
+        result.bytes_total,
+    )
     assert result.bytes_total == 4 * sum(p.numel() for p in demo.build_model().parameters())
 
 
@@ -70,13 +72,29 @@ def test_sparkline():
 
 def test_demo_command_line():
     """`python -m shardtensor.demo` with its options, in a fresh process that did not ask for devices."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS")
+    }
     env["XLA_FLAGS"] = os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", "")  # (no device count)
     proc = subprocess.run(
-        [sys.executable, "-m", "shardtensor.demo", "--steps", "3", "--mode", "compile", "--mesh", "4,2",
-         "--platform", "cpu"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480,
+        [
+            sys.executable,
+            "-m",
+            "shardtensor.demo",
+            "--steps",
+            "3",
+            "--mode",
+            "compile",
+            "--mesh",
+            "4,2",
+            "--platform",
+            "cpu",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

@@ -2,6 +2,7 @@
 parameters and inputs without graph breaks, each captured graph runs as one JAX program, results and
 training match eager torch on CPU, graph breaks still give the right answer, and a new input sharding
 (same shape) recompiles."""
+
 import subprocess
 import sys
 import textwrap
@@ -131,10 +132,14 @@ def test_transformer_lm_matches_eager():
 
 
 # --- training --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("make_opt", [
-    lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
-    lambda p: torch.optim.AdamW(p, lr=0.01),
-], ids=["sgd", "adamw"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+    ],
+    ids=["sgd", "adamw"],
+)
 def test_training_through_compiled_model_matches_eager(make_opt):
     mesh = mesh_8()
     ref, dev = make_pair(MLP)

@@ -1,5 +1,6 @@
 """Issue 11 §6: the executable cache is bounded (least recently used out first), configurable, and
 counts its evictions; an evicted program compiles again and gives the same result."""
+
 import pytest
 import torch
 

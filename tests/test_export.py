@@ -1,4 +1,5 @@
 """st.export: StableHLO text with shardings, serialize / deserialize, and running in a fresh process."""
+
 import io
 import json
 import os
@@ -36,8 +37,9 @@ def _model():
 
 def test_mlir_text_carries_input_and_output_shardings():
     a, b = torch.randn(8, 6), torch.randn(6, 4)
-    exported = st.export(lambda p, q: torch.relu(p @ q) * 2.5,
-                         st.shard(a, MESH, ("x", None)), st.shard(b, MESH, (None, "y")))
+    exported = st.export(
+        lambda p, q: torch.relu(p @ q) * 2.5, st.shard(a, MESH, ("x", None)), st.shard(b, MESH, (None, "y"))
+    )
     header = _main_signature(exported.mlir_text())
     assert re.search(r'tensor<8x6xf32> \{sdy\.sharding = #sdy\.sharding<@mesh, \[\{"x"\}, \{\}\]>', header), header
     assert re.search(r'tensor<6x4xf32> \{sdy\.sharding = #sdy\.sharding<@mesh, \[\{\}, \{"y"\}\]>', header), header
@@ -96,9 +98,9 @@ def test_runs_in_a_fresh_process_without_the_model(tmp_path):
     np.save(tmp_path / "x.npy", x.numpy())
     script = textwrap.dedent(f"""
         import numpy as np, torch, shardtensor as st
-        run = st.deserialize(open({str(tmp_path / 'prog.bin')!r}, "rb").read())
-        y = run(torch.from_numpy(np.load({str(tmp_path / 'x.npy')!r})))
-        np.save({str(tmp_path / 'y.npy')!r}, y.cpu().numpy())
+        run = st.deserialize(open({str(tmp_path / "prog.bin")!r}, "rb").read())
+        y = run(torch.from_numpy(np.load({str(tmp_path / "x.npy")!r})))
+        np.save({str(tmp_path / "y.npy")!r}, y.cpu().numpy())
     """)
     env = dict(os.environ, SHARDTENSOR_CPU_DEVICES="8")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240)
@@ -120,8 +122,12 @@ def test_in_place_side_effects_are_a_clear_error():
     st.sync()  # the traced call's own updates still run, as for any call
     bn.eval()
     y = st.deserialize(st.export(bn, x).serialize())(x)
-    torch.testing.assert_close(y.cpu(), F.batch_norm(x.cpu(), bn.running_mean.cpu(), bn.running_var.cpu(),
-                                                     bn.weight.detach().cpu(), bn.bias.detach().cpu()))
+    torch.testing.assert_close(
+        y.cpu(),
+        F.batch_norm(
+            x.cpu(), bn.running_mean.cpu(), bn.running_var.cpu(), bn.weight.detach().cpu(), bn.bias.detach().cpu()
+        ),
+    )
 
 
 def test_bad_arguments_and_bytes():
@@ -146,12 +152,14 @@ def program_bytes():
 
 def _members(blob):
     import zipfile
+
     with zipfile.ZipFile(io.BytesIO(blob)) as z:
         return {n: z.read(n) for n in z.namelist()}
 
 
 def _zip(members, method=None):
     import zipfile
+
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", method or zipfile.ZIP_DEFLATED) as z:
         for name, data in members.items():
@@ -177,8 +185,8 @@ def _declare_size(data, name, size):
     for signature, size_at, name_at in ((b"PK\x03\x04", 22, 30), (b"PK\x01\x02", 24, 46)):
         pos = out.find(signature)
         while pos >= 0:
-            if out[pos + name_at:pos + name_at + len(name)] == name:
-                out[pos + size_at:pos + size_at + 4] = struct.pack("<I", size)
+            if out[pos + name_at : pos + name_at + len(name)] == name:
+                out[pos + size_at : pos + size_at + 4] = struct.pack("<I", size)
             pos = out.find(signature, pos + 4)
     return bytes(out)
 
@@ -226,17 +234,24 @@ def test_deserialize_raises_value_error_for_malformed_input(program_bytes):
         "meta.json is a list": _zip({**members, "meta.json": b"[1, 2]"}),
         "another format": _with_meta(members, format="something-else"),
         "a bad mesh": _with_meta(members, mesh=3),
-        "a mesh of the wrong size": _with_meta(members, mesh={"device_ids": [0, 1], "shape": [4, 2],
-                                                             "axis_names": ["x", "y"]}),
+        "a mesh of the wrong size": _with_meta(
+            members, mesh={"device_ids": [0, 1], "shape": [4, 2], "axis_names": ["x", "y"]}
+        ),
         "a bad tree": _with_meta(members, in_tree="][garbage"),
         "a missing constant": _with_meta(members, constants=[0, 1, 2, 3]),
-        "an unknown dtype": _with_meta(members, inputs=[{"leaf": 0, "arg": 0, "shape": [8, 4],
-                                                          "dtype": "float99", "spec": None}]),
+        "an unknown dtype": _with_meta(
+            members, inputs=[{"leaf": 0, "arg": 0, "shape": [8, 4], "dtype": "float99", "spec": None}]
+        ),
         "program.bin is garbage": _zip({**members, "program.bin": b"\x00" * 100}),
         "values.npz is not a zip": _zip({**members, "values.npz": b"PK\x03\x04 truncated"}),
         "a .npy header that claims more than its data": _zip(
-            {**members, "values.npz": _zip({**{k + ".npy": _npy(values[k]) for k in values.files},
-                                            "leaf9.npy": header_says_more}, method=0)}),
+            {
+                **members,
+                "values.npz": _zip(
+                    {**{k + ".npy": _npy(values[k]) for k in values.files}, "leaf9.npy": header_says_more}, method=0
+                ),
+            }
+        ),
     }
     for cut in (10, len(program_bytes) // 3, len(program_bytes) // 2, len(program_bytes) - 1):
         bad[f"truncated at {cut}"] = program_bytes[:cut]

@@ -3,6 +3,7 @@ not reproduce (a backward before the call, gradients cleared or kept, requires_g
 added and removed, a parameter replaced or its ``.data`` swapped, an optimizer group added, the
 learning rate changed, eval/train, another batch shape) interleaved with training steps gives the
 same parameters and gradients after every step as eager torch."""
+
 import copy
 
 import torch
@@ -14,9 +15,25 @@ from torch.testing import assert_close
 import shardtensor as st
 from _training_helpers import mesh_8, reset_state
 
-EVENTS = ["step", "step", "step", "step", "aux_backward", "clear_grads", "lr", "requires_grad",
-          "forward_hook", "remove_hooks", "tensor_hook", "backward_hook", "replace_param", "swap_data",
-          "add_group", "eval_train", "batch_shape"]
+EVENTS = [
+    "step",
+    "step",
+    "step",
+    "step",
+    "aux_backward",
+    "clear_grads",
+    "lr",
+    "requires_grad",
+    "forward_hook",
+    "remove_hooks",
+    "tensor_hook",
+    "backward_hook",
+    "replace_param",
+    "swap_data",
+    "add_group",
+    "eval_train",
+    "batch_shape",
+]
 _REPLAYS = []  # CompileReplay per example: the frozen path must be exercised, not only retraces
 
 
@@ -90,12 +107,14 @@ class World:
 
 def _check(ref: World, dev: World, where):
     for (name, a), b in zip(ref.model.named_parameters(), dev.model.parameters()):
-        assert_close(b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5,
-                     msg=lambda m, name=name: f"{name} after {where}: {m}")
+        assert_close(
+            b.detach().cpu(), a.detach(), rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name} after {where}: {m}"
+        )
         assert (a.grad is None) == (b.grad is None), f"{name}.grad presence differs after {where}"
         if a.grad is not None:
-            assert_close(b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-5,
-                         msg=lambda m, name=name: f"{name}.grad after {where}: {m}")
+            assert_close(
+                b.grad.cpu(), a.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}.grad after {where}: {m}"
+            )
 
 
 OPTIMIZERS = {
@@ -105,10 +124,18 @@ OPTIMIZERS = {
 }
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow],
-          phases=[Phase.explicit, Phase.generate])  # no shrinking: the failing sequence is printed as is
-@given(events=hs.lists(hs.tuples(hs.sampled_from(EVENTS), hs.floats(0.5, 2.0)), min_size=4, max_size=14),
-       optimizer=hs.sampled_from(sorted(OPTIMIZERS)), set_to_none=hs.booleans())
+@settings(
+    max_examples=10,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+    phases=[Phase.explicit, Phase.generate],
+)  # no shrinking: the failing sequence is printed as is
+@given(
+    events=hs.lists(hs.tuples(hs.sampled_from(EVENTS), hs.floats(0.5, 2.0)), min_size=4, max_size=14),
+    optimizer=hs.sampled_from(sorted(OPTIMIZERS)),
+    set_to_none=hs.booleans(),
+)
 def test_frozen_replay_equals_eager_torch(events, optimizer, set_to_none):
     reset_state()
     torch.manual_seed(0)

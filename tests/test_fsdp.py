@@ -3,6 +3,7 @@
 PyTorch/XLA's FSDPv2 cases (test_fsdp_v2.py) plus the rules of issue 5. Every numeric result is
 compared with the same module in eager PyTorch on CPU.
 """
+
 import collections
 import copy
 import dataclasses
@@ -569,7 +570,7 @@ def test_optimization_barrier_op():
     torch.testing.assert_close(gb.cpu(), b)
     (ga * 3).sum().backward()
     torch.testing.assert_close(sa.grad.cpu(), torch.full((8, 4), 3.0))
-    ca, = optimization_barrier([a])  # CPU tensors: a copy
+    (ca,) = optimization_barrier([a])  # CPU tensors: a copy
     torch.testing.assert_close(ca, a)
     # `after` adds a data dependency but changes no value: -0.0, inf and nan included, ints untouched
     special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.5, -2.0, 3.0])
@@ -727,8 +728,9 @@ def test_bf16_training():
     model = FSDPv2(model.to(torch.bfloat16), mesh=mesh)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     batches = _batches(4, torch.Generator().manual_seed(2))
-    ref_step = _train(ref, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0),
-                      torch.optim.SGD(ref.parameters(), lr=0.1))
+    ref_step = _train(
+        ref, lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0), torch.optim.SGD(ref.parameters(), lr=0.1)
+    )
     step = _train(model, lambda m: st.clip_grad_norm_(m.parameters(), 1.0), torch.optim.SGD(model.parameters(), lr=0.1))
     ref_losses, losses = [], []
     for x, y in batches:

@@ -1,5 +1,6 @@
 """Importing shardtensor changes nothing for plain PyTorch code: torch's own tools that ask the
 registered accelerator for something (pinned memory, streams) keep working on CPU tensors."""
+
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader, TensorDataset
@@ -54,9 +55,11 @@ def test_no_process_wide_warning_filters():
     assert warnings.filters == before
     assert not any("donated" in str(f[1]) for f in warnings.filters)
 
+
 # ------------------------------------------------------------------ the C++ extension's first build
 def test_without_a_prebuilt_module_the_first_import_builds_it_says_so_and_a_failed_build_warns_in_one_line(
-        monkeypatch, tmp_path, capsys):
+    monkeypatch, tmp_path, capsys
+):
     import pytest
     from torch.utils import cpp_extension
 

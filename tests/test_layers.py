@@ -4,6 +4,7 @@ The import graph is built from the source with ``ast``, imports inside functions
 lazy import cannot hide an upward dependency. A module may import modules of its own layer or of
 lower ones; the package itself (``import shardtensor``, the public API) only from the top layer.
 """
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,21 @@ LAYERS = [
     ("L3", {"graph"}),
     ("L4", {"tensor"}),
     ("L5", {"dispatch"}),
-    ("L6", {"annotate", "compiler", "replay_guard", "exporter", "explain", "debug", "nn_utils", "dynamo_backend",
-            "checkpoint", "distributed"}),
+    (
+        "L6",
+        {
+            "annotate",
+            "compiler",
+            "replay_guard",
+            "exporter",
+            "explain",
+            "debug",
+            "nn_utils",
+            "dynamo_backend",
+            "checkpoint",
+            "distributed",
+        },
+    ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
@@ -56,7 +70,7 @@ def _imports(root, path, modules):
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: from the module's package, up level - 1
                 base = me.split(".") if path.name == "__init__.py" else me.split(".")[:-1]
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
@@ -90,11 +104,15 @@ def upward_imports(graph) -> list:
             theirs, where = _part(target), f"{path}:{line}"
             if theirs == PUBLIC_API:
                 if _rank(mine) != len(LAYERS) - 1:
-                    wrong.append(f"{where}: {module} ({LAYERS[_rank(mine)][0]}) imports the package itself "
-                                 "(the public API), which only the top layer may")
+                    wrong.append(
+                        f"{where}: {module} ({LAYERS[_rank(mine)][0]}) imports the package itself "
+                        "(the public API), which only the top layer may"
+                    )
             elif _rank(theirs) > _rank(mine):
-                wrong.append(f"{where}: {module} ({LAYERS[_rank(mine)][0]}) imports {target} "
-                             f"({LAYERS[_rank(theirs)][0]}), a higher layer")
+                wrong.append(
+                    f"{where}: {module} ({LAYERS[_rank(mine)][0]}) imports {target} "
+                    f"({LAYERS[_rank(theirs)][0]}), a higher layer"
+                )
     return wrong
 
 
@@ -106,8 +124,13 @@ def import_cycles(graph) -> list:
         if _part(m) == PUBLIC_API:
             continue
         own = path.name == "__init__.py"
-        edges[m] = sorted({t for _, t in imports if t in graph and t != m and _part(t) != PUBLIC_API
-                           and not (own and t.startswith(m + "."))})
+        edges[m] = sorted(
+            {
+                t
+                for _, t in imports
+                if t in graph and t != m and _part(t) != PUBLIC_API and not (own and t.startswith(m + "."))
+            }
+        )
     cycles, state = [], {}
 
     def visit(m, stack):
@@ -115,7 +138,7 @@ def import_cycles(graph) -> list:
         stack.append(m)
         for t in edges.get(m, ()):
             if state.get(t) == "open":
-                cycles.append(stack[stack.index(t):] + [t])
+                cycles.append(stack[stack.index(t) :] + [t])
             elif t not in state:
                 visit(t, stack)
         stack.pop()
@@ -155,22 +178,27 @@ def _fake_package(tmp_path, files: dict) -> pathlib.Path:
 
 
 def test_the_checks_see_imports_inside_functions_and_cycles(tmp_path):
-    root = _fake_package(tmp_path, {
-        "__init__.py": "from shardtensor import graph, tensor\n",
-        "graph/__init__.py": "",
-        "graph/state.py": "def f():\n    from shardtensor.tensor import sharded\n",  # up: L3 -> L4
-        "graph/program.py": "from . import execute\n",
-        "graph/execute.py": "from shardtensor.graph import program\n",  # a cycle within L3
-        "tensor/__init__.py": "",
-        "tensor/sharded.py": "import shardtensor\n",  # the public API below the top layer
-        "fsdp/__init__.py": "import shardtensor as st\nfrom shardtensor.graph import state\n",  # fine
-    })
+    root = _fake_package(
+        tmp_path,
+        {
+            "__init__.py": "from shardtensor import graph, tensor\n",
+            "graph/__init__.py": "",
+            "graph/state.py": "def f():\n    from shardtensor.tensor import sharded\n",  # up: L3 -> L4
+            "graph/program.py": "from . import execute\n",
+            "graph/execute.py": "from shardtensor.graph import program\n",  # a cycle within L3
+            "tensor/__init__.py": "",
+            "tensor/sharded.py": "import shardtensor\n",  # the public API below the top layer
+            "fsdp/__init__.py": "import shardtensor as st\nfrom shardtensor.graph import state\n",  # fine
+        },
+    )
     graph = import_graph(root)
     wrong = upward_imports(graph)
     assert len(wrong) == 2, wrong
-    assert ("shardtensor/graph/state.py:2: shardtensor.graph.state (L3) imports shardtensor.tensor.sharded (L4)"
-            in wrong[0])
+    assert (
+        "shardtensor/graph/state.py:2: shardtensor.graph.state (L3) imports shardtensor.tensor.sharded (L4)" in wrong[0]
+    )
     assert "shardtensor/tensor/sharded.py:1" in wrong[1] and "public API" in wrong[1]
-    assert import_cycles(graph) == [["shardtensor.graph.execute", "shardtensor.graph.program",
-                                     "shardtensor.graph.execute"]]
+    assert import_cycles(graph) == [
+        ["shardtensor.graph.execute", "shardtensor.graph.program", "shardtensor.graph.execute"]
+    ]
     assert parts_without_layer(import_graph(_fake_package(tmp_path, {"newpart.py": ""}))) == ["newpart"]

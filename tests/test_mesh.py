@@ -1,4 +1,5 @@
 """shardtensor.mesh: Mesh validation and methods, the jax mesh, HybridMesh, the global mesh."""
+
 import copy
 import itertools
 import pickle
@@ -239,12 +240,17 @@ def test_global_mesh_identity():
 
 def _two_slices_of_v4_8():
     """PyTorch/XLA's mocked attributes: 2 slices, names and coords scrambled on purpose."""
-    slots = [(2, 0, 0, 0), (1, 1, 0, 0), (0, 0, 1, 0), (3, 1, 1, 0),
-             (4, 0, 0, 1), (7, 1, 0, 1), (6, 0, 1, 1), (5, 1, 1, 1)]
-    return [
-        {"coords": [x, y, 0], "core_on_chip": 0, "slice_index": s, "name": f"TPU:{n}"}
-        for n, x, y, s in slots
+    slots = [
+        (2, 0, 0, 0),
+        (1, 1, 0, 0),
+        (0, 0, 1, 0),
+        (3, 1, 1, 0),
+        (4, 0, 0, 1),
+        (7, 1, 0, 1),
+        (6, 0, 1, 1),
+        (5, 1, 1, 1),
     ]
+    return [{"coords": [x, y, 0], "core_on_chip": 0, "slice_index": s, "name": f"TPU:{n}"} for n, x, y, s in slots]
 
 
 def test_hybrid_mesh_orders_scrambled_tpu_slices_as_pytorch_xla():
@@ -263,7 +269,9 @@ def test_hybrid_mesh_attributes_can_be_injected():
 def test_hybrid_mesh_slices_on_the_data_axis():
     # PyTorch/XLA's docstring example: 2 slices of v4-8, ici (1, 4, 1), dcn (2, 1, 1).
     mesh = HybridMesh(
-        ici_mesh_shape=(1, 4, 1), dcn_mesh_shape=(2, 1, 1), axis_names=("data", "fsdp", "tensor"),
+        ici_mesh_shape=(1, 4, 1),
+        dcn_mesh_shape=(2, 1, 1),
+        axis_names=("data", "fsdp", "tensor"),
         device_attributes=_two_slices_of_v4_8(),
     )
     assert mesh.shape() == OrderedDict([("data", 2), ("fsdp", 4), ("tensor", 1)])
@@ -296,7 +304,9 @@ def test_hybrid_mesh_on_cpu_is_row_major():
     mesh = HybridMesh(ici_mesh_shape=(4, 2), axis_names=("x", "y"))
     assert mesh == Mesh(range(8), (4, 2), ("x", "y"))
     assert HybridMesh(ici_mesh_shape=(2, 4), dcn_mesh_shape=(1, 1)).get_logical_mesh().tolist() == [
-        [0, 1, 2, 3], [4, 5, 6, 7]]
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+    ]
 
 
 def test_hybrid_mesh_keyword_only():
@@ -311,8 +321,7 @@ def test_single_slice_tpu_follows_coords():
     mesh = HybridMesh(ici_mesh_shape=(2, 4), device_attributes=attributes)
     by_position = {c: i for i, c in coords.items()}
     # Logical axis 1 (size 4, assigned first) takes physical y; axis 0 takes physical x.
-    assert mesh.get_logical_mesh().tolist() == [
-        [by_position[(x, y)] for y in range(4)] for x in range(2)]
+    assert mesh.get_logical_mesh().tolist() == [[by_position[(x, y)] for y in range(4)] for x in range(2)]
 
 
 # --- the layouts against jax.experimental.mesh_utils -----------------------------------------------
@@ -330,8 +339,15 @@ def _tpu_slice(extent, kind, cores=1, slice_index=None, first_id=0):
     ``slice_index`` only when given (a multislice job)."""
     out = []
     for z, y, x, c in itertools.product(*(range(n) for n in reversed(extent)), range(cores)):
-        out.append({"id": first_id + len(out), "name": f"TPU:{first_id + len(out)}", "coords": [x, y, z],
-                    "core_on_chip": c, "device_kind": kind})
+        out.append(
+            {
+                "id": first_id + len(out),
+                "name": f"TPU:{first_id + len(out)}",
+                "coords": [x, y, z],
+                "core_on_chip": c,
+                "device_kind": kind,
+            }
+        )
         if slice_index is not None:
             out[-1]["slice_index"] = slice_index
     return out
@@ -367,8 +383,9 @@ def test_slice_layout_keeps_pytorch_xla_order_where_jax_has_a_kind_rule():
 
 
 def test_multislice_blocks_are_jax_hybrid_mesh():
-    attributes = _tpu_slice((2, 2, 1), "TPU v4", slice_index=0) + _tpu_slice((2, 2, 1), "TPU v4", slice_index=1,
-                                                                               first_id=4)
+    attributes = _tpu_slice((2, 2, 1), "TPU v4", slice_index=0) + _tpu_slice(
+        (2, 2, 1), "TPU v4", slice_index=1, first_id=4
+    )
     for ici, dcn in (((1, 4), (2, 1)), ((2, 2), (1, 2)), ((4, 1), (2, 1))):
         ours = HybridMesh(ici_mesh_shape=ici, dcn_mesh_shape=dcn, device_attributes=attributes).get_logical_mesh()
         theirs = mesh_utils.create_hybrid_device_mesh(ici, dcn, [_JaxDevice(a) for a in attributes])

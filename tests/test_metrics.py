@@ -1,4 +1,5 @@
 """Issue 4 §2: metrics and counters with PyTorch/XLA's names, API and report format."""
+
 import re
 import time
 
@@ -13,9 +14,11 @@ from shardtensor import metrics
 TIME = r"(\d\dh)?(\d\dm)?(\d\ds)?(\d{3}ms)?\d{3}\.\d{3}us"
 VALUE = rf"({TIME}|-?\d+\.\d\d[KMGT]?B|-?\d+\.\d\d)"
 PERCENTILES = "; ".join(f"{p}%={VALUE}" for p in (1, 5, 10, 20, 50, 80, 90, 95, 99))
-METRIC_BLOCK = (rf"Metric: \S+\n  TotalSamples: \d+\n  Accumulator: {VALUE}\n"
-                rf"(  ValueRate: {VALUE} / second\n  Rate: [0-9.e+-]+ / second\n)?"
-                rf"  Percentiles: {PERCENTILES}\n")
+METRIC_BLOCK = (
+    rf"Metric: \S+\n  TotalSamples: \d+\n  Accumulator: {VALUE}\n"
+    rf"(  ValueRate: {VALUE} / second\n  Rate: [0-9.e+-]+ / second\n)?"
+    rf"  Percentiles: {PERCENTILES}\n"
+)
 COUNTER_BLOCK = r"Counter: \S+\n  Value: \d+\n"
 REPORT = re.compile(rf"({METRIC_BLOCK})*({COUNTER_BLOCK})*")
 
@@ -95,9 +98,14 @@ def test_short_report_defaults_names_and_decomposition_counters():
     metrics.increment("Decomposition::aten.fake_op.default")
     short = st.short_metrics_report()
     assert REPORT.fullmatch(short), short
-    for name in ("Metric: CompileTime", "Metric: ExecuteTime", "Metric: ExecuteReplicatedTime",
-                 "Counter: CachedCompile", "Counter: MarkStep",
-                 "Counter: Decomposition::aten.fake_op.default"):
+    for name in (
+        "Metric: CompileTime",
+        "Metric: ExecuteTime",
+        "Metric: ExecuteReplicatedTime",
+        "Counter: CachedCompile",
+        "Counter: MarkStep",
+        "Counter: Decomposition::aten.fake_op.default",
+    ):
         assert name in short
     assert "UncachedCompile" not in short and "LazyTracing" not in short
     chosen = st.short_metrics_report(["UncachedCompile"], ["LazyTracing"])
@@ -105,7 +113,8 @@ def test_short_report_defaults_names_and_decomposition_counters():
     assert "Counter: UncachedCompile\n  Value: 1\n" in chosen
     assert "CompileTime" not in chosen and "Decomposition::aten.fake_op.default" in chosen
     assert st.short_metrics_report(["NoSuchCounter"], ["NoSuchMetric"]) == (
-        "Counter: Decomposition::aten.fake_op.default\n  Value: 1\n")
+        "Counter: Decomposition::aten.fake_op.default\n  Value: 1\n"
+    )
 
 
 def test_clear_functions():
@@ -131,8 +140,10 @@ def test_value_formats_and_percentiles():
     block = report.split("Metric: TestOnlyBytes\n")[1].split("Metric:")[0].split("Counter:")[0]
     assert "  TotalSamples: 100\n  Accumulator: 4.93KB\n" in block  # 5050 bytes
     # the sample at rank floor(p * n / 100) of the sorted values
-    assert ("  Percentiles: 1%=2.00B; 5%=6.00B; 10%=11.00B; 20%=21.00B; 50%=51.00B; 80%=81.00B; "
-            "90%=91.00B; 95%=96.00B; 99%=100.00B\n") in block
+    assert (
+        "  Percentiles: 1%=2.00B; 5%=6.00B; 10%=11.00B; 20%=21.00B; 50%=51.00B; 80%=81.00B; "
+        "90%=91.00B; 95%=96.00B; 99%=100.00B\n"
+    ) in block
     assert metrics._format_time(6378) == "006.378us"
     assert metrics._format_time(186062970) == "186ms062.970us"
     assert metrics._format_time(9969486408) == "09s969ms486.408us"

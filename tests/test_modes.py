@@ -1,5 +1,6 @@
 """Issue 2 §6: lazy mode (recording, sync, step, implicit sync on reads, the executable cache,
 Python scalars as graph inputs, donation, counters) and eager mode."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -136,8 +137,9 @@ def test_step_does_not_sync_when_block_raises():
     assert n("ExecuteReplicated") == 1
 
 
-@pytest.mark.parametrize("reader", ["cpu", "to_cpu", "item", "tolist", "numpy", "print", "repr", "bool",
-                                    "float", "format"])
+@pytest.mark.parametrize(
+    "reader", ["cpu", "to_cpu", "item", "tolist", "numpy", "print", "repr", "bool", "float", "format"]
+)
 def test_reading_a_value_syncs(reader, capsys):
     a, x = _x()
     s = x.sum()
@@ -175,7 +177,7 @@ def test_reading_a_value_syncs(reader, capsys):
 def test_print_replicated_and_sharded_results(capsys):
     """Printing works for replicated tensors, user-sharded ones and results whose layout XLA chose."""
     a, x = _x()
-    r = (torch.arange(4.0).to(st.device()) + 1)
+    r = torch.arange(4.0).to(st.device()) + 1
     y = x * 2  # sharded input, no user spec: XLA picks the layout
     for t, expected in ((x, a), (r, torch.arange(4.0) + 1), (y, a * 2)):
         text = repr(t)
@@ -234,8 +236,9 @@ def test_training_loop_compiles_once():
     assert n("TransferToDevice") == 0
     assert n("TransferFromDevice") == 0
     ref_losses = [_step(ref, ref_opt, x, y).item() for x, y in batches]
-    torch.testing.assert_close(torch.stack([loss.cpu() for loss in losses]), torch.tensor(ref_losses[2:]),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.stack([loss.cpu() for loss in losses]), torch.tensor(ref_losses[2:]), rtol=1e-4, atol=1e-5
+    )
     for (name, p), q in zip(dev.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
@@ -358,6 +361,7 @@ def test_eager_mode_context_manager_restores_mode():
 
 def test_eager_mode_as_decorator():
     """eager_mode is a ContextDecorator: decorating must not switch the mode at definition time."""
+
     @st.eager_mode(True)
     def f(t):
         assert st.is_eager_mode()

@@ -2,6 +2,7 @@
 collectives on 127.0.0.1) form one 8-device mesh. Device ids, uploads, readback (even and uneven),
 MpDeviceLoader's per-process minibatches and FSDPv2 training (lazy and st.compile), each compared
 with eager torch."""
+
 import json
 import os
 import pathlib
@@ -26,11 +27,21 @@ def _free_port() -> int:
 def reports():
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
-    env.update(SHARDTENSOR_CPU_DEVICES="4", SHARDTENSOR_PLATFORM="cpu",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]))
-    procs = [subprocess.Popen([sys.executable, str(HERE / "_multihost_worker.py"), str(port), str(pid)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in range(2)]
+    env.update(
+        SHARDTENSOR_CPU_DEVICES="4",
+        SHARDTENSOR_PLATFORM="cpu",
+        PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "_multihost_worker.py"), str(port), str(pid)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(2)
+    ]
     try:
         outputs = [p.communicate(timeout=300) for p in procs]
     finally:

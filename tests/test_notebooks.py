@@ -11,6 +11,7 @@ with the cell's number and its traceback.
 The process starts without the device variables conftest.py sets, so the notebook's own first cell
 is what configures JAX, as it is for a user.
 """
+
 import json
 import os
 import subprocess
@@ -92,8 +93,11 @@ print(f"----- all {number} code cells ran")
 
 def _env():
     """The environment without the test suite's device set-up: the notebook does its own."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS", "SHARDTENSOR_DEBUG")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SHARDTENSOR_CPU_DEVICES", "SHARDTENSOR_PLATFORM", "XLA_FLAGS", "SHARDTENSOR_DEBUG")
+    }
     env["XLA_FLAGS"] = os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", "")  # (no device count)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("MPLBACKEND", "Agg")  # a notebook that plots must not look for a display
@@ -111,11 +115,18 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs_top_to_bottom(path):
-    proc = subprocess.run([sys.executable, "-c", RUNNER, str(path)], cwd=path.parent, env=_env(),
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(path)],
+        cwd=path.parent,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, (
         f"{path.name} failed (exit {proc.returncode})\n--- stdout (end)\n{proc.stdout[-4000:]}\n"
-        f"--- stderr (end)\n{proc.stderr[-8000:]}")
+        f"--- stderr (end)\n{proc.stderr[-8000:]}"
+    )
     assert f"all {len(_code_cells(path))} code cells ran" in proc.stdout, proc.stdout[-2000:]
 
 

@@ -1,4 +1,5 @@
 """The package carries what a library on PyPI is expected to: a license, metadata, a typing marker."""
+
 import inspect
 import pathlib
 import tomllib
@@ -41,8 +42,11 @@ def test_all_names_the_public_api():
 def _unannotated(fn) -> list[str]:
     """The parameters of ``fn`` without an annotation, and '->' when its return has none."""
     signature = inspect.signature(fn)
-    missing = [name for name, p in signature.parameters.items()
-               if name not in ("self", "cls") and p.annotation is inspect.Parameter.empty]
+    missing = [
+        name
+        for name, p in signature.parameters.items()
+        if name not in ("self", "cls") and p.annotation is inspect.Parameter.empty
+    ]
     if fn.__name__ != "__init__" and signature.return_annotation is inspect.Signature.empty:
         missing.append("->")
     return missing
@@ -96,9 +100,11 @@ def test_the_package_carries_its_compiled_device_guard():
 
     from shardtensor.tensor import device
 
-    how_to = ("the package was installed without its compiled module (no compiler, or installed before "
-              "setup.py existed): reinstall it (`make install` / `pip install --no-build-isolation -e .`) "
-              "or build it in place: `python setup.py build_ext --inplace`")
+    how_to = (
+        "the package was installed without its compiled module (no compiler, or installed before "
+        "setup.py existed): reinstall it (`make install` / `pip install --no-build-isolation -e .`) "
+        "or build it in place: `python setup.py build_ext --inplace`"
+    )
     assert device.EXT is not None, how_to
     assert device.EXT.__name__ == "shardtensor.tensor._device_ext", f"{how_to}; loaded {device.EXT.__file__}"
     assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent

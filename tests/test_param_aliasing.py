@@ -12,6 +12,7 @@ an out-of-memory on the devices does (the real one, on some devices only, runs i
 ``bench/reliability.py``, which ``test_reliability.py`` runs). Every number is compared with eager
 torch on CPU.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,8 +51,16 @@ def _clean(monkeypatch):
 # --- the knob -------------------------------------------------------------------------------------
 def test_the_environment_sets_the_default(monkeypatch):
     assert st.param_aliasing_enabled()  # on by default, as in PyTorch/XLA
-    for text, expected in (("0", False), ("false", False), (" OFF ", False), ("no", False),
-                           ("1", True), ("TRUE", True), ("yes", True), ("2", True)):
+    for text, expected in (
+        ("0", False),
+        ("false", False),
+        (" OFF ", False),
+        ("no", False),
+        ("1", True),
+        ("TRUE", True),
+        ("yes", True),
+        ("2", True),
+    ):
         monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", text)
         assert st.param_aliasing_enabled() is expected, text
     monkeypatch.setenv("XLA_ENABLE_PARAM_ALIASING", "0")
@@ -230,8 +239,13 @@ def _poisoner(sharding):
     collective, so no device is left waiting for another)."""
 
     def copy_failing(x):
-        fault = jax.shard_map(lambda: jax.pure_callback(_fail_here, jax.ShapeDtypeStruct((), jnp.int8)),
-                              mesh=sharding.mesh, in_specs=(), out_specs=JaxSpec(), check_vma=False)()
+        fault = jax.shard_map(
+            lambda: jax.pure_callback(_fail_here, jax.ShapeDtypeStruct((), jnp.int8)),
+            mesh=sharding.mesh,
+            in_specs=(),
+            out_specs=JaxSpec(),
+            check_vma=False,
+        )()
         return x + fault.astype(x.dtype)
 
     return jax.jit(copy_failing, out_shardings=sharding)
@@ -248,8 +262,13 @@ def _reset_runtime_tokens():
     """JAX keeps each device's last host-callback token; a failed one would make jax's exit hook
     complain. One good callback program on each device replaces them."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("all",))
-    ok = jax.shard_map(lambda: jax.pure_callback(lambda: np.int8(0), jax.ShapeDtypeStruct((), jnp.int8)),
-                       mesh=mesh, in_specs=(), out_specs=JaxSpec(), check_vma=False)
+    ok = jax.shard_map(
+        lambda: jax.pure_callback(lambda: np.int8(0), jax.ShapeDtypeStruct((), jnp.int8)),
+        mesh=mesh,
+        in_specs=(),
+        out_specs=JaxSpec(),
+        check_vma=False,
+    )
     jax.jit(ok)().block_until_ready()
 
 
@@ -357,7 +376,7 @@ def _warm_up(mode, monkeypatch=None):
     mesh, ref, dev, ref_opt, dev_opt = _setup()
     device_step = _device_step(mode[0], dev, dev_opt, mesh)
     batches = _batches(6)
-    _train_alike(device_step, ref, ref_opt, dev, dev_opt, batches[:3 if mode[0] == "compile" else 2])
+    _train_alike(device_step, ref, ref_opt, dev, dev_opt, batches[: 3 if mode[0] == "compile" else 2])
     return ref, dev, ref_opt, dev_opt, device_step, batches
 
 
@@ -371,8 +390,11 @@ def test_off_a_failure_while_running_keeps_every_input(mode, monkeypatch):
         loss = device_step(x, y)  # dispatched: the failure shows only on the devices
     if mode == "compile":
         assert (st.counter_value("CompileReplay") or 0) == replays + 1  # a frozen replay failed
-    with pytest.raises(st.ExecutionFailedError, match=r"injected device fault\. The \d+ tensor\(s\) it was updating "
-                       r"in place \(parameters, optimizer state\) keep their values from before it") as failure:
+    with pytest.raises(
+        st.ExecutionFailedError,
+        match=r"injected device fault\. The \d+ tensor\(s\) it was updating "
+        r"in place \(parameters, optimizer state\) keep their values from before it",
+    ) as failure:
         loss.item()
     assert "test_param_aliasing.py:" in str(failure.value)  # the user's line that ran it
     assert not isinstance(failure.value, st.ConsumedInputError)
@@ -424,9 +446,12 @@ def test_on_a_consumed_input_says_so_when_read(mode, monkeypatch):
     with failing_runs(monkeypatch):
         loss = device_step(x, y)
     program = "compiled function step" if mode == "compile" else r"a program of \d+ ops"
-    with pytest.raises(st.ExecutionFailedError, match=rf"^{program} .*\(run from test_param_aliasing\.py:\d+\) failed "
-                       r"while it ran on the devices: .*injected device fault\. It had consumed the buffers of "
-                       r"\d+ tensor\(s\)"):
+    with pytest.raises(
+        st.ExecutionFailedError,
+        match=rf"^{program} .*\(run from test_param_aliasing\.py:\d+\) failed "
+        r"while it ran on the devices: .*injected device fault\. It had consumed the buffers of "
+        r"\d+ tensor\(s\)",
+    ):
         loss.item()
     state = _state(dev, dev_opt)
     for name, t in state.items():
@@ -434,8 +459,14 @@ def test_on_a_consumed_input_says_so_when_read(mode, monkeypatch):
             t.cpu()
         text = str(consumed.value)
         assert text.startswith(f"this tensor's value (a {tuple(t.shape)} torch.float32 tensor) was consumed by"), text
-        for part in ("failed while it ran on the devices", "injected device fault", "test_param_aliasing.py:",
-                     "checkpoint", "XLA_ENABLE_PARAM_ALIASING=0", "st.set_param_aliasing(False)"):
+        for part in (
+            "failed while it ran on the devices",
+            "injected device fault",
+            "test_param_aliasing.py:",
+            "checkpoint",
+            "XLA_ENABLE_PARAM_ALIASING=0",
+            "st.set_param_aliasing(False)",
+        ):
             assert part in text, (name, part, text)
         assert "deleted" not in text
     # what the step only read is intact

@@ -7,6 +7,7 @@ meshes (8,), (4, 2), (2, 2, 2), (1, 8) with random device orders, and random par
 * resharding (``st.shard`` of a ShardedTensor, ``mark_sharding`` of a replicated tensor) keeps values;
 * in-place ops through views of uneven sharded tensors equal torch.
 """
+
 import math
 
 import pytest
@@ -22,8 +23,7 @@ from tensor_helpers import check_cover, isolate_lazy_graph
 MESH_SHAPES = {(8,): ("a",), (4, 2): ("x", "y"), (2, 2, 2): ("p", "q", "r"), (1, 8): ("u", "v")}
 _MESHES = {}
 
-SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                    print_blob=True)
+SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
 # tests that compile a new program per example
 HEAVY = settings(SETTINGS, max_examples=25)
 # eager mode compiles every op on its own (slow on CPU): one example in three
@@ -180,7 +180,10 @@ def test_mark_sharding_on_pending_result(case, data):
 
 def _elementwise(a, b):
     return [
-        a * b - 1.5, a / (b.abs() + 1), torch.where(a > b, a, b * 2), a.exp() - b.tanh(),
+        a * b - 1.5,
+        a / (b.abs() + 1),
+        torch.where(a > b, a, b * 2),
+        a.exp() - b.tanh(),
         torch.maximum(a, b) + (a > 0).float(),
     ]
 
@@ -214,8 +217,14 @@ def test_reductions_equal_torch(case, eager, data):
 
         def ops(a, ai):
             return [
-                a.sum(), a.sum(dim, keepdim=keepdim), a.amax(dim, keepdim=keepdim), a.argmax(dim),
-                torch.softmax(a, dim), ai.sum(dim), (a > 0).any(dim), a.var(dim, unbiased=False),
+                a.sum(),
+                a.sum(dim, keepdim=keepdim),
+                a.amax(dim, keepdim=keepdim),
+                a.argmax(dim),
+                torch.softmax(a, dim),
+                ai.sum(dim),
+                (a > 0).any(dim),
+                a.var(dim, unbiased=False),
             ]
 
         for k, (g, w) in enumerate(zip(ops(x, xi), ops(t, i))):

@@ -1,5 +1,6 @@
 """Issue 2 §6: random numbers — torch.manual_seed / st.manual_seed reproduce them, each draw (and
 each dropout) gives new numbers, and the values are the same whatever the mesh, spec or mode."""
+
 import pytest
 import torch
 import torch.nn.functional as F

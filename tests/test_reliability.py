@@ -7,6 +7,7 @@ address-space limits must not touch the test process). The rest checks the piece
 the memory limit knob, the deferral of SIGINT, an interruptible wait, and what a refused or failed
 run leaves (inputs intact, results raising).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,17 +31,26 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_interrupted_and_failed_steps_lose_nothing():
     env = dict(os.environ, PYTHONPATH=str(ROOT), SHARDTENSOR_CPU_DEVICES="8", SHARDTENSOR_PLATFORM="cpu")
     env.pop("SHARDTENSOR_DEVICE_MEMORY", None)
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / "reliability.py"), "--interrupts", "8"],
-                            check=False, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "reliability.py"), "--interrupts", "8"],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(result.stdout)
     assert "interrupts tried / state lost: 16 / 0" in result.stdout, result.stdout + result.stderr
     assert "failed executions tried / state lost: 5 / 0" in result.stdout, result.stdout + result.stderr
     # a program that runs out of memory on some devices while it runs: with parameter aliasing on, the
     # weight and momentum it updated were donated, lost, and say so when read; off, both are kept
-    assert ("parameter aliasing on (donated): 1 tried, 1 raised on read, 0 hung, state lost: 2 of 2, "
-            "lost without a clear error: 0") in result.stdout, result.stdout + result.stderr
-    assert ("parameter aliasing off: 1 tried, 1 raised on read, 0 hung, state lost: 0 of 2, "
-            "lost without a clear error: 0") in result.stdout, result.stdout + result.stderr
+    assert (
+        "parameter aliasing on (donated): 1 tried, 1 raised on read, 0 hung, state lost: 2 of 2, "
+        "lost without a clear error: 0"
+    ) in result.stdout, result.stdout + result.stderr
+    assert (
+        "parameter aliasing off: 1 tried, 1 raised on read, 0 hung, state lost: 0 of 2, lost without a clear error: 0"
+    ) in result.stdout, result.stdout + result.stderr
     assert result.returncode == 0, result.stderr
 
 

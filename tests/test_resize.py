@@ -5,6 +5,7 @@ eager torch on CPU, on sharded tensors, in lazy and eager mode: values, shapes, 
 offsets, that the tensor object stays the same, that views taken before still alias it, and
 gradients.
 """
+
 import warnings
 
 import pytest
@@ -102,8 +103,9 @@ def test_inplace_view_op_errors_as_torch(eager):
         x = _sharded(torch.randn(4, 6))
         with pytest.raises(IndexError, match="Dimension out of range"):
             x.transpose_(0, 2)
-        with pytest.raises(RuntimeError,
-                           match="t_\\(\\) expects a tensor with <= 2 dimensions|expects a tensor with <= 2"):
+        with pytest.raises(
+            RuntimeError, match="t_\\(\\) expects a tensor with <= 2 dimensions|expects a tensor with <= 2"
+        ):
             x.unsqueeze(0).t_()
         with pytest.raises(RuntimeError, match="out of bounds for storage"):
             x.as_strided_((5, 6), (6, 1))
@@ -122,6 +124,7 @@ def test_without_the_cpp_extension_in_place_shape_changes_are_a_clear_error(monk
 
 
 # --- autograd -------------------------------------------------------------------------------------
+
 
 def _grad_of(fn, t, device):
     leaf = (t.clone() if device == "cpu" else _sharded(t)).requires_grad_()
@@ -246,11 +249,14 @@ def test_resize_within_storage_is_a_view_of_it(name, eager):
 
 
 @modes()
-@pytest.mark.parametrize("spec, shape, kept", [
-    (("x", "y"), (8, 6), True),  # same rank, every sharded dim has an element per shard
-    (("x", "y"), (8, 1, 4), False),  # rank changed: replicated
-    (("x", None), (2, 30), False),  # 2 rows over 4 shards: replicated
-])
+@pytest.mark.parametrize(
+    "spec, shape, kept",
+    [
+        (("x", "y"), (8, 6), True),  # same rank, every sharded dim has an element per shard
+        (("x", "y"), (8, 1, 4), False),  # rank changed: replicated
+        (("x", None), (2, 30), False),  # 2 rows over 4 shards: replicated
+    ],
+)
 def test_resize_growing_keeps_old_values_first_and_decides_sharding(spec, shape, kept, eager):
     t = torch.randn(4, 6)
     with mode(eager):
@@ -304,6 +310,7 @@ def test_resize_as_and_out_resize(eager):
 
 # --- set_ -------------------------------------------------------------------------------------------
 
+
 @modes()
 def test_set_shares_the_source(eager):
     t = torch.randn(4, 6)
@@ -329,6 +336,7 @@ def test_set_shares_the_source(eager):
 
 # --- special ops ------------------------------------------------------------------------------------
 
+
 @modes()
 @pytest.mark.parametrize("size, fill", [(10, -1), (3, 7), (0, -1)])
 def test_nonzero_static(size, fill, eager):
@@ -336,10 +344,13 @@ def test_nonzero_static(size, fill, eager):
     with mode(eager):
         x = st.shard(t, MESH_42, ("x", None))
         # (strides as torch's meta kernel gives them, which are CUDA's (1, size), not CPU's)
-        for got, want in ((torch.nonzero_static(x, size=size, fill_value=fill),
-                           torch.nonzero_static(t, size=size, fill_value=fill)),
-                          (torch.nonzero_static(torch.tensor(2.0).to(st.device()), size=2),
-                           torch.nonzero_static(torch.tensor(2.0), size=2))):
+        for got, want in (
+            (torch.nonzero_static(x, size=size, fill_value=fill), torch.nonzero_static(t, size=size, fill_value=fill)),
+            (
+                torch.nonzero_static(torch.tensor(2.0).to(st.device()), size=2),
+                torch.nonzero_static(torch.tensor(2.0), size=2),
+            ),
+        ):
             assert got.shape == want.shape and got.dtype == want.dtype
             assert_close(got.cpu(), want)
 
@@ -361,8 +372,9 @@ def test_unique_ops_run_on_the_host(eager):
     t = torch.tensor([3, 1, 3, 2, 1, 5, 3, 0])
     with mode(eager):
         x = st.shard(t, MESHES["8"], ("x",))
-        for got, want in zip(torch.ops.aten._unique.default(x, True, True),
-                             torch.ops.aten._unique.default(t, True, True)):
+        for got, want in zip(
+            torch.ops.aten._unique.default(x, True, True), torch.ops.aten._unique.default(t, True, True)
+        ):
             _same(got, want)
 
 

@@ -1,4 +1,5 @@
 """shardtensor.runtime: devices, attributes, SPMD mode, and how the environment configures JAX."""
+
 import json
 import os
 import socket
@@ -22,7 +23,11 @@ def run_python(code: str, timeout=120, **env_vars) -> subprocess.CompletedProces
     env["PYTHONPATH"] = str(REPO)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -133,9 +138,7 @@ def test_cpu_device_count_when_jax_imported_but_not_started():
 
 
 def test_platform_from_environment():
-    result = run_python(
-        "import shardtensor.runtime as rt; print(rt.platform())", SHARDTENSOR_PLATFORM="CPU"
-    )
+    result = run_python("import shardtensor.runtime as rt; print(rt.platform())", SHARDTENSOR_PLATFORM="CPU")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["cpu"]
 
@@ -245,7 +248,11 @@ def test_initialize_distributed_two_cpu_processes():
     processes = [
         subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code.format(port=port, pid=pid))],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for pid in range(2)
     ]

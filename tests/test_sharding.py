@@ -1,5 +1,6 @@
 """shardtensor.sharding: spec rules, sharding strings, placement math — against PyTorch/XLA's facts
 and, for random cases, against JAX/XLA themselves."""
+
 import copy
 import math
 import pickle
@@ -64,8 +65,7 @@ def test_tiled_y_x():
 
 
 def test_partial_x_none():
-    assert sharding_string(MESH_42, ("x", None), 2) == (
-        "{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}")
+    assert sharding_string(MESH_42, ("x", None), 2) == ("{devices=[4,1,2]0,1,2,3,4,5,6,7 last_tile_dim_replicate}")
     assert sharding_type(MESH_42, ("x", None), 2) == ShardingType.PARTIAL
     p = by_device((8, 4), MESH_42, ("x", None))
     for k in range(4):
@@ -76,8 +76,7 @@ def test_partial_x_none():
 
 
 def test_partial_none_y():
-    assert sharding_string(MESH_42, (None, "y"), 2) == (
-        "{devices=[1,2,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}")
+    assert sharding_string(MESH_42, (None, "y"), 2) == ("{devices=[1,2,4]0,2,4,6,1,3,5,7 last_tile_dim_replicate}")
     p = by_device((8, 4), MESH_42, (None, "y"))
     for d in range(8):
         assert p[d].indices == (s(0, 8), s(2 * (d % 2), 2 * (d % 2) + 2))
@@ -129,11 +128,9 @@ def test_uneven_on_a_one_dimensional_mesh():
 
 def test_sixteen_by_sixteen_on_r_b_m():
     mesh = Mesh(range(8), (1, 2, 4), ("r", "b", "m"))
-    assert sharding_string(mesh, (("r", "b"), None), 2) == (
-        "{devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}")
+    assert sharding_string(mesh, (("r", "b"), None), 2) == ("{devices=[2,1,4]0,1,2,3,4,5,6,7 last_tile_dim_replicate}")
     assert sharding_string(mesh, (None, ("b", "m")), 2) == "{devices=[1,8]0,1,2,3,4,5,6,7}"
-    assert sharding_string(mesh, (None, ("r", "m")), 2) == (
-        "{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}")
+    assert sharding_string(mesh, (None, ("r", "m")), 2) == ("{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}")
     assert sharding_string(mesh, (None, ("m", "b")), 2) == "{devices=[1,8]0,4,1,5,2,6,3,7}"
 
 
@@ -163,7 +160,8 @@ def test_scalar_is_replicated():
     assert sharding_string(MESH_42, (), 0) == "{replicated}"
     assert sharding_type(MESH_42, P(), 0) == ShardingType.REPLICATED
     assert [(p.indices, p.replica_id, p.padded_shape) for p in placements((), MESH_42, ())] == [
-        (Ellipsis, d, ()) for d in range(8)]
+        (Ellipsis, d, ()) for d in range(8)
+    ]
 
 
 # --------------------------------------------------------------------------- PyTorch/XLA's test bullets (n = 8)
@@ -196,8 +194,11 @@ def test_sixteen_by_sixteen_none_1_on_n_half_by_2():
 
 @pytest.mark.parametrize(
     "mesh_shape, spec, expected",
-    [((2, 4), (0, 1), ShardingType.TILED), ((2, 4), (None, None), ShardingType.REPLICATED),
-     ((4, 2), (None, 1), ShardingType.PARTIAL)],
+    [
+        ((2, 4), (0, 1), ShardingType.TILED),
+        ((2, 4), (None, None), ShardingType.REPLICATED),
+        ((4, 2), (None, 1), ShardingType.PARTIAL),
+    ],
 )
 def test_sharding_types(mesh_shape, spec, expected):
     assert sharding_type(Mesh(range(8), mesh_shape), spec, 2) == expected
@@ -239,9 +240,11 @@ def test_named_spec_model_data():
 
 @pytest.mark.parametrize(
     "shape, mesh_shape, spec, expected",
-    [((8, 16), (1, 8), (1, 0), (1, 16)),
-     ((4, 8, 16), (2, 1, 4), (1, 2, 0), (4, 2, 8)),
-     ((8, 8, 8, 8), (2, 1, 1, 4), (3, 1, 2, 0), (2, 8, 8, 4))],
+    [
+        ((8, 16), (1, 8), (1, 0), (1, 16)),
+        ((4, 8, 16), (2, 1, 4), (1, 2, 0), (4, 2, 8)),
+        ((8, 8, 8, 8), (2, 1, 1, 4), (3, 1, 2, 0), (2, 8, 8, 4)),
+    ],
 )
 def test_unordered_specs(shape, mesh_shape, spec, expected):
     assert shard_shape(shape, Mesh(range(8), mesh_shape), spec) == expected
@@ -249,8 +252,7 @@ def test_unordered_specs(shape, mesh_shape, spec, expected):
 
 def test_fsdp_multislice_strings():
     mesh = Mesh(range(8), (2, 4, 1), ("data", "fsdp", "tensor"))
-    assert sharding_string(mesh, (None, "fsdp"), 2) == (
-        "{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}")
+    assert sharding_string(mesh, (None, "fsdp"), 2) == ("{devices=[1,4,2]0,4,1,5,2,6,3,7 last_tile_dim_replicate}")
     assert sharding_string(mesh, (("data", "fsdp"), None), 2) == "{devices=[8,1]0,1,2,3,4,5,6,7}"
 
 
@@ -263,8 +265,9 @@ def test_error_wrong_length():
 
 
 def test_error_unknown_axis_name():
-    with pytest.raises(ShardingSpecError,
-                       match=r"Axis name z is not defined in the given mesh \(its axes are \('x', 'y'\)\)"):
+    with pytest.raises(
+        ShardingSpecError, match=r"Axis name z is not defined in the given mesh \(its axes are \('x', 'y'\)\)"
+    ):
         normalize_spec(MESH_42, ("z", None), 2)
 
 
@@ -298,8 +301,9 @@ def test_error_index_out_of_range(index):
 
 
 def test_error_spec_not_a_tuple():
-    with pytest.raises(ShardingSpecError,
-                       match=r"A partition spec must be a tuple, got 'x'; for one dimension write \('x',\)"):
+    with pytest.raises(
+        ShardingSpecError, match=r"A partition spec must be a tuple, got 'x'; for one dimension write \('x',\)"
+    ):
         normalize_spec(MESH_42, "x", 1)
 
 

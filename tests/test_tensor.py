@@ -3,6 +3,7 @@ conversions, repr, clone/deepcopy, torch.save, the torch device, mixing with CPU
 
 Every numeric result is compared with eager PyTorch on CPU.
 """
+
 import copy
 import os
 import subprocess
@@ -58,8 +59,18 @@ def test_shard_torch_cpu_roundtrip(mesh_name, shape):
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
-     torch.uint8, torch.bool, torch.complex64],
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+    ],
     ids=str,
 )
 def test_shard_keeps_every_dtype_exactly(dtype):
@@ -246,7 +257,7 @@ def test_issue_facts_x_none_partial_replication():
         for replica, dev in enumerate((2 * k, 2 * k + 1)):
             assert shards[dev].indices == (s(2 * k, 2 * k + 2), s(0, 4))
             assert shards[dev].replica_id == replica
-            assert torch.equal(shards[dev].data, t[2 * k:2 * k + 2])
+            assert torch.equal(shards[dev].data, t[2 * k : 2 * k + 2])
     check_cover(x, t)
 
 
@@ -584,8 +595,9 @@ def test_cpu_copy_is_independent_of_device_value():
                 assert torch.equal(x.cpu(), torch.zeros(8, dtype=dtype)), (dtype, spec)
 
 
-@pytest.mark.parametrize("how", ["to_device", "shard_replicated", "shard_sharded", "shard_uneven", "numpy",
-                                 "copy_into", "model_to"])
+@pytest.mark.parametrize(
+    "how", ["to_device", "shard_replicated", "shard_sharded", "shard_uneven", "numpy", "copy_into", "model_to"]
+)
 def test_device_value_does_not_alias_the_cpu_source(how):
     # Uploading copies: changing the CPU source afterwards must not change the device tensor.
     t = torch.zeros(8)
@@ -700,7 +712,6 @@ def test_like_factories_keep_sharding(like):
         assert_close(y.cpu(), getattr(torch, like)(t) if like != "empty_like" else torch.zeros_like(t))
 
 
-
 @pytest.mark.parametrize("shape", [(8, 4), (7, 5)], ids=["even", "uneven"])
 def test_deepcopy_keeps_sharding(shape):
     t = torch.randn(*shape)
@@ -762,8 +773,14 @@ _LOAD_CHECK = """
 def _load_elsewhere(*paths):
     """Load each (saved, expected) pair of files in a fresh interpreter that never imports shardtensor."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    r = subprocess.run([sys.executable, "-c", textwrap.dedent(_LOAD_CHECK), *map(str, paths)],
-                       capture_output=True, text=True, timeout=120, env=env, cwd="/")
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LOAD_CHECK), *map(str, paths)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd="/",
+    )
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr + r.stdout
 
 
@@ -794,8 +811,11 @@ def _save_state_dict(tmp_path):
         "step": 7,
     }
     want_extra = {
-        "uneven": torch.arange(10.0), "bf16": torch.arange(6, dtype=torch.bfloat16),
-        "int": torch.tensor([2**40, -1, 3]), "view": torch.arange(12.0).reshape(3, 4).t().contiguous(), "step": 7,
+        "uneven": torch.arange(10.0),
+        "bf16": torch.arange(6, dtype=torch.bfloat16),
+        "int": torch.tensor([2**40, -1, 3]),
+        "view": torch.arange(12.0).reshape(3, 4).t().contiguous(),
+        "step": 7,
     }
     torch.save({"model": sd, **extra}, tmp_path / "ck.pt")
     torch.save({"model": want, **want_extra}, tmp_path / "ck_want.pt")
@@ -903,18 +923,38 @@ def test_to_device_is_differentiable():
 # =========================================================================== mixing with CPU values
 
 
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8,
-           torch.int8, torch.bool]
-_OTHERS = [2, 2.5, True, torch.tensor(3), torch.tensor(1.5, dtype=torch.float64), torch.tensor(2, dtype=torch.int8),
-           torch.tensor(True), torch.tensor(0.5, dtype=torch.bfloat16)]
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+    torch.bool,
+]
+_OTHERS = [
+    2,
+    2.5,
+    True,
+    torch.tensor(3),
+    torch.tensor(1.5, dtype=torch.float64),
+    torch.tensor(2, dtype=torch.int8),
+    torch.tensor(True),
+    torch.tensor(0.5, dtype=torch.bfloat16),
+]
 
 
 @pytest.mark.parametrize("dtype", _DTYPES, ids=str)
 def test_python_scalars_and_0d_cpu_tensors_promote_as_torch(dtype):
     t = (torch.arange(10) % 4).to(dtype).reshape(5, 2)
     x = st.shard(t, MESH_42, ("x", "y"))
-    ops = {"add": lambda a, b: a + b, "div": lambda a, b: a / b,
-           "max": lambda a, b: torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b)}
+    ops = {
+        "add": lambda a, b: a + b,
+        "div": lambda a, b: a / b,
+        "max": lambda a, b: torch.maximum(a, b) if isinstance(b, torch.Tensor) else a.clamp(min=b),
+    }
     cases = []
     for other in _OTHERS:
         for name, op in ops.items():
@@ -931,8 +971,12 @@ def test_python_scalars_and_0d_cpu_tensors_promote_as_torch(dtype):
     for name, other, reverse, got, want in cases:
         got = got.cpu()
         assert got.dtype == want.dtype, (name, other, reverse, got.dtype, want.dtype)
-        assert_close(got, want, equal_nan=True,
-                     msg=lambda m, name=name, other=other, reverse=reverse: f"{name} {other!r} reverse={reverse}: {m}")
+        assert_close(
+            got,
+            want,
+            equal_nan=True,
+            msg=lambda m, name=name, other=other, reverse=reverse: f"{name} {other!r} reverse={reverse}: {m}",
+        )
 
 
 def test_0d_cpu_tensor_in_more_ops():

@@ -2,6 +2,7 @@
 its own, shared state changes under one lock): four threads training four models at once end where
 four sequential eager-torch runs end, in lazy, eager and compiled mode; a tensor made in one thread
 works in another; one thread's eager mode is not another's."""
+
 import threading
 
 import pytest

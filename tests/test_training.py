@@ -8,6 +8,7 @@ Models (see _training_helpers.py): an MLP (Linear, LayerNorm, GELU, SiLU, dropou
 cross-entropy) and a CNN (Conv2d, BatchNorm2d, max and avg pooling). Dropout numerics use p=0 here;
 its randomness is tested in test_random.py.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,8 +77,9 @@ def _assert_optimizer_state_alike(ref_opt, dev_opt, ref_params, dev_params):
         for k in s_ref:
             got = s_dev[k]
             got = got.cpu() if isinstance(got, torch.Tensor) else torch.as_tensor(got)
-            torch.testing.assert_close(got, torch.as_tensor(s_ref[k]), rtol=1e-4, atol=1e-5,
-                                       msg=lambda m, name=name, k=k: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                got, torch.as_tensor(s_ref[k]), rtol=1e-4, atol=1e-5, msg=lambda m, name=name, k=k: f"{name} {k}: {m}"
+            )
 
 
 def _assert_no_compile_after_warmup(mode, compiles):
@@ -102,9 +104,11 @@ def test_optimizers_sgd_adam_adamw(foreach):
         for name, p in model.named_parameters():
             key = "sgd" if name.startswith(("fc1", "ln")) else "adam" if name.startswith("fc2") else "adamw"
             groups[key].append((name, p))
-        return groups, [sgd([p for _, p in groups["sgd"]], foreach=foreach),
-                        adam([p for _, p in groups["adam"]], foreach=foreach),
-                        adamw([p for _, p in groups["adamw"]], foreach=foreach)]
+        return groups, [
+            sgd([p for _, p in groups["sgd"]], foreach=foreach),
+            adam([p for _, p in groups["adam"]], foreach=foreach),
+            adamw([p for _, p in groups["adamw"]], foreach=foreach),
+        ]
 
     ref_groups, ref_opts = optimizers(ref)
     dev_groups, dev_opts = optimizers(dev)
@@ -138,8 +142,9 @@ def test_mlp_sgd_momentum_mesh_8(mode):
     batches = mlp_batches(STEPS, _gen(2))
     compiles = []
     fresh_executable_cache()
-    ref, dev, rl, dl, ref_opt, dev_opt = run_both(MLP, MLP_SPECS, mesh, batches, sgd, mode,
-                                                  x_spec=("d", None), y_spec=("d",), compiles=compiles)
+    ref, dev, rl, dl, ref_opt, dev_opt = run_both(
+        MLP, MLP_SPECS, mesh, batches, sgd, mode, x_spec=("d", None), y_spec=("d",), compiles=compiles
+    )
     assert_trained_alike(ref, dev, rl, dl)
     _assert_no_compile_after_warmup(mode, compiles)
     assert_sharding_kept(dev, mesh, MLP_SPECS)
@@ -152,9 +157,18 @@ def test_lm_adamw_mesh_4x2(mode):
     batches = lm_batches(STEPS, _gen(3))
     compiles = []
     fresh_executable_cache()
-    ref, dev, rl, dl, ref_opt, dev_opt = run_both(TinyLM, LM_SPECS_4x2, mesh, batches, adamw, mode,
-                                                  loss_fn=lm_loss, x_spec=("data", None), y_spec=("data", None),
-                                                  compiles=compiles)
+    ref, dev, rl, dl, ref_opt, dev_opt = run_both(
+        TinyLM,
+        LM_SPECS_4x2,
+        mesh,
+        batches,
+        adamw,
+        mode,
+        loss_fn=lm_loss,
+        x_spec=("data", None),
+        y_spec=("data", None),
+        compiles=compiles,
+    )
     assert_trained_alike(ref, dev, rl, dl)
     _assert_no_compile_after_warmup(mode, compiles)
     assert_sharding_kept(dev, mesh, LM_SPECS_4x2)
@@ -174,9 +188,17 @@ def test_lm_sgd_mesh_4x2_eager():
     plain SGD — a handful of optimizer ops — rather than AdamW's dozens per parameter shape."""
     mesh = mesh_4x2()
     batches = lm_batches(STEPS, _gen(3))
-    ref, dev, rl, dl, *_ = run_both(TinyLM, LM_SPECS_4x2, mesh, batches,
-                                    lambda ps: torch.optim.SGD(ps, lr=0.1), "eager",
-                                    loss_fn=lm_loss, x_spec=("data", None), y_spec=("data", None))
+    ref, dev, rl, dl, *_ = run_both(
+        TinyLM,
+        LM_SPECS_4x2,
+        mesh,
+        batches,
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+        "eager",
+        loss_fn=lm_loss,
+        x_spec=("data", None),
+        y_spec=("data", None),
+    )
     assert_trained_alike(ref, dev, rl, dl)
     assert_sharding_kept(dev, mesh, LM_SPECS_4x2)
 
@@ -186,10 +208,18 @@ def test_lm_adam_foreach_false_mesh_2x2x2():
     batches = lm_batches(STEPS, _gen(4))
     compiles = []
     fresh_executable_cache()
-    ref, dev, rl, dl, ref_opt, dev_opt = run_both(TinyLM, LM_SPECS_2x2x2, mesh, batches,
-                                                  lambda ps: adam(ps, foreach=False), "lazy", loss_fn=lm_loss,
-                                                  x_spec=(("a", "b"), None), y_spec=(("a", "b"), None),
-                                                  compiles=compiles)
+    ref, dev, rl, dl, ref_opt, dev_opt = run_both(
+        TinyLM,
+        LM_SPECS_2x2x2,
+        mesh,
+        batches,
+        lambda ps: adam(ps, foreach=False),
+        "lazy",
+        loss_fn=lm_loss,
+        x_spec=(("a", "b"), None),
+        y_spec=(("a", "b"), None),
+        compiles=compiles,
+    )
     assert_trained_alike(ref, dev, rl, dl)
     _assert_no_compile_after_warmup("lazy", compiles)
     assert_sharding_kept(dev, mesh, LM_SPECS_2x2x2)
@@ -202,8 +232,17 @@ def test_cnn_batchnorm_sgd_mesh_1x8(mode):
     batches = cnn_batches(STEPS, _gen(5))
     compiles = []
     fresh_executable_cache()
-    ref, dev, rl, dl, *_ = run_both(CNN, CNN_SPECS, mesh, batches, lambda ps: sgd(ps, foreach=False),
-                                    mode, x_spec=("m", None, None, None), y_spec=("m",), compiles=compiles)
+    ref, dev, rl, dl, *_ = run_both(
+        CNN,
+        CNN_SPECS,
+        mesh,
+        batches,
+        lambda ps: sgd(ps, foreach=False),
+        mode,
+        x_spec=("m", None, None, None),
+        y_spec=("m",),
+        compiles=compiles,
+    )
     # state_dict includes BatchNorm's running_mean / running_var / num_batches_tracked
     assert_trained_alike(ref, dev, rl, dl)
     _assert_no_compile_after_warmup(mode, compiles)
@@ -212,5 +251,6 @@ def test_cnn_batchnorm_sgd_mesh_1x8(mode):
     ref.eval()
     dev.eval()
     x = batches[0][0]
-    torch.testing.assert_close(dev(st.shard(x, mesh, ("m", None, None, None))).detach().cpu(), ref(x).detach(),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        dev(st.shard(x, mesh, ("m", None, None, None))).detach().cpu(), ref(x).detach(), rtol=1e-4, atol=1e-5
+    )

@@ -1,4 +1,5 @@
 """shardtensor.trees: the one map over nested values (batches, op arguments, model outputs)."""
+
 import collections
 import dataclasses
 
@@ -26,9 +27,15 @@ Pair = collections.namedtuple("Pair", "first second")
 
 def test_containers_keep_their_types_and_extras():
     t = torch.ones(2)
-    tree = {"a": [t, (t, "text")], "b": Pair(t, 3), "c": collections.OrderedDict(k=t),
-            "d": Batch({"ids": t}, note="mine"), "e": Frozen(t), "f": collections.defaultdict(list, k=[t]),
-            "g": torch.Size([2, 3])}
+    tree = {
+        "a": [t, (t, "text")],
+        "b": Pair(t, 3),
+        "c": collections.OrderedDict(k=t),
+        "d": Batch({"ids": t}, note="mine"),
+        "e": Frozen(t),
+        "f": collections.defaultdict(list, k=[t]),
+        "g": torch.Size([2, 3]),
+    }
     out = map_leaves(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, tree)
     assert out["a"][0].tolist() == [2, 2] and out["a"][1][1] == "text" and type(out["a"][1]) is tuple
     assert type(out["b"]) is Pair and out["b"].first.tolist() == [2, 2] and out["b"].second == 3

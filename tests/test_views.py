@@ -3,6 +3,7 @@ writes through views (and views of views) reach the base, the base's changes are
 ``detach()``/``.data`` share storage, ``p.data.copy_(q)``, BatchNorm running statistics — in lazy and
 in eager mode, on sharded, uneven and replicated tensors. Every result is compared with eager torch.
 """
+
 import copy
 
 import pytest
@@ -51,6 +52,7 @@ def _check_inplace(fn, layout, eager):
 
 # --- the issue's list, on every layout, in both modes -----------------------------------------------
 
+
 def _t_mul(a):
     a.t().mul_(2)
 
@@ -86,6 +88,7 @@ def test_issue_view_and_inplace_cases(fn, layout, eager):
 
 
 # --- more views, views of views, reads after writes -------------------------------------------------
+
 
 def _slice_of_slice(a):
     v = a[1:]
@@ -217,11 +220,35 @@ def _view_of_view_chain(a):
 
 
 MORE_CASES = [
-    _slice_of_slice, _select_add, _t_select_fill, _unsqueeze_squeeze_set, _strided_slices, _flat_slice,
-    _view_sees_base, _row_then_base, _permute_column, _narrow, _unflatten_select, _as_strided, _split,
-    _unbind, _chunk, _masked_fill, _setitem_from_view, _setitem_row_tensor, _clamp_slice, _transposed_strided,
-    _out_into_view, _swapdims_view, _fill_diagonal, _mul_by_other_view, _addcmul_strided, _index_fill,
-    _index_add_assign, _mask_assign, _view_of_view_chain,
+    _slice_of_slice,
+    _select_add,
+    _t_select_fill,
+    _unsqueeze_squeeze_set,
+    _strided_slices,
+    _flat_slice,
+    _view_sees_base,
+    _row_then_base,
+    _permute_column,
+    _narrow,
+    _unflatten_select,
+    _as_strided,
+    _split,
+    _unbind,
+    _chunk,
+    _masked_fill,
+    _setitem_from_view,
+    _setitem_row_tensor,
+    _clamp_slice,
+    _transposed_strided,
+    _out_into_view,
+    _swapdims_view,
+    _fill_diagonal,
+    _mul_by_other_view,
+    _addcmul_strided,
+    _index_fill,
+    _index_add_assign,
+    _mask_assign,
+    _view_of_view_chain,
 ]
 
 
@@ -241,14 +268,18 @@ def _all_more_cases(a):
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("layout, eager", [("uneven", True), ("2x2x2", False), ("1x8", False)],
-                         ids=["uneven-eager", "2x2x2-lazy", "1x8-lazy"])
+@pytest.mark.parametrize(
+    "layout, eager",
+    [("uneven", True), ("2x2x2", False), ("1x8", False)],
+    ids=["uneven-eager", "2x2x2-lazy", "1x8-lazy"],
+)
 def test_more_views_and_inplace_chained(layout, eager):
     # every case above, one after the other on the same tensor (one graph in lazy mode)
     _check_inplace(_all_more_cases, layout, eager)
 
 
 # --- copies are copies: contiguous(), reshape() and flatten() of non-contiguous views ---------------
+
 
 def _t_contiguous(a):
     a.t().contiguous().add_(1)
@@ -326,6 +357,7 @@ def test_inplace_view_ops_change_the_tensor_in_place(eager):
 
 
 # --- detach(), .data and parameters ---------------------------------------------------------------
+
 
 @modes()
 def test_detach_shares_storage_both_ways(eager):
@@ -463,6 +495,7 @@ def test_batchnorm_running_stats_with_backward(eager):
 
 
 # --- in-place ops follow torch's checks --------------------------------------------------------------
+
 
 @modes()
 def test_select_write_after_slice_write_on_row_sharded_tensor(eager):

@@ -4,6 +4,7 @@ shardtensor's calls, including calls that raise, and on the threads of MpDeviceL
 
 The main check runs in a fresh interpreter, so the process-wide value is the user's alone (JAX's
 default, then turned on by the user), untouched by anything else the test suite imported."""
+
 import os
 import subprocess
 import sys
@@ -116,10 +117,14 @@ _SCRIPT = textwrap.dedent("""
 
 def test_64_bit_values_exact_and_the_users_jax_setting_kept():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
-    env.update(SHARDTENSOR_CPU_DEVICES="8", SHARDTENSOR_PLATFORM="cpu",
-               XLA_FLAGS=os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", ""))  # the suite's cheap compiles
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    env.update(
+        SHARDTENSOR_CPU_DEVICES="8",
+        SHARDTENSOR_PLATFORM="cpu",
+        XLA_FLAGS=os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", ""),
+    )  # the suite's cheap compiles
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-4000:]
 
 

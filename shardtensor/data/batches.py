@@ -8,6 +8,7 @@ Example::
     uploaded = layouts.upload_batch({'x': torch.randn(16, 4), 'step': 3})   # on any thread
     batch = wrap_batch(uploaded)    # on the main thread: {'x': ShardedTensor, 'step': 3}
 """
+
 from __future__ import annotations
 
 import warnings
@@ -63,7 +64,8 @@ class Layouts:
         self._warned_ranks: set = set()  # (spec, rank) pairs already reported as replicated
         index = runtime.process_index()
         self.local_device_ids = tuple(
-            a["id"] for a in runtime.global_runtime_device_attributes() if a["process_index"] == index)
+            a["id"] for a in runtime.global_runtime_device_attributes() if a["process_index"] == index
+        )
 
     def upload_batch(self, batch):
         """``batch`` with each CPU tensor uploaded (an ``Uploaded``); other leaves unchanged."""
@@ -109,7 +111,9 @@ class Layouts:
             f"MpDeviceLoader: input_sharding's ShardingSpec has {len(spec.partition_spec)} dimension(s) but a "
             f"batch tensor of shape {tuple(leaf.shape)} has {leaf.dim()}: that tensor is uploaded replicated. "
             "Give a spec of its rank (a dict of specs for dict batches) to shard it.",
-            UserWarning, stacklevel=2)
+            UserWarning,
+            stacklevel=2,
+        )
 
 
 def _specs(input_sharding) -> list:

@@ -10,6 +10,7 @@ Uploading is jax alone (``jax.make_array_from_callback`` is thread-safe); creati
 touches shardtensor's lazy-graph state (cell serial numbers, the pending table, counters), which is
 not thread-safe, so the main thread does that part in ``__next__``.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -105,10 +106,13 @@ class _Pipeline:
         # batch index -> uploaded batch, _END or _Failure (transfer threads may reorder)
         self.ready: dict[int, Any] = {}
         name = f"MpDeviceLoader-{next(_serial)}"
-        self.threads = [threading.Thread(target=self._read, args=(batches, transfer_threads),
-                                         name=f"{name}-reader", daemon=True)]
-        self.threads += [threading.Thread(target=self._transfer, args=(layouts,), name=f"{name}-transfer-{i}",
-                                          daemon=True) for i in range(transfer_threads)]
+        self.threads = [
+            threading.Thread(target=self._read, args=(batches, transfer_threads), name=f"{name}-reader", daemon=True)
+        ]
+        self.threads += [
+            threading.Thread(target=self._transfer, args=(layouts,), name=f"{name}-transfer-{i}", daemon=True)
+            for i in range(transfer_threads)
+        ]
         _LIVE.add(self)
         for t in self.threads:
             t.start()
@@ -173,8 +177,9 @@ class _Pipeline:
                 i, item = self.device_queue.get(timeout=_POLL)
             except queue.Empty:
                 if not any(t.is_alive() for t in self.threads) and self.device_queue.empty():
-                    return _Failure(RuntimeError(
-                        f"MpDeviceLoader's threads ended without handing over batch {index}"), "finishing")
+                    return _Failure(
+                        RuntimeError(f"MpDeviceLoader's threads ended without handing over batch {index}"), "finishing"
+                    )
                 continue
             self.ready.setdefault(i, item)
         return self.ready.pop(index)
@@ -278,17 +283,26 @@ class MpDeviceLoader:
             loss = F.cross_entropy(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, loader: Iterable[Any], device: torch.device | str, *,
-                 input_sharding: ShardingSpec | Mapping[Any, ShardingSpec] | None = None,
-                 loader_prefetch_size: int = 16,
-                 device_prefetch_size: int = 8, host_to_device_transfer_threads: int = 1,
-                 batches_per_execution: int = 1):
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        device: torch.device | str,
+        *,
+        input_sharding: ShardingSpec | Mapping[Any, ShardingSpec] | None = None,
+        loader_prefetch_size: int = 16,
+        device_prefetch_size: int = 8,
+        host_to_device_transfer_threads: int = 1,
+        batches_per_execution: int = 1,
+    ):
         target = st_device()
         if not isinstance(device, (torch.device, str)) or torch.device(device).type != target.type:
             raise ValueError(f"MpDeviceLoader moves batches to st.device() ({target}); got device={device!r}.")
-        sizes = {"loader_prefetch_size": loader_prefetch_size, "device_prefetch_size": device_prefetch_size,
-                 "host_to_device_transfer_threads": host_to_device_transfer_threads,
-                 "batches_per_execution": batches_per_execution}
+        sizes = {
+            "loader_prefetch_size": loader_prefetch_size,
+            "device_prefetch_size": device_prefetch_size,
+            "host_to_device_transfer_threads": host_to_device_transfer_threads,
+            "batches_per_execution": batches_per_execution,
+        }
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MpDeviceLoader: {name} must be a positive integer, got {value!r}.")
@@ -311,8 +325,13 @@ class MpDeviceLoader:
         self.close()
         s = self._sizes
         batches = _start_iterating(self._loader)
-        self._pipeline = _Pipeline(batches, Layouts(self._input_sharding), s["loader_prefetch_size"],
-                                   s["device_prefetch_size"], s["host_to_device_transfer_threads"])
+        self._pipeline = _Pipeline(
+            batches,
+            Layouts(self._input_sharding),
+            s["loader_prefetch_size"],
+            s["device_prefetch_size"],
+            s["host_to_device_transfer_threads"],
+        )
         return _DeviceIterator(self, self._pipeline, s["batches_per_execution"])
 
     def close(self) -> None:

@@ -2,6 +2,7 @@
 (``meta``), views (``view_ops``), in-place and ``out=`` (``mutation``), the declared special handlers
 (``table``, filled by ``host`` and ``reshape_inplace``), and the factory kernels (``factories``).
 Importing it installs the handler into ``ShardedTensor``."""
+
 from shardtensor.dispatch import factories, host, reshape_inplace  # noqa: F401  (fill the tables)
 from shardtensor.dispatch.entry import handle  # noqa: F401
 from shardtensor.dispatch.record import record_and_wrap, zeros  # noqa: F401

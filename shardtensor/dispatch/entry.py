@@ -3,6 +3,7 @@
 Special handlers first (the declared table), then view ops, in-place / ``out=`` ops and functional
 ops, each recorded as graph nodes (run at once in eager mode).
 """
+
 from __future__ import annotations
 
 import os

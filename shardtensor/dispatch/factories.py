@@ -1,6 +1,7 @@
 """Factory kernels for ``device=st.device()``: ``torch.zeros``, ``arange``, ``randn``, ``empty`` ...
 registered for the PrivateUse1 key, so they make ShardedTensors lazily (no host transfer), and
 ``torch.tensor(data, device=st.device())`` copies host data in."""
+
 from __future__ import annotations
 
 import torch
@@ -12,11 +13,31 @@ from shardtensor.ops import lookup
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
-_FACTORIES = ("_copy_from", "empty.memory_format", "empty_strided", "arange", "arange.start", "arange.start_step",
-              "_efficientzerotensor",  # autograd's zero gradients (sgn, complex ops): plain zeros here
-              "full", "scalar_tensor", "linspace", "eye", "eye.m", "randn", "rand", "randint",
-              "randint.low", "randperm", "zeros", "ones", "tril_indices", "triu_indices", "logspace",
-              "normal.float_float")
+_FACTORIES = (
+    "_copy_from",
+    "empty.memory_format",
+    "empty_strided",
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "_efficientzerotensor",  # autograd's zero gradients (sgn, complex ops): plain zeros here
+    "full",
+    "scalar_tensor",
+    "linspace",
+    "eye",
+    "eye.m",
+    "randn",
+    "rand",
+    "randint",
+    "randint.low",
+    "randperm",
+    "zeros",
+    "ones",
+    "tril_indices",
+    "triu_indices",
+    "logspace",
+    "normal.float_float",
+)
 # torch's composite one_hot skips its class checks on PrivateUse1 (it relies on a device assert):
 # a kernel of our own keeps it one op, whose lowering checks on the device
 _CHECKED_COMPOSITES = ("one_hot",)

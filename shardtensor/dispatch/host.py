@@ -3,6 +3,7 @@ checks), have data-dependent shapes (``nonzero``, boolean masks), move data betw
 sharding annotation (``clone``, ``*_like``), or update state their schema does not declare
 (``native_batch_norm``'s running statistics).
 """
+
 from __future__ import annotations
 
 import torch
@@ -95,15 +96,25 @@ def _allclose(func, args, kwargs):
     return bool(to_cpu(aten.isclose.default(*args, **kwargs).all()).item())
 
 
-@special(*(getattr(getattr(aten, name), o) for name in _SPARSE_CONVERSIONS if hasattr(aten, name)
-           for o in getattr(aten, name).overloads()))
+@special(
+    *(
+        getattr(getattr(aten, name), o)
+        for name in _SPARSE_CONVERSIONS
+        if hasattr(aten, name)
+        for o in getattr(aten, name).overloads()
+    )
+)
 def _sparse(func, args, kwargs):
-    layout = kwargs.get("layout") or {"_to_sparse_csr": "torch.sparse_csr", "_to_sparse_csc": "torch.sparse_csc",
-                                      "_to_sparse_bsr": "torch.sparse_bsr", "_to_sparse_bsc": "torch.sparse_bsc"
-                                      }.get(func._schema.name.split("::")[1], "torch.sparse_coo")
+    layout = kwargs.get("layout") or {
+        "_to_sparse_csr": "torch.sparse_csr",
+        "_to_sparse_csc": "torch.sparse_csc",
+        "_to_sparse_bsr": "torch.sparse_bsr",
+        "_to_sparse_bsc": "torch.sparse_bsc",
+    }.get(func._schema.name.split("::")[1], "torch.sparse_coo")
     raise NotImplementedError(
         f"{func}: shardtensor holds dense (torch.strided) tensors only; a tensor of layout {layout} cannot live "
-        "on st.device(). Convert on the host instead, e.g. t.cpu().to_sparse()")
+        "on st.device(). Convert on the host instead, e.g. t.cpu().to_sparse()"
+    )
 
 
 @special(aten._linalg_check_errors.default)
@@ -112,8 +123,10 @@ def _linalg_check_errors(func, args, kwargs):
     failed (a singular matrix for inv/solve, not positive-definite for cholesky). It needs the values
     of ``info``: like torch on CUDA, read them (a sync) and run torch's own check on the host, so the
     messages are torch's. The ``*_ex`` variants skip the check and do not sync."""
-    check_execution_allowed(f"{args[1]} checks its result for errors; use the *_ex variant "
-                                 "(e.g. torch.linalg.inv_ex) to keep the program whole")
+    check_execution_allowed(
+        f"{args[1]} checks its result for errors; use the *_ex variant "
+        "(e.g. torch.linalg.inv_ex) to keep the program whole"
+    )
     return func(to_cpu(args[0]), *args[1:], **kwargs)
 
 
@@ -146,9 +159,16 @@ def _sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.math: attention decomposes into ops we lower
 
 
-@special(aten.nonzero.default, aten.masked_select.default, aten._unique.default, aten._unique2.default,
-         aten.unique_dim.default, aten.unique_consecutive.default, aten.repeat_interleave.Tensor,
-         aten.bincount.default)
+@special(
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.repeat_interleave.Tensor,
+    aten.bincount.default,
+)
 def _data_dependent(func, args, kwargs):
     """Ops whose output shape depends on values (nonzero, masked_select, unique...): they need the
     values anyway, so run torch's own kernel on the host and upload the (replicated) result."""
@@ -206,8 +226,15 @@ def _one_hot(func, args, kwargs):
     return record_and_wrap(func, (x, num_classes), {})
 
 
-@special(aten.clone.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-         aten.full_like.default, aten.rand_like.default, aten.randn_like.default)
+@special(
+    aten.clone.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+)
 def _same_sharding(func, args, kwargs):
     """``clone`` and ``*_like`` keep the sharding annotation of their source (as in PyTorch/XLA and
     DTensor), so e.g. optimizer state is laid out like its parameter."""
@@ -232,11 +259,18 @@ def _index_put(func, args, kwargs):
     masks = [i for i in indices if isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8)]
     if not masks:
         args, kwargs = tuple(bound[n] for n in facts(func).arg_names if n in bound), {}
-        return record_and_wrap(func, args, kwargs) if not facts(func).mutated else mutating_op(
-            func, facts(func), args, kwargs)
+        return (
+            record_and_wrap(func, args, kwargs)
+            if not facts(func).mutated
+            else mutating_op(func, facts(func), args, kwargs)
+        )
     inplace = bool(facts(func).mutated)
-    if len(indices) == 1 and values.numel() == 1 and not accumulate and tuple(masks[0].shape) == tuple(
-            x.shape[:masks[0].dim()]):
+    if (
+        len(indices) == 1
+        and values.numel() == 1
+        and not accumulate
+        and tuple(masks[0].shape) == tuple(x.shape[: masks[0].dim()])
+    ):
         mask = masks[0].bool().reshape(tuple(masks[0].shape) + (1,) * (x.dim() - masks[0].dim()))
         result = aten.where.self(mask, values.reshape(()).to(x.dtype), x)
     else:

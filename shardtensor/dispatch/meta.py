@@ -1,5 +1,6 @@
 """Output metadata of an op: the shapes, dtypes and strides torch gives its results, from torch's
 meta kernels (or, for the few ops torch has none for, from the lowering itself)."""
+
 from __future__ import annotations
 
 import jax

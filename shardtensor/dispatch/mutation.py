@@ -1,6 +1,7 @@
 """In-place and ``out=`` ops: the functional twin computes the values, which are written back into
 the targets through their view chains (``out=`` tensors of another shape are resized, as torch does).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -65,21 +66,30 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     n_returned = len(refs) - len(flat_targets) if functional_variant else 0
     written, written_metas = refs[n_returned:], metas[n_returned:]
     cells = []
-    outs = {id(x) for name in f.out_names for x in (bound[name] if isinstance(bound[name], (list, tuple))
-                                                    else [bound[name]])}
+    outs = {
+        id(x)
+        for name in f.out_names
+        for x in (bound[name] if isinstance(bound[name], (list, tuple)) else [bound[name]])
+    }
     for t, ref, meta in zip(flat_targets, written, written_metas):
         if tuple(meta[0]) != tuple(t.shape):
             if id(t) not in outs:
-                raise RuntimeError(f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor "
-                                   f"of shape {tuple(t.shape)}")
+                raise RuntimeError(
+                    f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor "
+                    f"of shape {tuple(t.shape)}"
+                )
             # out= tensors of another shape are resized, as torch does (it warns if they were not empty)
             shape = tuple(meta[0])
             if t.numel() and not meta_ran:
-                warnings.warn(f"An output with one or more elements was resized since it had shape {list(t.shape)}, "
-                              f"which does not match the required output shape {list(shape)}. This behavior is "
-                              "deprecated, and in a future PyTorch release outputs will not be resized unless they "
-                              "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
-                              "inplace, to zero elements with t.resize_(0).", UserWarning, stacklevel=3)
+                warnings.warn(
+                    f"An output with one or more elements was resized since it had shape {list(t.shape)}, "
+                    f"which does not match the required output shape {list(shape)}. This behavior is "
+                    "deprecated, and in a future PyTorch release outputs will not be resized unless they "
+                    "have zero elements. You can explicitly reuse an out tensor t by resizing it, "
+                    "inplace, to zero elements with t.resize_(0).",
+                    UserWarning,
+                    stacklevel=3,
+                )
             resize_to(func, t, shape, meta[2] if len(meta) > 2 and meta[2] else contiguous_strides(shape), 0)
         if meta[1] != t.dtype:
             ref = cast(ref, t.dtype)
@@ -121,7 +131,7 @@ def _check_one_mesh(func, targets, args, kwargs) -> None:
     if wanted is None:
         return
     for a in (*args, *kwargs.values()) if kwargs else args:
-        for x in (a if isinstance(a, (list, tuple)) else (a,)):  # foreach ops and index_put_ take lists
+        for x in a if isinstance(a, (list, tuple)) else (a,):  # foreach ops and index_put_ take lists
             if isinstance(x, ShardedTensor) and x._cell not in written:
                 m = _mesh_of(x, False)
                 if m is not None and m is not wanted and m != wanted:
@@ -133,7 +143,8 @@ def _refuse(func, wanted, other):
         f"{func}: the tensor written in place is sharded over {describe_mesh(wanted)} but an operand "
         f"over {describe_mesh(other)}; one computation runs on one mesh, and the target keeps its value. "
         "Move the operand onto the target's mesh first, e.g. other = st.shard(other, target.mesh, "
-        "target.partition_spec) (through the host), or compute both on one Mesh.")
+        "target.partition_spec) (through the host), or compute both on one Mesh."
+    )
 
 
 def _mesh_of(t, written) -> object:
@@ -184,7 +195,7 @@ def _with_defaults(func, args, kwargs):
     schema_args = [a for a in func._schema.arguments if not a.kwarg_only]
     if len(args) >= len(schema_args):
         return args
-    missing = schema_args[len(args):]
+    missing = schema_args[len(args) :]
     if any(a.name in kwargs or not a.has_default_value() for a in missing):
         return args
     return tuple(args) + tuple(a.default_value for a in missing)

@@ -3,6 +3,7 @@ references; the plan (memoised per op and template) holds the lowering's caller 
 metadata; the op becomes a graph node whose outputs are new pending tensors. Ops with no lowering go
 through torch's decompositions.
 """
+
 from __future__ import annotations
 
 import dataclasses

@@ -14,6 +14,7 @@ Example::
     x.t_()            # x is now a (6, 4) view of the same storage; v still aliases it
     x.resize_(2, 3)   # a view of the first 6 storage elements, as in torch
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,9 +35,12 @@ from shardtensor.tensor.geometry import contiguous_strides, meta_like
 aten = torch.ops.aten
 
 _INPLACE_VIEWS = {
-    aten.squeeze_.default: aten.squeeze.default, aten.squeeze_.dim: aten.squeeze.dim,
-    aten.squeeze_.dims: aten.squeeze.dims, aten.unsqueeze_.default: aten.unsqueeze.default,
-    aten.transpose_.default: aten.transpose.int, aten.t_.default: aten.t.default,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
 }
 
 
@@ -47,7 +51,8 @@ def _retarget(func, t, cell, chain, shape, strides, offset, storage_of=None, fre
         raise RuntimeError(
             f"{func}: changing the shape of a tensor in place (from {tuple(t.shape)} to {tuple(shape)}) needs "
             "shardtensor's C++ extension, which is not loaded (shardtensor tensors cannot be resized "
-            "without it); use the out-of-place op")
+            "without it); use the out-of-place op"
+        )
     root_strides, root_offset, _ = views.cell_storage(cell)
     if (tuple(shape), tuple(strides), offset) == (cell.shape, tuple(root_strides), root_offset):
         chain = ()  # back to the cell's own layout (t_() twice, unsqueeze_ then squeeze_)
@@ -132,8 +137,11 @@ def resize_to(func, t, shape, strides, offset):
         cell.root = (tuple(cell_strides), 0)
     old = t._cell
     if old.spec is not None:
-        keep = not t._chain and len(old.spec) == len(cell_shape) and all(
-            n >= k for n, k in zip(cell_shape, sh.shard_counts(old.mesh, old.spec, len(cell_shape))))
+        keep = (
+            not t._chain
+            and len(old.spec) == len(cell_shape)
+            and all(n >= k for n, k in zip(cell_shape, sh.shard_counts(old.mesh, old.spec, len(cell_shape))))
+        )
         cell.sharding = old.sharding if keep else sh.ShardingSpec(old.mesh, (None,) * len(cell_shape))
     set_pending(cell, ref)
     chain = () if cell_shape == shape else (views.storage_step(cell, shape, strides, offset),)
@@ -152,7 +160,8 @@ def _set(func, args, kwargs):
         raise RuntimeError(
             f"{func}: shardtensor tensors keep no data in their torch storage, so set_ with a Storage "
             "(or with source, storage_offset, size, stride) is not supported; use "
-            "t.set_(source.as_strided(size, stride, storage_offset)) instead")
+            "t.set_(source.as_strided(size, stride, storage_offset)) instead"
+        )
     margs = [meta_like(a) if isinstance(a, ShardedTensor) else a for a in args]
     with torch._C._DisableTorchDispatch():
         func(*margs, **kwargs)  # torch's checks (same dtype, ...)

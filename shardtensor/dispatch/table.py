@@ -8,6 +8,7 @@ Example::
     def _item(func, args, kwargs):
         return to_cpu(args[0]).item()
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,6 +18,7 @@ SPECIAL: dict = {}  # aten overload -> handler(func, args, kwargs)
 
 def special(*ops):
     """Decorator: ``fn(func, args, kwargs)`` handles every overload in ``ops``."""
+
     def deco(fn):
         for op in ops:
             if not isinstance(op, torch._ops.OpOverload):

@@ -1,4 +1,5 @@
 """View ops: a view is its base's cell plus a chain of view steps, read and written through."""
+
 from __future__ import annotations
 
 import torch
@@ -24,8 +25,11 @@ def view_op(func, args, kwargs):
     outs = []
     for i, meta in enumerate(plan.outs):
         step = views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
-        outs.append(ShardedTensor(base._cell, meta[0], meta[1], chain=base._chain + (step,),
-                                  strides=meta[2], storage_offset=meta[3]))
+        outs.append(
+            ShardedTensor(
+                base._cell, meta[0], meta[1], chain=base._chain + (step,), strides=meta[2], storage_offset=meta[3]
+            )
+        )
     if plan.structure == "one":
         return outs[0]
     return list(outs) if plan.structure == "list" else tuple(outs)
@@ -34,5 +38,6 @@ def view_op(func, args, kwargs):
 @special(aten.detach.default, aten.alias.default, aten.lift_fresh.default)
 def _alias(func, args, kwargs):
     t = args[0]
-    return ShardedTensor(t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(),
-                         storage_offset=t.storage_offset())
+    return ShardedTensor(
+        t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(), storage_offset=t.storage_offset()
+    )

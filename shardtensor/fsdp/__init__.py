@@ -13,6 +13,7 @@ Example::
         transformer_auto_wrap_policy, transformer_layer_cls={Block}))
     loss = loss_fn(model(st.shard(x, mesh, ("fsdp", None))), y)
 """
+
 from shardtensor.fsdp.checkpoint import checkpoint_module  # noqa: F401
 from shardtensor.fsdp.outputs import batch_output_sharder, shard_batch  # noqa: F401
 from shardtensor.fsdp.wrap import (  # noqa: F401

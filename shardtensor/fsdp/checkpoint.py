@@ -21,6 +21,7 @@ module, and backward runs the module's forward again to get them back. Two thing
   / ``set_rng_state``). Reading the state computes the RNG key when random ops are pending, which
   runs that small part of the lazy graph early.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,8 +80,9 @@ class _CheckpointedForward:
                 return self.original(*inputs, **kw)
             return frame.recompute(self.original, inputs, kw)
 
-        out = torch_checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True,
-                                          context_fn=frame.contexts, **kwargs)
+        out = torch_checkpoint.checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=frame.contexts, **kwargs
+        )
         frame.watch_gradients(out)
         return out
 
@@ -122,6 +124,7 @@ class _Recomputation:
 
     def watch_gradients(self, out):
         """Keep the output gradients as they arrive in backward: the recomputation waits for them."""
+
         def keep(grad):
             self.grads.append(grad)
 
@@ -133,8 +136,9 @@ class _Recomputation:
         """Run ``forward`` again on barrier copies of its inputs and of the module's parameters."""
         flat, spec = pytree.tree_flatten((inputs, kwargs))
         params = list(self.module.parameters())  # a tied parameter comes once
-        on_device = [x for x in flat if isinstance(x, st.ShardedTensor)] + \
-                    [p for p in params if isinstance(p, st.ShardedTensor)]
+        on_device = [x for x in flat if isinstance(x, st.ShardedTensor)] + [
+            p for p in params if isinstance(p, st.ShardedTensor)
+        ]
         if not on_device:
             return forward(*inputs, **kwargs)
         grads = [g for g in self.grads + _RECENT.take() if isinstance(g, st.ShardedTensor)]
@@ -212,4 +216,3 @@ def _swapped_parameters(module: nn.Module, by_id: dict):
     finally:
         for sub, name, p in swapped:
             sub._parameters[name] = p
-

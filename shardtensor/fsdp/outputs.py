@@ -10,6 +10,7 @@ Example::
     shard = batch_output_sharder()              # what FSDPv2 uses when shard_output=None
     out = shard(model(x), mesh)                 # logits sharded ('fsdp', None, None)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,7 +41,8 @@ def batch_output_sharder(extra_data_axis: str | None = None):
         if not _is_container(output) and not isinstance(output, torch.Tensor):
             raise RuntimeError(
                 f"The output type is not supported: {type(output)}. Please provide your own "
-                "shard_output callable (shard_output(output, mesh), which may return a new output).")
+                "shard_output callable (shard_output(output, mesh), which may return a new output)."
+            )
         batch = _batch_size(output)
         if batch is None:
             return output

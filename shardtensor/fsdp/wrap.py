@@ -11,6 +11,7 @@ Example::
     policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
     model = FSDPv2(model, auto_wrap_policy=policy)      # each Block gets its own FSDPv2
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -28,8 +29,9 @@ def always_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int) 
     return True
 
 
-def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
-                            lambda_fn: Callable[[nn.Module], bool]) -> bool:
+def lambda_auto_wrap_policy(
+    module: nn.Module, recurse: bool, unwrapped_params: int, lambda_fn: Callable[[nn.Module], bool]
+) -> bool:
     """Wrap the submodules for which ``lambda_fn(module)`` is true.
 
     Example::
@@ -39,8 +41,9 @@ def lambda_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: 
     return True if recurse else bool(lambda_fn(module))
 
 
-def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
-                                 transformer_layer_cls: Iterable[type]) -> bool:
+def transformer_auto_wrap_policy(
+    module: nn.Module, recurse: bool, unwrapped_params: int, transformer_layer_cls: Iterable[type]
+) -> bool:
     """Wrap every submodule that is an instance of one of ``transformer_layer_cls``.
 
     Example::
@@ -50,9 +53,14 @@ def transformer_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_par
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
 
-def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_params: int,
-                                min_num_params: int = int(1e8), force_leaf_modules=None,
-                                exclude_wrap_modules=None) -> bool:
+def size_based_auto_wrap_policy(
+    module: nn.Module,
+    recurse: bool,
+    unwrapped_params: int,
+    min_num_params: int = int(1e8),
+    force_leaf_modules=None,
+    exclude_wrap_modules=None,
+) -> bool:
     """Wrap a submodule once it holds at least ``min_num_params`` parameters not yet wrapped.
 
     ``force_leaf_modules`` (default ``{nn.MultiheadAttention}``) are never looked into;
@@ -71,9 +79,15 @@ def size_based_auto_wrap_policy(module: nn.Module, recurse: bool, unwrapped_para
     return large and not isinstance(module, exclude)
 
 
-def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: Callable,
-                   ignored_modules=(), ignored_params=(), only_wrap_children: bool = False,
-                   **wrapper_kwargs) -> tuple[nn.Module, int]:
+def recursive_wrap(
+    module: nn.Module,
+    auto_wrap_policy: Callable,
+    wrapper_cls: Callable,
+    ignored_modules=(),
+    ignored_params=(),
+    only_wrap_children: bool = False,
+    **wrapper_kwargs,
+) -> tuple[nn.Module, int]:
     """Wrap the submodules of ``module`` that ``auto_wrap_policy`` picks, innermost first.
 
     Children are replaced in place (``setattr`` on their parent) by ``wrapper_cls(child,
@@ -93,8 +107,9 @@ def recursive_wrap(module: nn.Module, auto_wrap_policy: Callable, wrapper_cls: C
     for name, child in module.named_children():
         if child in ignored_modules:
             continue
-        new_child, n = recursive_wrap(child, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_params,
-                                      **wrapper_kwargs)
+        new_child, n = recursive_wrap(
+            child, auto_wrap_policy, wrapper_cls, ignored_modules, ignored_params, **wrapper_kwargs
+        )
         if new_child is not child:
             setattr(module, name, new_child)
         wrapped += n

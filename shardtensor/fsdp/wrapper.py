@@ -4,6 +4,7 @@ There is no gathering or scattering code here: each parameter is annotated as sh
 axis ``'fsdp'`` and the module's outputs as sharded on their batch dimension, and XLA's partitioner
 inserts the all-gathers (forward, backward) and reduce-scatters (gradients) itself.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -49,19 +50,28 @@ class FSDPv2(nn.Module):
         model.module.blocks[0].module.fc.weight.partition_spec   # PartitionSpec(None, 'fsdp')
     """
 
-    def __init__(self, module: nn.Module, *, mesh: st.Mesh | None = None, shard_output: Callable | None = None,
-                 auto_wrap_policy: Callable | None = None, auto_wrapper_callable: Callable | None = None,
-                 extra_data_axis: str | None = None):
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        mesh: st.Mesh | None = None,
+        shard_output: Callable | None = None,
+        auto_wrap_policy: Callable | None = None,
+        auto_wrapper_callable: Callable | None = None,
+        extra_data_axis: str | None = None,
+    ):
         # the checks, in PyTorch/XLA's order
         if isinstance(module, FSDPv2):
             raise RuntimeError(
                 "Cannot wrap a module that is already wrapped with FSDPv2. For nested wrapping, wrap the "
-                "inner child modules first and then the outer parent module.")
+                "inner child modules first and then the outer parent module."
+            )
         if type(module).forward is nn.Module.forward:
             raise RuntimeError(
                 f"The module wrapped by FSDPv2 must define its own forward method and be called through it; "
                 f"{type(module).__name__} has none. Do not wrap nn.ModuleList or nn.ModuleDict: wrap the "
-                "modules inside them, or the module that calls them.")
+                "modules inside them, or the module that calls them."
+            )
         if mesh is None:
             mesh = st.get_global_mesh()
             if mesh is None:
@@ -79,10 +89,18 @@ class FSDPv2(nn.Module):
         if auto_wrap_policy is not None:
             for name, sub in module.named_modules():
                 if isinstance(sub, FSDPv2):
-                    raise ValueError(f"Expected {name} to NOT be FSDPv2 if using an `auto_wrap_policy`: "
-                                     "either wrap submodules by hand or let the policy do it, not both.")
-            recursive_wrap(module, auto_wrap_policy, auto_wrapper_callable or FSDPv2, only_wrap_children=True,
-                           mesh=mesh, shard_output=shard_output)
+                    raise ValueError(
+                        f"Expected {name} to NOT be FSDPv2 if using an `auto_wrap_policy`: "
+                        "either wrap submodules by hand or let the policy do it, not both."
+                    )
+            recursive_wrap(
+                module,
+                auto_wrap_policy,
+                auto_wrapper_callable or FSDPv2,
+                only_wrap_children=True,
+                mesh=mesh,
+                shard_output=shard_output,
+            )
 
         _shard_parameters(module, mesh)
         self._orig_module = module

@@ -3,6 +3,7 @@
 (``execute``), whether programs donate what they overwrite (``aliasing``), runs in flight and what a
 failed one leaves (``inflight``), view chains (``views``), the random key (``rng``), recompilation
 reasons (``recompile``), and the entries that compile, export and explain build on (``capture``)."""
+
 from shardtensor.graph.capture import Capture, Lowered, capture, lower  # noqa: F401
 from shardtensor.graph.executable_cache import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.execute import clear_executables, run_cells  # noqa: F401

@@ -11,6 +11,7 @@ The setting, first one given wins: ``st.set_param_aliasing(True/False)``, then
 ``SHARDTENSOR_ENABLE_PARAM_ALIASING``, then PyTorch/XLA's ``XLA_ENABLE_PARAM_ALIASING``; default on,
 as in PyTorch/XLA. The variables are read when a program is built, so setting one mid-run works.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,8 @@ def parse(name: str, text: str) -> bool:
         raise ValueError(
             f"{name}={text!r} is not a boolean: set it to 1 (donate the buffers a program overwrites, "
             "the default) or 0 (keep every input until the program has finished, at the cost of memory); "
-            "true/false, yes/no and on/off work too.") from None
+            "true/false, yes/no and on/off work too."
+        ) from None
 
 
 def enabled_by_environment(environ=os.environ) -> bool:
@@ -93,8 +95,7 @@ def set_param_aliasing(enabled: bool | None) -> bool:
         st.set_param_aliasing(previous)
     """
     if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"set_param_aliasing expects True, False or None (the environment's setting), "
-                        f"got {enabled!r}")
+        raise TypeError(f"set_param_aliasing expects True, False or None (the environment's setting), got {enabled!r}")
     previous = param_aliasing_enabled()
     _configured[0] = enabled
     return previous

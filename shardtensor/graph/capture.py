@@ -14,6 +14,7 @@ Example::
     lowered = lower(seen.pending())          # every value the block left pending
     lowered.compile().output_shardings       # what XLA chose, nothing run
 """
+
 from __future__ import annotations
 
 import contextlib

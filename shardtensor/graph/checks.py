@@ -11,6 +11,7 @@ restored them on the device); its new results that depend on the failed check be
 (reading one raises the same error), and so do pending values recorded from them. New results that
 do not depend on it are kept.
 """
+
 from __future__ import annotations
 
 import linecache
@@ -88,8 +89,10 @@ def _poison(suspects, error):
     cells = pending_cells()
     poisoned = set()
     for node in _topological_order([c.value.node for c in cells]):
-        if any((isinstance(r, Leaf) and id(r.array) in bad) or (isinstance(r, Pending) and id(r.node) in poisoned)
-               for r in node.inputs):
+        if any(
+            (isinstance(r, Leaf) and id(r.array) in bad) or (isinstance(r, Pending) and id(r.node) in poisoned)
+            for r in node.inputs
+        ):
             poisoned.add(id(node))
     for cell in cells:
         if id(cell.value.node) in poisoned:

@@ -9,6 +9,7 @@ compilation cache, ``st.initialize_cache``, makes that cheap). Evicting frees th
 small program holds about 1.7 MB of host memory (100 distinct shapes: +166 MB unbounded, +13 MB
 with a bound of 10), so 1024 of them stay within a couple of GB.
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,11 @@ def _size_from_env() -> int:
     except ValueError:
         size = 0
     if size < 1:
-        warnings.warn(f"{ENV}={raw!r} is not a positive integer; using the default, {DEFAULT_SIZE} executables.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"{ENV}={raw!r} is not a positive integer; using the default, {DEFAULT_SIZE} executables.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return DEFAULT_SIZE
     return size
 

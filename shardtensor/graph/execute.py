@@ -14,6 +14,7 @@ consumed raises ``ConsumedInputError``. A failure that shows only while the prog
 later, by ``inflight`` (before the next run, or by the read that meets it); with parameter aliasing
 off (``aliasing``) nothing is ever donated, so nothing is ever consumed.
 """
+
 from __future__ import annotations
 
 import logging
@@ -142,8 +143,7 @@ def run_single_node(node, cells) -> None:
     if fn is None:
         execution = run_cells(cells)
         program = execution.program
-        if not program.donated and not program.forwarded_leaves and all(
-                mesh_of(a) == program.mesh for a in arrays):
+        if not program.donated and not program.forwarded_leaves and all(mesh_of(a) == program.mesh for a in arrays):
             _SINGLE_NODE[key] = execution.executable
         return execution
     counters.increment("CachedCompile")
@@ -154,8 +154,14 @@ def run_single_node(node, cells) -> None:
         memory.check(getattr(fn, "memory", None), "this op's program")
         with deferred_interrupts():
             outs = call_executable(fn, arrays, vectors)
-            assign_outputs(fn.program, cells, outs, {0: node.site} if node.site is not None else None,
-                           before=before, what=f"the program of the op {_op_name(node)}")
+            assign_outputs(
+                fn.program,
+                cells,
+                outs,
+                {0: node.site} if node.site is not None else None,
+                before=before,
+                what=f"the program of the op {_op_name(node)}",
+            )
     except Exception as error:
         _isolate_failure(cells, error, before)
         raise
@@ -300,9 +306,15 @@ SLOW_COMPILE_SECONDS = 2.0  # a compile this long is said (INFO), so a long firs
 def _log_slow_compile(program, elapsed_ns: int) -> None:
     seconds = elapsed_ns / 1e9
     if seconds >= SLOW_COMPILE_SECONDS:
-        _LOG.info("compiled a program of %d ops (%d inputs, %d outputs) on a mesh of %d devices in %.1f s; "
-                  "later calls with the same shapes reuse it", len(program.steps), len(program.key[2]),
-                  len(program.outputs), program.mesh.size if program.mesh is not None else 1, seconds)
+        _LOG.info(
+            "compiled a program of %d ops (%d inputs, %d outputs) on a mesh of %d devices in %.1f s; "
+            "later calls with the same shapes reuse it",
+            len(program.steps),
+            len(program.key[2]),
+            len(program.outputs),
+            program.mesh.size if program.mesh is not None else 1,
+            seconds,
+        )
 
 
 _SCALAR_CACHE: dict = {}
@@ -360,5 +372,3 @@ def assign_outputs(program, cells, outs, sites=None, before=None, what="a progra
     if rows is not None:
         checks.watch(program, rows, sites, cells, outs)
     return record
-
-

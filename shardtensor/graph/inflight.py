@@ -21,6 +21,7 @@ The old buffers are kept until the run is known to have finished, and the next p
 that before it starts: at most two copies of the overwritten state exist, as the memory analysis of
 the program says. With aliasing on, a run is only looked at (never waited for) before the next one.
 """
+
 from __future__ import annotations
 
 import os
@@ -34,10 +35,14 @@ from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_computed, set_concrete, set_failed
 from shardtensor.graph.waiting import ExecutionFailedError, finished, wait_until_ready
 
-ADVICE = ("To keep every input through such failures at the cost of memory (the overwritten tensors held "
-          "twice while a program runs), set XLA_ENABLE_PARAM_ALIASING=0 or call st.set_param_aliasing(False).")
-OOM_ADVICE = ("If it ran out of memory, set SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the "
-              "memory a device really has, so that a program which cannot fit is refused before it runs.")
+ADVICE = (
+    "To keep every input through such failures at the cost of memory (the overwritten tensors held "
+    "twice while a program runs), set XLA_ENABLE_PARAM_ALIASING=0 or call st.set_param_aliasing(False)."
+)
+OOM_ADVICE = (
+    "If it ran out of memory, set SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the "
+    "memory a device really has, so that a program which cannot fit is refused before it runs."
+)
 MAX_IN_FLIGHT = 256  # beyond this many unfinished runs, the oldest are waited for (each holds its results)
 
 
@@ -105,8 +110,9 @@ def user_site():
         name = frame.f_code.co_filename
         library = _IS_LIBRARY.get(name)
         if library is None:  # once per file: every run walks the stack
-            library = _IS_LIBRARY[name] = (name.startswith(recompile.library_dirs())
-                                           or name.startswith(("<frozen", "<eval_with_key>")))
+            library = _IS_LIBRARY[name] = name.startswith(recompile.library_dirs()) or name.startswith(
+                ("<frozen", "<eval_with_key>")
+            )
         if not library:
             return os.path.basename(name), frame.f_lineno
         frame = frame.f_back
@@ -213,14 +219,19 @@ def resolve(run: Run, error: BaseException, remove: bool = True) -> ExecutionFai
 def _failure_text(run, runtime, restored, consumed) -> str:
     text = f"{run.describe()} failed while it ran on the devices: {runtime}."
     if restored:
-        text += (f" The {restored} tensor(s) it was updating in place (parameters, optimizer state) keep their "
-                 "values from before it: the step can be retried.")
+        text += (
+            f" The {restored} tensor(s) it was updating in place (parameters, optimizer state) keep their "
+            "values from before it: the step can be retried."
+        )
     if consumed:
-        text += (f" It had consumed the buffers of {consumed} tensor(s) it was updating in place (donated "
-                 "inputs: parameters, optimizer state); reading one raises st.ConsumedInputError. Restore them "
-                 f"(e.g. from a checkpoint). {ADVICE}")
-    text += (" The tensors it was computing, and pending work recorded from them, raise this error when read. "
-             + OOM_ADVICE)
+        text += (
+            f" It had consumed the buffers of {consumed} tensor(s) it was updating in place (donated "
+            "inputs: parameters, optimizer state); reading one raises st.ConsumedInputError. Restore them "
+            f"(e.g. from a checkpoint). {ADVICE}"
+        )
+    text += (
+        " The tensors it was computing, and pending work recorded from them, raise this error when read. " + OOM_ADVICE
+    )
     return text
 
 
@@ -236,7 +247,8 @@ def _consumed(run, cell, runtime, cause) -> ConsumedInputError:
         f"failed while it ran on the devices: {runtime}. Its buffer had been donated to that program "
         "(input/output aliasing, on by default as in PyTorch/XLA), so neither its old nor its new value exists. "
         "Restore it, e.g. from a checkpoint (load_state_dict, torch.distributed.checkpoint), before using it "
-        f"again. {ADVICE}")
+        f"again. {ADVICE}"
+    )
     error.__cause__ = cause
     return error
 

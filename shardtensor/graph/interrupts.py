@@ -7,6 +7,7 @@ the user's SIGINT handler is a Python function (the default raises ``KeyboardInt
 recording handler stands in for it and the user's handler is called, with the same signal, when the
 block ends. Anywhere else (another thread, SIGINT ignored or left to the OS) nothing changes.
 """
+
 from __future__ import annotations
 
 import threading

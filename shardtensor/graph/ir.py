@@ -5,6 +5,7 @@ dimension), a ``Pending`` reference to an output of a recorded ``Node``, or ``Fa
 that was to compute it failed. Several tensors may share one Cell (views, ``detach()``, ``.data``);
 in-place ops replace the Cell's value.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,8 +80,19 @@ class Cell:
     donate it.
     """
 
-    __slots__ = ("value", "shape", "dtype", "sharding", "version", "owned", "_leaf", "serial",
-                 "layout", "root", "__weakref__")
+    __slots__ = (
+        "value",
+        "shape",
+        "dtype",
+        "sharding",
+        "version",
+        "owned",
+        "_leaf",
+        "serial",
+        "layout",
+        "root",
+        "__weakref__",
+    )
     _serials = itertools.count()  # next() is atomic: threads creating cells never share a serial
 
     def __init__(self, value, shape, dtype, sharding: ShardingSpec | None = None, owned=False):

@@ -12,6 +12,7 @@ against the memory available before every call:
 - else (CPU devices, which share the host's RAM): what it allocates on all this host's devices must
   fit in the host's available RAM and under the process's address-space limit (``ulimit -v``).
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,22 @@ import resource
 import torch
 
 ENV = "SHARDTENSOR_DEVICE_MEMORY"
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _SKIP_FRACTION = 0.05  # needs below this share of the memory are not worth a query of what is free
 
 
@@ -54,9 +69,11 @@ class ProgramMemory:
         return self.arguments + self.allocated
 
     def describe(self) -> str:
-        return (f"{_size(self.peak)} per device (arguments {_size(self.arguments)} + outputs "
-                f"{_size(self.outputs)} + temporaries {_size(self.temporaries)} - {_size(self.reused)} "
-                f"written into donated inputs)")
+        return (
+            f"{_size(self.peak)} per device (arguments {_size(self.arguments)} + outputs "
+            f"{_size(self.outputs)} + temporaries {_size(self.temporaries)} - {_size(self.reused)} "
+            f"written into donated inputs)"
+        )
 
 
 def analyse(compiled, mesh):
@@ -100,8 +117,10 @@ def parse_size(value) -> int:
         m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
         unit = m and _UNITS.get(m.group(2).lower())
         if m is None or unit is None:
-            raise ValueError(f"{ENV} / set_device_memory_limit: cannot read {value!r} as a size; "
-                             "write bytes or a number with a unit, e.g. 512MB or 2GiB")
+            raise ValueError(
+                f"{ENV} / set_device_memory_limit: cannot read {value!r} as a size; "
+                "write bytes or a number with a unit, e.g. 512MB or 2GiB"
+            )
         size = int(float(m.group(1)) * unit)
     if size <= 0:
         raise ValueError(f"device memory limit must be positive, got {value!r}")
@@ -135,8 +154,11 @@ def check(memory, what: str) -> None:
         needed = memory.allocated * len(memory.devices)  # simulated CPU devices share the host's RAM
         free, where = _host_free(needed)
         if needed > free:
-            _refuse(memory, what, f"{_size(free)} {where} for {len(memory.devices)} CPU device(s) "
-                                  f"needing {_size(needed)} in all")
+            _refuse(
+                memory,
+                what,
+                f"{_size(free)} {where} for {len(memory.devices)} CPU device(s) needing {_size(needed)} in all",
+            )
 
 
 def _refuse(memory, what, available):
@@ -144,7 +166,8 @@ def _refuse(memory, what, available):
         f"{what} needs {memory.describe()}, more than {available}. It was not run: every tensor it "
         "would have overwritten (parameters, optimizer state) keeps its value, the tensors it would have "
         "computed raise this error when read. Use a smaller batch, shard the largest tensors over more "
-        f"devices, or set {ENV} (or st.set_device_memory_limit) if the limit is wrong.")
+        f"devices, or set {ENV} (or st.set_device_memory_limit) if the limit is wrong."
+    )
 
 
 _DEVICE_TOTAL: dict = {}  # device -> its bytes limit, once seen

@@ -1,4 +1,5 @@
 """The user's controls of the engine: ``sync()``, ``step()`` and ``eager_mode()``."""
+
 from __future__ import annotations
 
 import contextlib

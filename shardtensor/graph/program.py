@@ -13,6 +13,7 @@ program back (one conditional on the device), so parameters, optimizer state and
 those before the step; ``graph.checks`` reads the rows after the run and fails the new results that
 depend on a checked op.
 """
+
 from __future__ import annotations
 
 import functools
@@ -132,8 +133,13 @@ class Program:
         out_layouts = {id(c): out[2] for c, out in zip(cells, prog.outputs)}
         for i, c in enumerate(prog.leaf_cells):
             # donate only a buffer the output can reuse: same cell, sole owner, same layout
-            reusable = (donate and c is not None and id(c) in overwritten and c.owned
-                        and out_layouts[id(c)] in (None, arrays[i].sharding))
+            reusable = (
+                donate
+                and c is not None
+                and id(c) in overwritten
+                and c.owned
+                and out_layouts[id(c)] in (None, arrays[i].sharding)
+            )
             (prog.donated if reusable else prog.kept).append(i)
         if prog.checks:  # an overwritten cell whose old value is an input can be restored
             leaf_of = {id(c): k for k, c in enumerate(prog.leaf_cells) if c is not None}
@@ -145,8 +151,16 @@ class Program:
         scalars: dict[str, np.ndarray] = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
         prog.mesh = mesh
         checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
-        prog.key = (tuple(key_parts), tuple(out_keys), leaf_sigs, tuple(prog.scalar_slots), tuple(prog.donated),
-                    mesh, checked, prog.aliasing)
+        prog.key = (
+            tuple(key_parts),
+            tuple(out_keys),
+            leaf_sigs,
+            tuple(prog.scalar_slots),
+            tuple(prog.donated),
+            mesh,
+            checked,
+            prog.aliasing,
+        )
         return prog, arrays, scalars
 
     def make_executable(self):
@@ -159,8 +173,9 @@ class Program:
             arrays: list = [None] * len(order)
             for i, a in zip(order, list(donated) + list(kept)):
                 arrays[i] = a
-            leaves = [a[tuple(slice(0, n) for n in shape)] if padded else a
-                      for a, (shape, padded) in zip(arrays, leaf_shapes)]
+            leaves = [
+                a[tuple(slice(0, n) for n in shape)] if padded else a for a, (shape, padded) in zip(arrays, leaf_shapes)
+            ]
             scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
             values: list = []
 
@@ -184,8 +199,9 @@ class Program:
                             tainted.add(j)
                 rows = collector.output()
                 self.check_table = collector.checks
-                self.tainted = frozenset(i for i, (code, _, _) in enumerate(outputs)
-                                         if code[0] == 0 and code[1] in tainted)
+                self.tainted = frozenset(
+                    i for i, (code, _, _) in enumerate(outputs) if code[0] == 0 and code[1] in tainted
+                )
                 failed = None if rows is None else jnp.any(rows[:, 0] != 0)
             results = []
             for i, (code, pad, sharding) in enumerate(outputs):
@@ -206,8 +222,13 @@ class Program:
                 # a failed check keeps the values before the step: one conditional for all of them
                 # (per-output selects make XLA:CPU's older fusion emitter compute wrong updates)
                 keys = sorted(restored)
-                chosen = jax.lax.cond(failed, lambda old, new: old, lambda old, new: new,
-                                      [restored[i] for i in keys], [results[i] for i in keys])
+                chosen = jax.lax.cond(
+                    failed,
+                    lambda old, new: old,
+                    lambda old, new: new,
+                    [restored[i] for i in keys],
+                    [results[i] for i in keys],
+                )
                 for i, x in zip(keys, chosen):
                     sharding = outputs[i][2]
                     results[i] = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
@@ -317,5 +338,3 @@ def to_mesh(array, mesh):
         return array  # sharded on another mesh: _graph_mesh already refused a real conflict
     counters.increment("ReplicateToGraphMesh")
     return jax.device_put(array, NamedSharding(mesh, JaxSpec()))
-
-

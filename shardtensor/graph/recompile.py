@@ -29,6 +29,7 @@ Example::
     SHARDTENSOR_DEBUG=1 python train.py
     logging.getLogger("shardtensor").setLevel(logging.ERROR)   # silences the recompilation warnings
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -109,8 +110,12 @@ def library_dirs() -> tuple:
     global _LIBRARY_DIRS
     if _LIBRARY_DIRS is None:
         package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        dirs = [package, os.path.dirname(torch.__file__),
-                os.path.dirname(jax.__file__), sysconfig.get_paths()["stdlib"]]
+        dirs = [
+            package,
+            os.path.dirname(torch.__file__),
+            os.path.dirname(jax.__file__),
+            sysconfig.get_paths()["stdlib"],
+        ]
         _LIBRARY_DIRS = tuple(os.path.join(d, "") for d in dirs)
     return _LIBRARY_DIRS
 
@@ -223,7 +228,7 @@ def _sharding_text(sharding, with_mesh=True) -> str:
 
 def _short(value, limit=100) -> str:
     text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _describe_input(i, sig, cell) -> str:
@@ -241,8 +246,10 @@ def _differences(new, old, leaf_cells) -> list[str]:
     old_parts, old_outs, old_leaves, old_slots, old_donated, old_mesh, old_checks, old_aliasing = old
     reasons = []
     if new_aliasing != old_aliasing:
-        reasons.append(f"parameter aliasing turned {'on' if new_aliasing else 'off'} "
-                       "(st.set_param_aliasing / XLA_ENABLE_PARAM_ALIASING)")
+        reasons.append(
+            f"parameter aliasing turned {'on' if new_aliasing else 'off'} "
+            "(st.set_param_aliasing / XLA_ENABLE_PARAM_ALIASING)"
+        )
     if (new_checks is None) != (old_checks is None):
         reasons.append(f"on-device checks turned {'off' if new_checks is None else 'on'} (st.set_checks)")
     elif new_checks != old_checks:
@@ -278,8 +285,10 @@ def _differences(new, old, leaf_cells) -> list[str]:
         more = f" (and {len(static) - 3} more ops)" if len(static) > 3 else ""
         reasons.append("; ".join(static[:3]) + more)
     if len(new_outs) != len(old_outs):
-        reasons.append(f"the number of outputs changed: {len(old_outs)} -> {len(new_outs)} "
-                       "(a different set of pending tensors is alive at this sync)")
+        reasons.append(
+            f"the number of outputs changed: {len(old_outs)} -> {len(new_outs)} "
+            "(a different set of pending tensors is alive at this sync)"
+        )
     else:
         for j, (a, b) in enumerate(zip(new_outs, old_outs)):
             if a == b:
@@ -297,8 +306,10 @@ def _differences(new, old, leaf_cells) -> list[str]:
         if added:
             text.append(f"input(s) {added} now donated")
         if gone:
-            text.append(f"input(s) {gone} no longer donated (another tensor still uses the buffer, "
-                        "or the update changes its layout)")
+            text.append(
+                f"input(s) {gone} no longer donated (another tensor still uses the buffer, "
+                "or the update changes its layout)"
+            )
         reasons.append("donation changed: " + "; ".join(text))
     if not reasons:
         # only tensor metadata inside node keys differs (e.g. strides of a view)
@@ -319,10 +330,16 @@ def _nearest(key, executables):
         if _skeleton(other) != skeleton:
             continue
         # every changed input attribute counts, so a graph with one change beats one with three
-        score = (sum((a[2] != b[2]) + (a[1] != b[1]) + (a[3] != b[3]) for a, b in zip(key[2], other[2]))
-                 + (key[1] != other[1]) + (key[3] != other[3])
-                 + (key[4] != other[4]) + (key[5] != other[5]) + (key[6] != other[6]) + (key[7] != other[7])
-                 + sum(a[0] != b[0] for a, b in zip(key[0], other[0])))
+        score = (
+            sum((a[2] != b[2]) + (a[1] != b[1]) + (a[3] != b[3]) for a, b in zip(key[2], other[2]))
+            + (key[1] != other[1])
+            + (key[3] != other[3])
+            + (key[4] != other[4])
+            + (key[5] != other[5])
+            + (key[6] != other[6])
+            + (key[7] != other[7])
+            + sum(a[0] != b[0] for a, b in zip(key[0], other[0]))
+        )
         if best_score is None or score <= best_score:  # ties: the most recent
             best, best_score = other, score
     return best
@@ -367,7 +384,11 @@ def explain(program, leaf_cells, executables) -> str:
                 f"every iteration spends its time in XLA. Last reason: {why}. Keep input shapes, "
                 "dtypes, shardings and Python scalar types fixed from one iteration to the next "
                 "(pad the last batch, or drop it).",
-                RecompilationWarning, site[0], site[1], module=site[2])
+                RecompilationWarning,
+                site[0],
+                site[1],
+                module=site[2],
+            )
     return line
 
 
@@ -396,7 +417,7 @@ def note_compile(program, leaf_cells) -> str | None:
     entry = _BY_SITE.get(entry_key)
     if entry is None:
         if len(_BY_SITE) >= _BY_SITE_LIMIT:
-            for old in list(_BY_SITE)[:_BY_SITE_LIMIT // 2]:
+            for old in list(_BY_SITE)[: _BY_SITE_LIMIT // 2]:
                 del _BY_SITE[old]
         entry = _BY_SITE[entry_key] = [0, None]
     entry[0] += 1
@@ -411,6 +432,7 @@ def note_compile(program, leaf_cells) -> str | None:
         f"{_site_text(site)} compiled a graph of the same structure for the {_ordinal(entry[0])} time "
         f"({len(key[0])} ops): {why} [since its previous compile there]. Each compile spends time in "
         "XLA: keep input shapes, dtypes, shardings and Python scalar types fixed from one call to the "
-        "next (pad the last batch, or drop it).")
+        "next (pad the last batch, or drop it)."
+    )
     _LOG.warning("%s", message)
     return message

@@ -5,6 +5,7 @@ Example::
 
     st.manual_seed(0)        # or torch.manual_seed(0)
 """
+
 from __future__ import annotations
 
 import itertools

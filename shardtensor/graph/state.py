@@ -15,6 +15,7 @@ Donating a buffer is allowed only when no other thread has pending work that mig
 annotations) runs with JAX's 64-bit types on in its thread (``runtime.x64_scope``), and only there:
 the user's JAX keeps its own setting.
 """
+
 from __future__ import annotations
 
 import functools
@@ -146,8 +147,7 @@ def check_execution_allowed(what: str) -> None:
     """Raise ``UnexpectedExecutionError`` if a run is not allowed now (``compile(full_graph=True)``)."""
     if STATE.execution_guard is not None:
         raise UnexpectedExecutionError(
-            f"Unexpected execution happens inside the compiled function ({what}); exiting. "
-            f"{STATE.execution_guard}"
+            f"Unexpected execution happens inside the compiled function ({what}); exiting. {STATE.execution_guard}"
         )
 
 

@@ -8,6 +8,7 @@ Ops that address torch's storage directly (``as_strided``, ``resize_``, ``set_``
 ``storage_step``: the Cell's value laid out by its root strides is the storage, so the step picks
 storage elements by position, as torch does, whatever views came before.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,9 +23,18 @@ from shardtensor.graph.state import STATE, set_pending
 
 aten = torch.ops.aten
 
-_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.detach.default,
-             aten.unsqueeze.default, aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims,
-             aten._reshape_alias.default, aten.reshape.default}
+_RESHAPES = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.alias.default,
+    aten.detach.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten._reshape_alias.default,
+    aten.reshape.default,
+}
 _TRANSPOSES = {aten.t.default, aten.transpose.int, aten.permute.default}
 
 
@@ -67,7 +77,7 @@ def _make_scatter(step: ViewStep):
         inverse = tuple(int(i) for i in np.argsort(perm))
         return lambda base, src: (jnp.transpose(src, inverse).astype(base.dtype),)
     if func is aten.slice.Tensor:
-        dim, start, end, stepsize = (list(args) + [0, None, None, 1][len(args):])[:4]
+        dim, start, end, stepsize = (list(args) + [0, None, None, 1][len(args) :])[:4]
         dim = dim % len(step.in_shape)
         start, _, stepsize = slice(start, end, stepsize).indices(step.in_shape[dim])
         if stepsize == 1:
@@ -159,7 +169,8 @@ def storage_indices(cell, size, stride, offset, what="as_strided"):
         raise RuntimeError(
             f"{what}: sizes {list(size)}, strides {list(stride)}, storage offset {offset}, and itemsize "
             f"{itemsize} requiring a storage size of {need * itemsize} are out of bounds for storage of "
-            f"size {extent * itemsize}")
+            f"size {extent * itemsize}"
+        )
     dense_root = root_offset == 0 and _is_contiguous(cell.shape, root_strides)
     if dense_root and _is_contiguous(size, stride):
         return offset
@@ -171,8 +182,10 @@ def storage_indices(cell, size, stride, offset, what="as_strided"):
     where[held] = np.arange(held.size, dtype=np.int64)
     idx = where[wanted]
     if (idx < 0).any():
-        raise RuntimeError(f"{what}: the view reads storage elements that no tensor holds (gaps of a "
-                           "strided storage); make the source contiguous first")
+        raise RuntimeError(
+            f"{what}: the view reads storage elements that no tensor holds (gaps of a "
+            "strided storage); make the source contiguous first"
+        )
     if np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
         return int(idx[0])
     return idx
@@ -194,20 +207,24 @@ def storage_step(cell, size, stride, offset, what="as_strided") -> ViewStep:
     step = _STEPS[key] = ViewStep(None, (), {}, None, 0, key, cell.shape, size)
     n = math.prod(size)
     if isinstance(idx, int):  # a contiguous run: slices, no gather
+
         def caller(base):
             return (jax.lax.slice_in_dim(base.reshape(-1), idx, idx + n).reshape(size),)
 
         def scatter_fn(base, src):
-            flat = jax.lax.dynamic_update_slice_in_dim(base.reshape(-1), src.reshape(-1).astype(base.dtype),
-                                                       idx, axis=0)
+            flat = jax.lax.dynamic_update_slice_in_dim(
+                base.reshape(-1), src.reshape(-1).astype(base.dtype), idx, axis=0
+            )
             return (flat.reshape(base.shape),)
     else:
+
         def caller(base):
             return (base.reshape(-1)[idx].reshape(size),)
 
         def scatter_fn(base, src):
             out = base.reshape(-1).at[idx].set(src.reshape(-1).astype(base.dtype))
             return (out.reshape(base.shape),)
+
     step.caller, step._scatter = caller, scatter_fn
     return step
 
@@ -230,8 +247,11 @@ def storage_values(cell, shape, strides):
     tensor of dense geometry (shape, strides) over it. The old storage elements come first, then
     zeros (torch leaves them uninitialised)."""
     root_strides, root_offset, extent = cell_storage(cell)
-    held = None if root_offset == 0 and _is_contiguous(cell.shape, root_strides) else _positions(
-        cell.shape, root_strides, root_offset)
+    held = (
+        None
+        if root_offset == 0 and _is_contiguous(cell.shape, root_strides)
+        else _positions(cell.shape, root_strides, root_offset)
+    )
     total = math.prod(shape)
     keep = min(extent, total)
     order = None if _is_contiguous(shape, strides) else _positions(shape, strides, 0)

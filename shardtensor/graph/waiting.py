@@ -7,6 +7,7 @@ instead, sleeping briefly between polls, and raises as soon as any shard holds a
 XLA still ends the process about 40 s later if the devices left waiting in a collective never meet:
 refusing programs that cannot fit before they run, ``memory``, is the real defence.)
 """
+
 from __future__ import annotations
 
 import time
@@ -73,4 +74,5 @@ def _raise_failure(ready) -> None:
                 f"a program failed while it ran on the devices ({str(error).rstrip('.')}). The tensors it "
                 "was computing have no value; reading them raises this error. If it ran out of memory, set "
                 "SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the memory a device really "
-                "has, so that programs which cannot fit are refused before they run.") from error
+                "has, so that programs which cannot fit are refused before they run."
+            ) from error

@@ -1,4 +1,5 @@
 """Lowerings of aten ops to jax, one module per op family; importing this package fills the table."""
+
 from shardtensor.ops import (  # noqa: F401  (each module registers its lowerings on import)
     activation,
     attention,

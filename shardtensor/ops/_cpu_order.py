@@ -18,6 +18,7 @@ Example::
 
     perm = sort_order(keys)               # keys: (rows, n) int ranks; perm: positions in sorted order
 """
+
 from __future__ import annotations
 
 import jax
@@ -76,8 +77,9 @@ def _libstdcxx_partition(k, perm, s, e, active):
     pos = jnp.arange(n, dtype=INT)
     a, b, c = s + 1, s + (e - s) // 2, e - 1
     a_, b_, c_ = (k[jnp.clip(v, 0, n - 1)] for v in (a, b, c))
-    t = jnp.where(a_ < b_, jnp.where(b_ < c_, b, jnp.where(a_ < c_, c, a)),
-                  jnp.where(a_ < c_, a, jnp.where(b_ < c_, c, b)))
+    t = jnp.where(
+        a_ < b_, jnp.where(b_ < c_, b, jnp.where(a_ < c_, c, a)), jnp.where(a_ < c_, a, jnp.where(b_ < c_, c, b))
+    )
     first = active & (pos == s)
     k, perm = _swap_pairs(k, perm, pos, t, first)  # slot q = s of each active segment: swap s <-> t
     pivot = k[jnp.clip(s, 0, n - 1)]
@@ -224,8 +226,9 @@ def topk_order(keys, k: int, sort_prefix: bool = True):
             first, last = jnp.where(c <= nth, c, first), jnp.where(c <= nth, last, c)
             return kk, p, first, last, level + 1
 
-        kk, p, first, last, _ = lax.while_loop(more, body, (kk, p, jnp.asarray(0, INT), jnp.asarray(n, INT),
-                                                             jnp.asarray(0, INT)))
+        kk, p, first, last, _ = lax.while_loop(
+            more, body, (kk, p, jnp.asarray(0, INT), jnp.asarray(n, INT), jnp.asarray(0, INT))
+        )
         region = jnp.where(pos < first, 0, jnp.where(pos < last, 1, 2)).astype(INT)
         _, p = _stable_in_segments(jnp.where(region == 1, kk, 0), p, region)  # the final insertion sort
         return p
@@ -275,8 +278,7 @@ def select_order(keys, kth: int):
             piv = kk[lo]
             s, e = jnp.full((n,), lo, INT), jnp.full((n,), hi + 1, INT)
             # i scans lo+2..hi for k >= piv, j scans hi-1..lo+1 for k <= piv; sentinels hi+1 and lo
-            lpos, rpos = _stoppers(kk, s, e, (pos >= lo + 2) & (pos <= hi), (pos >= lo + 1) & (pos < hi), piv,
-                                   e, s)
+            lpos, rpos = _stoppers(kk, s, e, (pos >= lo + 2) & (pos <= hi), (pos >= lo + 1) & (pos < hi), piv, e, s)
             valid = (pos >= lo) & (pos <= hi) & (lpos < rpos)
             m = jnp.sum(valid.astype(INT))  # pairs swapped before the scans meet
             at = lambda arr, q: arr[jnp.clip(q, 0, n - 1)]  # noqa: E731

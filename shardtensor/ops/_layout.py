@@ -19,6 +19,7 @@ Example::
     n = mesh_size(index)                   # 8 inside a graph over a (4, 2) mesh, else None
     w = unshard(w, dims=range(2, w.ndim))  # spatial dims unsharded, O/I left to XLA
 """
+
 from __future__ import annotations
 
 import jax

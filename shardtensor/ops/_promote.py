@@ -13,6 +13,7 @@ Example::
     result_type(int32_array, 2.5)        # float32 (torch), where jax under x64 would say float64
     result_type(float16_array, f64_0d)   # float16: a 0-dim tensor does not win within a category
 """
+
 from __future__ import annotations
 
 import functools

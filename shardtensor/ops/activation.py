@@ -2,6 +2,7 @@
 
 bfloat16/float16 are computed in float32 and rounded at the end, as torch does.
 """
+
 from __future__ import annotations
 
 import math
@@ -304,4 +305,3 @@ def logit_backward(grad_output, self, eps=None):
     if eps is None or eps < 0:
         return cast(jnp.where((x < 0) | (x > 1), jnp.full_like(d, jnp.nan), d), rt)
     return cast(jnp.where((x < eps) | (x > 1 - eps), _zero(d), d), rt)
-

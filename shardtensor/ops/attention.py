@@ -12,6 +12,7 @@ Example::
 
     out, lse = lookup(aten._scaled_dot_product_flash_attention_for_cpu.default).fn(q, k, v, 0.0, True)
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ Example::
     a, b = optimization_barrier([a, b])
     x, w = optimization_barrier([x, w], after=[grad])   # x and w exist only once grad does
 """
+
 from __future__ import annotations
 
 import jax
@@ -63,8 +64,7 @@ def _barrier_lowering_cpu(tensors, after):
         return tuple(values)
     s = sum(jnp.sum(a, dtype=jnp.float32) for a in after)
     minus_zero = -(jnp.abs(jnp.where(jnp.isfinite(s), s, 0.0)) * 0.0)
-    return tuple(v + minus_zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v
-                 for v in values)
+    return tuple(v + minus_zero.astype(v.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v for v in values)
 
 
 def optimization_barrier(tensors, after=()):

@@ -11,6 +11,7 @@ Example (in a lowering)::
 
     fail_where((index < 0) | (index >= n), IndexError, "index out of range in self", value=index)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -130,8 +131,10 @@ def out_of_range(index, size: int, *, negative_ok: bool):
     return (index < low) | (index >= size)
 
 
-_SKIPPED = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # shardtensor
-            os.path.dirname(torch.__file__) + os.sep)
+_SKIPPED = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # shardtensor
+    os.path.dirname(torch.__file__) + os.sep,
+)
 
 
 def user_site():

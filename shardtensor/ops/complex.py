@@ -14,6 +14,7 @@ Example::
 
     lookup(aten.polar.default).fn(jnp.array([2.0]), jnp.array([0.5]))   # == torch.polar(...)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -40,8 +41,7 @@ def _check_real_pair(name, a, b):
     if da != db:
         raise RuntimeError(f"{name}: expected both inputs to have the same dtype, but got {da} and {db}")
     if not is_float(da) or da not in (np.dtype(np.float32), np.dtype(np.float64)):
-        raise RuntimeError(f"{name}: expected float or double inputs, got {da} "
-                           "(shardtensor has no complex32)")
+        raise RuntimeError(f"{name}: expected float or double inputs, got {da} (shardtensor has no complex32)")
     return np.dtype(np.complex64) if da == np.float32 else np.dtype(np.complex128)
 
 

@@ -8,6 +8,7 @@ Example::
 
     lookup(aten.convolution.default).fn(x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
 """
+
 from __future__ import annotations
 
 import jax
@@ -26,7 +27,7 @@ HIGHEST = lax.Precision.HIGHEST
 
 
 def _dimension_numbers(nsp):
-    sp = "DHW"[3 - nsp:] if nsp <= 3 else None
+    sp = "DHW"[3 - nsp :] if nsp <= 3 else None
     if sp is None:
         raise NotImplementedError(f"convolution with {nsp} spatial dims")
     return ("NC" + sp, "OI" + sp, "NC" + sp)
@@ -49,8 +50,15 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
         # wrong (dilated or uneven): keep kernels spatially whole (see ops/_layout.py)
         w = unshard(w, range(2, w.ndim))
         y = lax.conv_general_dilated(
-            x, w, window_strides=stride, padding=[(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
+            x,
+            w,
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=dn,
+            feature_group_count=groups,
+            precision=HIGHEST,
+            preferred_element_type=out_dtype,
         )
         return y.astype(out_dtype)
     # transposed: weight is (C_in, C_out / groups, *k); run the adjoint as a dilated conv
@@ -61,8 +69,16 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
     pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
     wt = unshard(wt, range(2, wt.ndim))
     y = lax.conv_general_dilated(
-        x, wt, window_strides=(1,) * nsp, padding=pads, lhs_dilation=stride, rhs_dilation=dilation,
-        dimension_numbers=dn, feature_group_count=groups, precision=HIGHEST, preferred_element_type=out_dtype,
+        x,
+        wt,
+        window_strides=(1,) * nsp,
+        padding=pads,
+        lhs_dilation=stride,
+        rhs_dilation=dilation,
+        dimension_numbers=dn,
+        feature_group_count=groups,
+        precision=HIGHEST,
+        preferred_element_type=out_dtype,
     )
     return y.astype(out_dtype)
 
@@ -74,8 +90,10 @@ def _bias_shape(nsp):
 @register(aten.convolution.default, aten._convolution.default)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
     if x.ndim != w.ndim:
-        raise RuntimeError(f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, "
-                           f"but got {x.ndim}-dimensional input of size {list(x.shape)} instead")
+        raise RuntimeError(
+            f"Expected {w.ndim}-dimensional input for {w.ndim}-dimensional weight {list(w.shape)}, "
+            f"but got {x.ndim}-dimensional input of size {list(x.shape)} instead"
+        )
     # torch's CPU kernels accumulate bf16/f16 in float32 and add the bias before the one rounding.
     # (The operands are widened too: XLA's partitioner pads a bf16 operand of a float32-result
     # convolution with a float32 constant and fails its own HLO verifier, jax 0.10.2.)
@@ -87,8 +105,9 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
 
 
 @register(aten.convolution_backward.default)
-def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups,
-                         output_mask):
+def convolution_backward(
+    grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
     args = (stride, padding, dilation, transposed, output_padding, groups)
     gx = gw = gb = None
     if output_mask[0]:

@@ -6,6 +6,7 @@ The dispatcher passes ``dtype``, ``layout``, ``device``, ``pin_memory`` (and ``m
 keywords; only ``dtype`` matters here. A missing dtype is torch's: the default float dtype, int64 for
 an integral ``arange`` / a Python-int fill value, bool for a bool fill value.
 """
+
 from __future__ import annotations
 
 import math
@@ -151,8 +152,7 @@ def _trunc_div(a: int, b: int) -> int:
 
 @register(aten.arange.default, aten.arange.start, aten.arange.start_step, static_scalars=True)
 def arange(*args, dtype=None, **_factory):
-    start, end, step = {1: lambda: (0, args[0], 1), 2: lambda: (args[0], args[1], 1),
-                        3: lambda: args}[len(args)]()
+    start, end, step = {1: lambda: (0, args[0], 1), 2: lambda: (args[0], args[1], 1), 3: lambda: args}[len(args)]()
     start, end, step = (v.item() if hasattr(v, "item") else v for v in (start, end, step))
     if dtype is not None:
         dt = dtype_arg(dtype)
@@ -193,8 +193,7 @@ def _linspace_base(start, end, steps, dt):
     return jnp.where(idx < steps // 2, lo, hi), st
 
 
-@register(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
-          aten.linspace.Scalar_Tensor)
+@register(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor)
 def linspace(start, end, steps, *, dtype=None, **_factory):
     dt = dtype_arg(dtype) or default_float()
     if steps == 0:
@@ -203,8 +202,7 @@ def linspace(start, end, steps, *, dtype=None, **_factory):
     return cast(vals, dt)
 
 
-@register(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar,
-          aten.logspace.Scalar_Tensor)
+@register(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor)
 def logspace(start, end, steps, base=10.0, *, dtype=None, **_factory):
     dt = dtype_arg(dtype) or default_float()
     if steps == 0:

@@ -10,6 +10,7 @@ Example::
 
     d = lookup(aten._cdist_forward.default).fn(x1, x2, 2.0, None)   # (..., P, M), (..., R, M) -> (..., P, R)
 """
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ def _norm(diff, p):
         return jnp.sqrt(jnp.sum(a * a, axis=-1))
     if math.isinf(p):
         return jnp.max(a, axis=-1, initial=0.0)
-    return jnp.sum(a ** p, axis=-1) ** (1.0 / p)
+    return jnp.sum(a**p, axis=-1) ** (1.0 / p)
 
 
 def _norm_grad(diff, dist, grad, p):
@@ -88,8 +89,10 @@ def _check(x1, x2, p):
     if p < 0:
         raise RuntimeError(f"cdist only supports non-negative p values, got {p}")
     if x1.ndim < 2 or x2.ndim < 2 or x1.shape[-1] != x2.shape[-1]:
-        raise RuntimeError(f"cdist: X1 and X2 must have at least 2 dimensions and the same number of columns, got "
-                           f"{list(x1.shape)} and {list(x2.shape)}")
+        raise RuntimeError(
+            f"cdist: X1 and X2 must have at least 2 dimensions and the same number of columns, got "
+            f"{list(x1.shape)} and {list(x2.shape)}"
+        )
 
 
 @register(aten._cdist_forward.default)

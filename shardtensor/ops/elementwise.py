@@ -7,6 +7,7 @@ kernels do), integer division and remainder take torch's signs, NaN propagates a
 Activations live in ``activation.py``; digamma, polygamma, Bessel functions and the other special
 functions in ``special.py``.
 """
+
 from __future__ import annotations
 
 import math
@@ -251,8 +252,7 @@ def _bitwise(fn):
     return lowering
 
 
-for _name, _fn in (("bitwise_and", lax.bitwise_and), ("bitwise_or", lax.bitwise_or),
-                   ("bitwise_xor", lax.bitwise_xor)):
+for _name, _fn in (("bitwise_and", lax.bitwise_and), ("bitwise_or", lax.bitwise_or), ("bitwise_xor", lax.bitwise_xor)):
     _packet = getattr(aten, _name)
     register(_packet.Tensor, _packet.Scalar, _packet.Scalar_Tensor)(_bitwise(_fn))
 
@@ -369,8 +369,9 @@ def true_divide(self, other):
 
 def _check_int_divisor(a, b):
     """torch's integer division and modulo raise on a zero divisor."""
-    fail_where(jnp.broadcast_to(b == 0, jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))), RuntimeError,
-               "ZeroDivisionError")
+    fail_where(
+        jnp.broadcast_to(b == 0, jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b))), RuntimeError, "ZeroDivisionError"
+    )
 
 
 def floor_divide(self, other):
@@ -522,8 +523,9 @@ register(aten.logaddexp.default)(_binary_float(jnp.logaddexp))
 register(aten.logaddexp2.default)(_binary_float(jnp.logaddexp2))
 register(aten.copysign.Tensor, aten.copysign.Scalar)(_binary_float(jnp.copysign))
 register(aten.xlogy.Tensor, aten.xlogy.Scalar_Other, aten.xlogy.Scalar_Self)(_binary_float(_xlogy))
-register(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar,
-         aten.special_xlog1py.self_scalar)(_binary_float(_xlog1py))
+register(aten.special_xlog1py.default, aten.special_xlog1py.other_scalar, aten.special_xlog1py.self_scalar)(
+    _binary_float(_xlog1py)
+)
 
 
 @register(aten.gcd.default)
@@ -587,8 +589,14 @@ def _compare(fn):
     return lowering
 
 
-for _name, _fn in (("eq", jnp.equal), ("ne", jnp.not_equal), ("lt", jnp.less), ("le", jnp.less_equal),
-                   ("gt", jnp.greater), ("ge", jnp.greater_equal)):
+for _name, _fn in (
+    ("eq", jnp.equal),
+    ("ne", jnp.not_equal),
+    ("lt", jnp.less),
+    ("le", jnp.less_equal),
+    ("gt", jnp.greater),
+    ("ge", jnp.greater_equal),
+):
     _packet = getattr(aten, _name)
     register(_packet.Tensor, _packet.Scalar)(_compare(_fn))
 
@@ -660,8 +668,7 @@ def masked_fill(self, mask, value):
 # conversion, copies, fills
 # ----------------------------------------------------------------------------------------------
 @register(aten._to_copy.default)
-def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False,
-             memory_format=None):
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     if dtype is None:
         return fresh(self)
     dt = dtype_arg(dtype)

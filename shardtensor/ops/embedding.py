@@ -14,6 +14,7 @@ Example::
 
     out, offset2bag, bag_size, max_idx = lookup(aten._embedding_bag.default).fn(w, idx, offsets, False, 1)
 """
+
 from __future__ import annotations
 
 import jax
@@ -71,17 +72,30 @@ def _first_max(rows, keep, bag, n_bags, positions):
     return jnp.where(starts_nan, jnp.asarray(jnp.nan, rows.dtype), top), first
 
 
-def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=SUM, sparse=False,
-                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+def embedding_bag(
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq=False,
+    mode=SUM,
+    sparse=False,
+    per_sample_weights=None,
+    include_last_offset=False,
+    padding_idx=-1,
+):
     if indices.ndim != 1 or offsets.ndim != 1:
         raise ValueError(f"embedding_bag: expected 1-D indices and offsets, got {indices.ndim}-D and {offsets.ndim}-D")
     if per_sample_weights is not None and mode != SUM:
-        raise NotImplementedError("embedding_bag: per_sample_weights was not None. per_sample_weights is only "
-                                  "supported for mode='sum'")
+        raise NotImplementedError(
+            "embedding_bag: per_sample_weights was not None. per_sample_weights is only supported for mode='sum'"
+        )
     n = weight.shape[0]
-    fail_where(out_of_range(indices, n, negative_ok=False), RuntimeError,
-               f"Index {{position}} of input takes value {{value}} which is not in the valid range [0, {n})",
-               value=indices)
+    fail_where(
+        out_of_range(indices, n, negative_ok=False),
+        RuntimeError,
+        f"Index {{position}} of input takes value {{value}} which is not in the valid range [0, {n})",
+        value=indices,
+    )
     acc = acc_dtype(weight.dtype)
     bag, n_bags = _bags(indices, offsets, include_last_offset)
     keep = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
@@ -111,8 +125,18 @@ register(aten._embedding_bag.default, aten._embedding_bag_forward_only.default, 
 
 
 @register(aten._embedding_bag_dense_backward.default)
-def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
-                                 scale_grad_by_freq, mode, per_sample_weights=None, padding_idx=-1):
+def embedding_bag_dense_backward(
+    grad,
+    indices,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    per_sample_weights=None,
+    padding_idx=-1,
+):
     acc = acc_dtype(grad.dtype)
     g = grad.astype(acc)
     n = int(num_weights)
@@ -140,13 +164,36 @@ def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_in
 
 
 @register(aten._embedding_bag_backward.default)
-def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights,
-                           scale_grad_by_freq, mode, sparse, per_sample_weights=None, padding_idx=-1):
+def embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights=None,
+    padding_idx=-1,
+):
     if sparse:
-        raise NotImplementedError("shardtensor: embedding_bag(sparse=True) has no sparse gradient here; "
-                                  "use sparse=False")
-    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices, num_weights,
-                                        scale_grad_by_freq, mode, per_sample_weights, padding_idx)
+        raise NotImplementedError(
+            "shardtensor: embedding_bag(sparse=True) has no sparse gradient here; use sparse=False"
+        )
+    return embedding_bag_dense_backward(
+        grad,
+        indices,
+        offset2bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
 
 
 @register(aten._embedding_bag_per_sample_weights_backward.default)
@@ -241,8 +288,9 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     zero = jnp.zeros((), acc)
     if reduce in ("max", "min"):
         hit = live & (jnp.isnan(xv) | (xv == out))
-        counter = per_element(_segment("add", hit.reshape((-1,) + inner).astype(acc), ids, nseg)
-                              .reshape((outer, s + 1) + inner)[:, :s])
+        counter = per_element(
+            _segment("add", hit.reshape((-1,) + inner).astype(acc), ids, nseg).reshape((outer, s + 1) + inner)[:, :s]
+        )
         gi = jnp.where(hit, g, zero)
         # torch averages over tied extrema, but only the positive gradients
         gi = jnp.where((counter >= 2) & (gi > 0), gi / jnp.maximum(counter, 1), gi)

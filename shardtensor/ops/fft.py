@@ -9,6 +9,7 @@ Example::
 
     lookup(aten._fft_r2c.default).fn(x, [-1], 0, True)   # == torch.fft.rfft(x)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -19,8 +20,12 @@ from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
 
-_COMPLEX = {jnp.dtype(jnp.float32): jnp.complex64, jnp.dtype(jnp.float64): jnp.complex128,
-            jnp.dtype(jnp.complex64): jnp.complex64, jnp.dtype(jnp.complex128): jnp.complex128}
+_COMPLEX = {
+    jnp.dtype(jnp.float32): jnp.complex64,
+    jnp.dtype(jnp.float64): jnp.complex128,
+    jnp.dtype(jnp.complex64): jnp.complex64,
+    jnp.dtype(jnp.complex128): jnp.complex128,
+}
 _REAL = {jnp.dtype(jnp.complex64): jnp.float32, jnp.dtype(jnp.complex128): jnp.float64}
 
 

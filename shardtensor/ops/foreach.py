@@ -4,6 +4,7 @@ applied to every element of the list, with the same promotion. They return a lis
 Overloads: ``.List`` (pairs tensors), ``.Scalar`` (one Scalar for all), ``.ScalarList`` (one Scalar per
 tensor), ``.Tensor`` (one tensor for all; for addcmul/addcdiv a 1-d tensor holding one value per tensor).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -26,8 +27,10 @@ def _fn(op):
 # ----------------------------------------------------------------------------------------------
 # unary
 # ----------------------------------------------------------------------------------------------
-_UNARY_NAMES = ("abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "
-                "neg reciprocal round rsqrt sigmoid sign sin sinh sqrt tan tanh trunc")
+_UNARY_NAMES = (
+    "abs acos asin atan ceil cos cosh erf erfc exp expm1 floor frac lgamma log log10 log1p log2 "
+    "neg reciprocal round rsqrt sigmoid sign sin sinh sqrt tan tanh trunc"
+)
 _UNARY = _UNARY_NAMES.split()
 
 
@@ -84,8 +87,12 @@ def _check_len(a, b):
 
 def _register_binary(name, fn, overloads, *, scalar_fn=None):
     packet = getattr(aten, f"_foreach_{name}")
-    makers = {"List": _list(fn), "Scalar": _scalar(scalar_fn or fn), "ScalarList": _scalar_list(scalar_fn or fn),
-              "Tensor": _scalar(fn)}
+    makers = {
+        "List": _list(fn),
+        "Scalar": _scalar(scalar_fn or fn),
+        "ScalarList": _scalar_list(scalar_fn or fn),
+        "Tensor": _scalar(fn),
+    }
     for ov in overloads:
         register(getattr(packet, ov))(makers[ov])
 
@@ -176,4 +183,3 @@ def _foreach_mm(self, mat2):
         acc = opmath(rt)
         out.append(cast(jnp.matmul(a, b, preferred_element_type=acc), rt))
     return out
-

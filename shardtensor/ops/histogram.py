@@ -16,6 +16,7 @@ Example::
 
     lookup(aten.histc.default).fn(jnp.array([1.0, 2.0, 1.0]), 4, 0, 4)   # [0., 2., 1., 0.]
 """
+
 from __future__ import annotations
 
 import math
@@ -258,30 +259,41 @@ def _check_inputs(self, n_bins_list, weight, rng=None, bins_tensors=None):
             raise RuntimeError(f"torch.histogram(): bins must be > 0, but got {b} for dimension {d}")
     for d, e in enumerate(bins_tensors or ()):
         if e.dtype != self.dtype:
-            raise RuntimeError("torch.histogramdd: input tensor and bins tensors should have the same dtype, but "
-                               f"got input with dtype {self.dtype} and bins for dimension {d} with dtype {e.dtype}")
+            raise RuntimeError(
+                "torch.histogramdd: input tensor and bins tensors should have the same dtype, but "
+                f"got input with dtype {self.dtype} and bins for dimension {d} with dtype {e.dtype}"
+            )
         if e.dim() != 1:
-            raise RuntimeError("torch.histogramdd: bins tensor should have one dimension, but got "
-                               f"{e.dim()} dimensions in the bins tensor for dimension {d}")
+            raise RuntimeError(
+                "torch.histogramdd: bins tensor should have one dimension, but got "
+                f"{e.dim()} dimensions in the bins tensor for dimension {d}"
+            )
     if weight is not None:
         if weight.dtype != self.dtype:
-            raise RuntimeError("torch.histogramdd: if weight tensor is provided, input tensor and weight tensor "
-                               f"should have the same dtype, but got input({self.dtype}), and weight({weight.dtype})")
+            raise RuntimeError(
+                "torch.histogramdd: if weight tensor is provided, input tensor and weight tensor "
+                f"should have the same dtype, but got input({self.dtype}), and weight({weight.dtype})"
+            )
         if tuple(weight.shape) != tuple(self.shape[:-1]):
-            raise RuntimeError("torch.histogramdd: if weight tensor is provided it should have the same shape as "
-                               "the input tensor excluding its innermost dimension, but got input with shape "
-                               f"{list(self.shape)} and weight with shape {list(weight.shape)}")
+            raise RuntimeError(
+                "torch.histogramdd: if weight tensor is provided it should have the same shape as "
+                "the input tensor excluding its innermost dimension, but got input with shape "
+                f"{list(self.shape)} and weight with shape {list(weight.shape)}"
+            )
     if rng is not None:
         if len(rng) != 2 * n:
-            raise RuntimeError(f"torch.histogramdd: for a {n}-dimensional histogram range should have {2 * n} "
-                               f"elements, but got {len(rng)}")
+            raise RuntimeError(
+                f"torch.histogramdd: for a {n}-dimensional histogram range should have {2 * n} "
+                f"elements, but got {len(rng)}"
+            )
         for d in range(n):
             lo, hi = rng[2 * d], rng[2 * d + 1]
             if not (math.isfinite(lo) and math.isfinite(hi)):
                 raise RuntimeError(f"torch.histogramdd: dimension {d}'s range [{lo:g}, {hi:g}] is not finite")
             if lo > hi:
-                raise RuntimeError(f"torch.histogramdd: min should not exceed max, but got min {lo:g} max {hi:g} "
-                                   f"for dimension {d}")
+                raise RuntimeError(
+                    f"torch.histogramdd: min should not exceed max, but got min {lo:g} max {hi:g} for dimension {d}"
+                )
     if not self.dtype.is_floating_point:
         raise NotImplementedError(f"\"histogramdd\" not implemented for '{self.dtype}'")
 
@@ -322,10 +334,12 @@ def _meta_histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False
 
 
 _META_LIB = torch.library.Library("aten", "IMPL")
-for _name, _fn in (("histogram.bin_ct", _meta_histogram_bin_ct),
-                   ("histogram.bins_tensor", _meta_histogram_bins_tensor),
-                   ("_histogramdd_bin_edges", _meta_histogramdd_bin_edges),
-                   ("_histogramdd_from_bin_cts", _meta_histogramdd_from_bin_cts),
-                   ("_histogramdd_from_bin_tensors", _meta_histogramdd_from_bin_tensors)):
+for _name, _fn in (
+    ("histogram.bin_ct", _meta_histogram_bin_ct),
+    ("histogram.bins_tensor", _meta_histogram_bins_tensor),
+    ("_histogramdd_bin_edges", _meta_histogramdd_bin_edges),
+    ("_histogramdd_from_bin_cts", _meta_histogramdd_from_bin_cts),
+    ("_histogramdd_from_bin_tensors", _meta_histogramdd_from_bin_tensors),
+):
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):  # a later torch may have one
         _META_LIB.impl(_name, _fn, "Meta")

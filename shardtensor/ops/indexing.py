@@ -10,6 +10,7 @@ Example::
     lookup(aten.index.Tensor).fn(x, [None, idx])       # x[:, idx]
     lookup(aten.gather.default).fn(logp, 1, target[:, None])
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -112,7 +113,7 @@ def _padded_scatter_args(x, where, values, arrays, n_dev):
     # numpy's rule: adjacent index arrays put the batch dims where they stand, separated ones in front
     adjacent = arrays == list(range(arrays[0], arrays[0] + len(arrays)))
     pos = arrays[0] if adjacent else 0
-    windows = [x.shape[k] for k in range(len(where)) if k not in arrays] + list(x.shape[len(where):])
+    windows = [x.shape[k] for k in range(len(where)) if k not in arrays] + list(x.shape[len(where) :])
     values = jnp.broadcast_to(values, tuple(windows[:pos]) + tuple(batch) + tuple(windows[pos:]))
     m = int(np.prod(batch, dtype=np.int64))
     pad = -m % n_dev
@@ -147,8 +148,12 @@ def check_indices(x, indices):
         elif i.dtype in (jnp.bool_, jnp.uint8):
             d += i.ndim
         else:
-            fail_where(out_of_range(i, x.shape[d], negative_ok=True), IndexError,
-                       _BOUNDS.format(dim=d, size=x.shape[d]), value=i)
+            fail_where(
+                out_of_range(i, x.shape[d], negative_ok=True),
+                IndexError,
+                _BOUNDS.format(dim=d, size=x.shape[d]),
+                value=i,
+            )
             d += 1
 
 
@@ -203,8 +208,12 @@ def index_select(x, dim, index):
 
 def _check_flat(x, index):
     n = int(np.prod(x.shape, dtype=np.int64))
-    fail_where(out_of_range(index, n, negative_ok=True), IndexError,
-               f"out of range: tried to access index {{value}} on a tensor of {n} elements.", value=index)
+    fail_where(
+        out_of_range(index, n, negative_ok=True),
+        IndexError,
+        f"out of range: tried to access index {{value}} on a tensor of {n} elements.",
+        value=index,
+    )
 
 
 @register(aten.take.default, checked=True)
@@ -304,8 +313,9 @@ def _reduce_into(x, reduce, include_self, scatter_fn):
 @register(aten.scatter_reduce.two, checked=True)
 def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
     if reduce == "mean" and x.dtype == jnp.bool_:
-        raise RuntimeError('"scatter_gather_tensor_cpu_reduce_mean" not implemented for \'Bool\'')
+        raise RuntimeError("\"scatter_gather_tensor_cpu_reduce_mean\" not implemented for 'Bool'")
     check_along(x, dim, index, RuntimeError, _BOUNDS)
+
     def fn(base, mode, values):
         return _scatter_apply(base, dim, index, src if values is None else values, mode)
 
@@ -320,7 +330,7 @@ def _index_dim_apply(x, dim, index, source, mode):
     x1 = _as_nd(x)
     d = wrap_dim(dim, x1.ndim)
     idx = index.reshape(-1)
-    want = x1.shape[:d] + (idx.shape[0],) + x1.shape[d + 1:]
+    want = x1.shape[:d] + (idx.shape[0],) + x1.shape[d + 1 :]
     src = jnp.asarray(source).reshape(want if jnp.ndim(source) else ())
     return write_at(x1, _along(x1.ndim, d, idx), src, mode).reshape(x.shape)
 
@@ -350,8 +360,9 @@ def index_fill(x, dim, index, value):
 @register(aten.index_reduce.default, checked=True)
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     if x.dtype == jnp.bool_:
-        raise RuntimeError('"index_func_" not implemented for \'Bool\'')
+        raise RuntimeError("\"index_func_\" not implemented for 'Bool'")
     check_along(x, dim, index, IndexError, _IN_SELF)
+
     def fn(base, mode, values):
         src = source if values is None else jnp.broadcast_to(values, ())
         return _index_dim_apply(base, dim, index, src, mode)

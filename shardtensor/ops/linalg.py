@@ -9,6 +9,7 @@ Example::
 
     U, S, Vh = lookup(aten._linalg_svd.default).fn(a, False)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -39,7 +40,7 @@ def _check_float(name, a):
     if not (jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.complexfloating)):
         raise RuntimeError(f"{name}: expected a floating point or complex tensor as input. Got {a.dtype}")
     if a.dtype in (jnp.float16, jnp.bfloat16):
-        raise RuntimeError(f'{name}: "linalg" not implemented for \'{a.dtype}\'')
+        raise RuntimeError(f"{name}: \"linalg\" not implemented for '{a.dtype}'")
 
 
 def _check_matrix(name, a):
@@ -67,8 +68,9 @@ def linalg_qr(A, mode="reduced"):
     _check_float("linalg.qr", A)
     _check_matrix("linalg.qr", A)
     if mode not in ("reduced", "complete", "r"):
-        raise RuntimeError(f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', "
-                           "or 'complete'")
+        raise RuntimeError(
+            f"qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'"
+        )
     if mode == "r":
         R = jnp.linalg.qr(A, mode="r")
         return jnp.zeros((0,), A.dtype), R.astype(A.dtype)

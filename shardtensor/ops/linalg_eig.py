@@ -10,6 +10,7 @@ Example::
 
     L, Q = lookup(aten._linalg_eigh.default).fn(a, "L", True)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -26,8 +27,9 @@ aten = torch.ops.aten
 def _check_square(name, A):
     _check_matrix(name, A)
     if A.shape[-1] != A.shape[-2]:
-        raise RuntimeError(f"{name}: A must be batches of square matrices, but they are "
-                           f"{A.shape[-2]} by {A.shape[-1]} matrices")
+        raise RuntimeError(
+            f"{name}: A must be batches of square matrices, but they are {A.shape[-2]} by {A.shape[-1]} matrices"
+        )
 
 
 def _complex_dtype(dtype):
@@ -73,18 +75,35 @@ def linalg_eigvals(A):
 # Degree-18 Taylor approximant of Bader, Blanes and Casas (2019), "Computing the matrix exponential with
 # an optimized Taylor polynomial approximation", evaluated with 5 matrix products. Row i holds the
 # coefficients of B_i over (I, A, A^2, A^3, A^6); then A9 = B_0 B_4 + B_3, exp(A) ~ B_1 + (B_2 + A9) A9.
-_T18 = np.array([
-    [0.0, -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.0],
-    [0.0, 3.97849749499645077844e-01, 1.36783778460411720168e+00, 4.98289622525382669416e-01,
-     -6.37898194594723280150e-04],
-    [-1.09676396052962061844e+01, 1.68015813878906206114e+00, 5.71779846478865511061e-02,
-     -6.98210122488052056106e-03, 3.34975017086070470649e-05],
-    [-9.04316832390810593223e-02, -6.76404519071381882256e-02, 6.75961301770459654925e-02,
-     2.95552570429315521194e-02, -1.39180257516060693404e-05],
-    [0.0, 0.0, -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05],
-])
+_T18 = np.array(
+    [
+        [0.0, -1.00365581030144618291e-01, -8.02924648241156932449e-03, -8.92138498045729985177e-04, 0.0],
+        [
+            0.0,
+            3.97849749499645077844e-01,
+            1.36783778460411720168e00,
+            4.98289622525382669416e-01,
+            -6.37898194594723280150e-04,
+        ],
+        [
+            -1.09676396052962061844e01,
+            1.68015813878906206114e00,
+            5.71779846478865511061e-02,
+            -6.98210122488052056106e-03,
+            3.34975017086070470649e-05,
+        ],
+        [
+            -9.04316832390810593223e-02,
+            -6.76404519071381882256e-02,
+            6.75961301770459654925e-02,
+            2.95552570429315521194e-02,
+            -1.39180257516060693404e-05,
+        ],
+        [0.0, 0.0, -9.23364619367118555360e-02, -1.69364939002081722752e-02, -1.40086798182036094347e-05],
+    ]
+)
 # the 1-norm up to which the degree-18 approximant is accurate to the unit roundoff
-_THETA18 = {np.dtype(np.float32): 3.010066362817634e+00, np.dtype(np.float64): 1.090863719290036e+00}
+_THETA18 = {np.dtype(np.float32): 3.010066362817634e00, np.dtype(np.float64): 1.090863719290036e00}
 
 
 @register(aten.linalg_matrix_exp.default)
@@ -102,7 +121,7 @@ def linalg_matrix_exp(A):
     norm = jnp.max(jnp.sum(jnp.abs(A), axis=-2), axis=-1)  # operator 1-norm
     s = jnp.maximum(0, jnp.ceil(jnp.log2(norm / jnp.asarray(_THETA18[np.dtype(rt)], rt))))
     s = jnp.where(jnp.isfinite(s), s, 0).astype(jnp.int32)
-    X = A / (2.0 ** s).astype(rt)[..., None, None]
+    X = A / (2.0**s).astype(rt)[..., None, None]
     eye = jnp.broadcast_to(jnp.eye(A.shape[-1], dtype=A.dtype), A.shape)
     X2 = _mm(X, X)
     X3 = _mm(X, X2)

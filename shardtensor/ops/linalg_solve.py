@@ -16,6 +16,7 @@ Example::
 
     X, LU, pivots, info = lookup(aten._linalg_solve_ex.default).fn(A, B)
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,9 @@ def _is_complex(x):
 def _check_square(name, A, what="A"):
     _check_matrix(name, A)
     if A.shape[-1] != A.shape[-2]:
-        raise RuntimeError(f"{name}: {what} must be batches of square matrices, but they are "
-                           f"{A.shape[-2]} by {A.shape[-1]} matrices")
+        raise RuntimeError(
+            f"{name}: {what} must be batches of square matrices, but they are {A.shape[-2]} by {A.shape[-1]} matrices"
+        )
 
 
 def _eye_like(A):
@@ -118,8 +120,10 @@ def linalg_solve_ex(A, B, *, left=True, check_errors=False):
     _check_square("linalg.solve", A)
     vector = B.ndim == 1 or (B.ndim == A.ndim - 1 and B.shape == A.shape[:-1])
     if vector and not left:
-        raise RuntimeError("linalg.solve: Vector broadcasting of the left hand side is not supported for left=False. "
-                           "In this case linalg.solve is equivalent to B / A.squeeze(-1)")
+        raise RuntimeError(
+            "linalg.solve: Vector broadcasting of the left hand side is not supported for left=False. "
+            "In this case linalg.solve is equivalent to B / A.squeeze(-1)"
+        )
     lu, piv, perm, info = _lu_factor(A)
     X = _lu_solve(lu, perm, B[..., None] if vector else B, left=left, adjoint=False)
     return (X[..., 0] if vector else X), lu, piv, info
@@ -187,9 +191,11 @@ def _unpack(lu, pivots, unpack_data, unpack_pivots):
 @register(aten.lu_unpack.default)
 def lu_unpack(LU_data, LU_pivots, unpack_data=True, unpack_pivots=True):
     if LU_pivots.dtype != jnp.int32:
-        raise RuntimeError("torch.lu_unpack: LU_pivots is expected to be a contiguous tensor of torch.int32 dtype. "
-                           "Note: this function is intended to be used with the output produced by "
-                           "torch.linalg.lu_factor")
+        raise RuntimeError(
+            "torch.lu_unpack: LU_pivots is expected to be a contiguous tensor of torch.int32 dtype. "
+            "Note: this function is intended to be used with the output produced by "
+            "torch.linalg.lu_factor"
+        )
     return _unpack(LU_data, LU_pivots, unpack_data, unpack_pivots)
 
 
@@ -254,8 +260,7 @@ def _cholesky_lower(A, upper):
     L = lax.linalg.cholesky(A, symmetrize_input=False)
     failed = jnp.any(jnp.isnan(L), axis=(-2, -1))
     # jax gives NaNs where potrf fails; work out torch's info (and partial factor) only then
-    L, info = lax.cond(jnp.any(failed), _cholesky_by_columns,
-                       lambda a: (L, jnp.zeros(a.shape[:-2], jnp.int32)), A)
+    L, info = lax.cond(jnp.any(failed), _cholesky_by_columns, lambda a: (L, jnp.zeros(a.shape[:-2], jnp.int32)), A)
     L = L.astype(A.dtype)
     return (_mH(L) if upper else L), info
 
@@ -546,11 +551,13 @@ def linalg_householder_product(A, tau):
     _check_matrix("torch.linalg.householder_product", A)
     m, n = A.shape[-2], A.shape[-1]
     if m < n:
-        raise RuntimeError("torch.linalg.householder_product: input.shape[-2] must be greater than or equal to "
-                           "input.shape[-1]")
+        raise RuntimeError(
+            "torch.linalg.householder_product: input.shape[-2] must be greater than or equal to input.shape[-1]"
+        )
     if n < tau.shape[-1]:
-        raise RuntimeError("torch.linalg.householder_product: input.shape[-1] must be greater than or equal to "
-                           "tau.shape[-1]")
+        raise RuntimeError(
+            "torch.linalg.householder_product: input.shape[-1] must be greater than or equal to tau.shape[-1]"
+        )
     if A.size == 0:
         return A
     if tau.shape[-1] == 0:

@@ -9,6 +9,7 @@ Example::
 
     loss, total_weight = lookup(aten.nll_loss_forward.default).fn(logp, target, None, 1, -100)
 """
+
 from __future__ import annotations
 
 import weakref
@@ -64,6 +65,7 @@ def _target_mask(target, nclass, cdim, ndim):
     onehot = jnp.expand_dims(target, cdim) == classes
     trace = getattr(target, "_trace", None)
     if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
+
         def forget(_ref, k=key, memo=_ONEHOTS):
             memo.pop(k, None)
 
@@ -75,8 +77,9 @@ def _nll_parts(x, target, weight, ignore_index):
     """(one-hot over the class axis, class axis, per-element weight with ignored -> 0, valid mask)."""
     cdim = 0 if x.ndim == 1 else 1
     if target.ndim != x.ndim - 1:
-        raise RuntimeError(f"nll_loss: expected target of {x.ndim - 1} dims for input of {x.ndim} dims, "
-                           f"got {target.ndim}")
+        raise RuntimeError(
+            f"nll_loss: expected target of {x.ndim - 1} dims for input of {x.ndim} dims, got {target.ndim}"
+        )
     nclass = x.shape[cdim]
     onehot = _target_mask(target, nclass, cdim, x.ndim)
     valid = target != ignore_index
@@ -118,8 +121,12 @@ def nll_backward(grad, x, target, weight, reduction, ignore_index, total_weight)
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
     if target.ndim == x.ndim - 1:
         n_classes = x.shape[0 if x.ndim == 1 else 1]
-        fail_where((target != ignore_index) & out_of_range(target, n_classes, negative_ok=False), IndexError,
-                   "Target {value} is out of bounds.", value=target)
+        fail_where(
+            (target != ignore_index) & out_of_range(target, n_classes, negative_ok=False),
+            IndexError,
+            "Target {value} is out of bounds.",
+            value=target,
+        )
     return nll_forward(x, target, weight, reduction, ignore_index)
 
 
@@ -250,9 +257,11 @@ def _margin_args(x, target, p):
         raise ValueError("only p == 1 and p == 2 supported")
     nframe = x.shape[0] if x.ndim == 2 else 1
     if x.ndim > 2 or target.ndim > 1 or target.size != nframe:
-        raise RuntimeError("multi_margin_loss: target tensor should be 1-D with size equal to the number of input "
-                           f"samples (batch size). Expected target size [{nframe}], but got {list(target.shape)}. "
-                           f"Input has shape {list(x.shape)}.")
+        raise RuntimeError(
+            "multi_margin_loss: target tensor should be 1-D with size equal to the number of input "
+            f"samples (batch size). Expected target size [{nframe}], but got {list(target.shape)}. "
+            f"Input has shape {list(x.shape)}."
+        )
     xs = x.reshape(nframe, -1) if x.ndim else x.reshape(1, 1)
     return xs, target.reshape(nframe), (nframe,) if target.ndim else ()
 
@@ -295,8 +304,9 @@ def _multilabel(x, target):
 
 def _check_multilabel(x, target):
     if x.ndim > 2 or target.shape != x.shape:
-        raise RuntimeError(f"multilabel_margin_loss: inconsistent target size {list(target.shape)} for input of size "
-                           f"{list(x.shape)}")
+        raise RuntimeError(
+            f"multilabel_margin_loss: inconsistent target size {list(target.shape)} for input of size {list(x.shape)}"
+        )
 
 
 @register(aten.multilabel_margin_loss_forward.default, checked=True)
@@ -315,7 +325,6 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     fwd = lambda v: reduce_loss(_multilabel(v, target)[0], reduction, acc)  # noqa: E731
     _, vjp = jax.vjp(fwd, x.astype(acc))
     return vjp(jnp.broadcast_to(grad.astype(acc), jax.eval_shape(fwd, x.astype(acc)).shape))[0].astype(x.dtype)
-
 
 
 # --------------------------------------------------------------------------------------- CTC loss
@@ -401,8 +410,9 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_in
 
 
 @register(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
-def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank,
-                      zero_infinity=False):
+def ctc_loss_backward(
+    grad, log_probs, targets, input_lengths, target_lengths, nll, log_alpha, blank, zero_infinity=False
+):
     """torch's CTC gradient with respect to log_probs: (exp(lp) - posterior of each class) * grad, which
     is the gradient through a log_softmax folded in (torch's convention), 0 past each input's length."""
     max_len = (log_alpha.shape[-1] - 1) // 2
@@ -450,7 +460,6 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
     return jnp.swapaxes(g, 0, 1).astype(log_probs.dtype)
 
 
-
 # ----------------------------------------------------------------- linear cross entropy (chunked)
 
 
@@ -474,9 +483,23 @@ def _acc_of(x, dtype):
     return acc_dtype(x.dtype) if dtype is None else to_jax_dtype(dtype)
 
 
-def linear_cross_entropy_chunked(x, lw, target, lb, weight, reduction, ignore_index, label_smoothing,
-                                 batch_chunk_size, acc_policy, acc_dtype, allow_retain_graph,
-                                 compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad):
+def linear_cross_entropy_chunked(
+    x,
+    lw,
+    target,
+    lb,
+    weight,
+    reduction,
+    ignore_index,
+    label_smoothing,
+    batch_chunk_size,
+    acc_policy,
+    acc_dtype,
+    allow_retain_graph,
+    compute_input_grad,
+    compute_linear_weight_grad,
+    compute_linear_bias_grad,
+):
     """torch_nn._linear_cross_entropy_batch_chunked (reduction mean / sum): the loss and, precomputed,
     the gradients of input, linear weight and bias (empty when not asked for). One XLA program
     replaces torch's loop over batch chunks: XLA schedules the memory itself."""
@@ -487,7 +510,7 @@ def linear_cross_entropy_chunked(x, lw, target, lb, weight, reduction, ignore_in
     acc = _acc_of(x, acc_dtype)
     logits, nll, w, hot = _linear_ce(x, lw, target, lb, weight, ignore_index, acc)
     if reduction == "mean":  # no weight at all: NaN everywhere, as torch (explicitly: XLA folds
-        d = jnp.sum(w)        # convert(mask) / d into select(mask, 1 / d, 0), losing 0 / 0)
+        d = jnp.sum(w)  # convert(mask) / d into select(mask, 1 / d, 0), losing 0 / 0)
         coef = jnp.where(d == 0, jnp.asarray(jnp.nan, acc), w / d)
     else:
         coef = w
@@ -503,8 +526,7 @@ def linear_cross_entropy_chunked(x, lw, target, lb, weight, reduction, ignore_in
     return loss.astype(dt), gi, gw, gb
 
 
-def linear_cross_entropy_chunked_none(x, lw, target, lb, weight, ignore_index, batch_chunk_size, acc_policy,
-                                      acc_dtype):
+def linear_cross_entropy_chunked_none(x, lw, target, lb, weight, ignore_index, batch_chunk_size, acc_policy, acc_dtype):
     """torch_nn._linear_cross_entropy_batch_chunked_no_reduction: the per-row loss (N,)."""
     acc = _acc_of(x, acc_dtype)
     _, nll, w, _ = _linear_ce(x, lw, target, lb, weight, ignore_index, acc)
@@ -516,7 +538,8 @@ try:  # torch's chunked linear cross entropy custom ops (torch >= 2.13) exist on
 
     register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default)(linear_cross_entropy_chunked)
     register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default)(
-        linear_cross_entropy_chunked_none)
+        linear_cross_entropy_chunked_none
+    )
 except (ImportError, AttributeError):
     pass
 
@@ -528,7 +551,11 @@ def _like_second_arg(grad, x, *args, **kwargs):
 
 
 _META_LIB = torch.library.Library("aten", "IMPL")
-for _name in ("multi_margin_loss_backward", "multilabel_margin_loss_backward", "_ctc_loss_backward",
-              "_ctc_loss_backward.Tensor"):
+for _name in (
+    "multi_margin_loss_backward",
+    "multilabel_margin_loss_backward",
+    "_ctc_loss_backward",
+    "_ctc_loss_backward.Tensor",
+):
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):
         _META_LIB.impl(_name, _like_second_arg, "Meta")

@@ -10,6 +10,7 @@ Example::
 
     lookup(aten.addmm.default).fn(bias, x, w, beta=1, alpha=1)
 """
+
 from __future__ import annotations
 
 import jax
@@ -32,13 +33,12 @@ def _check_same_dtype(name, *xs):
         raise RuntimeError(f"{name}: expected all operands to have the same dtype, got {[str(x.dtype) for x in xs]}")
 
 
-
 def product(a, b, out_dtype=None):
     """a @ b at full float32 precision, left in the accumulation dtype (float32 for bf16/f16) so a
     fused ``beta * self + alpha * prod`` rounds once, as torch's addmm/baddbmm do."""
     dtype = a.dtype if out_dtype is None else out_dtype
     if a.dtype == jnp.bool_:
-        raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Bool\'')
+        raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Bool'")
     if a.ndim == 2 and b.ndim == 2 and a.dtype == b.dtype:
         # a 2-D operand that is t(w): contract w itself (see shape.transposed_source), so that a
         # Linear layer's forward and backward dots read the same (once gathered) weight
@@ -46,8 +46,9 @@ def product(a, b, out_dtype=None):
         if at is not None or bt is not None:
             lhs, lc = (at, 0) if at is not None else (a, 1)
             rhs, rc = (bt, 1) if bt is not None else (b, 0)
-            return lax.dot_general(lhs, rhs, (((lc,), (rc,)), ((), ())), precision=HIGHEST,
-                                   preferred_element_type=acc_dtype(dtype))
+            return lax.dot_general(
+                lhs, rhs, (((lc,), (rc,)), ((), ())), precision=HIGHEST, preferred_element_type=acc_dtype(dtype)
+            )
     return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc_dtype(dtype))
 
 
@@ -154,8 +155,9 @@ def addbmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 3, "addbmm", "batch1"), _need(b, 3, "addbmm", "batch2")
     _check_same_dtype("addbmm", self, a, b)
     # contract the batch and inner dims in one dot: sum_b a[b] @ b[b]
-    prod = lax.dot_general(a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST,
-                           preferred_element_type=acc_dtype(a.dtype))
+    prod = lax.dot_general(
+        a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST, preferred_element_type=acc_dtype(a.dtype)
+    )
     return add_scaled(self, prod, beta, alpha)
 
 
@@ -219,11 +221,13 @@ def linalg_cross(a, b, *, dim=-1):
     if a.dtype != b.dtype:
         raise RuntimeError(f"expected scalar type {a.dtype} but found {b.dtype}")
     if not -a.ndim <= dim < max(a.ndim, 1):
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-a.ndim}, {a.ndim - 1}], "
-                         f"but got {dim})")
+        raise IndexError(
+            f"Dimension out of range (expected to be in range of [{-a.ndim}, {a.ndim - 1}], but got {dim})"
+        )
     if a.shape[dim] != 3 or b.shape[dim] != 3:
-        raise RuntimeError(f"linalg.cross: inputs dimension {dim} must have length 3. "
-                           f"Got {a.shape[dim]} and {b.shape[dim]}")
+        raise RuntimeError(
+            f"linalg.cross: inputs dimension {dim} must have length 3. Got {a.shape[dim]} and {b.shape[dim]}"
+        )
     shape = jnp.broadcast_shapes(a.shape, b.shape)
     a, b = jnp.broadcast_to(a, shape), jnp.broadcast_to(b, shape)
     a0, a1, a2 = (lax.index_in_dim(a, i, dim, keepdims=False) for i in range(3))

@@ -22,6 +22,7 @@ Example::
     import shardtensor.ops.nn
     from shardtensor.ops.norm import batch_norm_update_stats
 """
+
 from __future__ import annotations
 
 import string
@@ -70,6 +71,10 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
         subs.append("".join(letters[d] for d in dims))
     out = "".join(letters[d] for d in range(total) if d not in set(sumdim))
     arrays = [jnp.broadcast_to(t, tuple(sizes[d] for d in dims)) for t, dims in operands]
-    res = jnp.einsum(f"{','.join(subs)}->{out}", *arrays, precision=jax.lax.Precision.HIGHEST,
-                     preferred_element_type=acc_dtype(i1.dtype))
+    res = jnp.einsum(
+        f"{','.join(subs)}->{out}",
+        *arrays,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=acc_dtype(i1.dtype),
+    )
     return res.astype(i1.dtype)

@@ -18,6 +18,7 @@ Example::
     out, mean, invstd = lookup(aten.native_batch_norm.default).fn(x, w, b, rm, rv, True, 0.1, 1e-5)
     new_rm, new_rv = batch_norm_update_stats(x, rm, rv, 0.1)
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -51,8 +52,10 @@ def _bshape(x, axis=1):
 def native_layer_norm(x, normalized_shape, weight, bias, eps):
     axis = x.ndim - len(normalized_shape)
     if tuple(x.shape[axis:]) != tuple(normalized_shape):
-        raise RuntimeError(f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
-                           f"[*, {', '.join(map(str, normalized_shape))}], but got input of size{list(x.shape)}")
+        raise RuntimeError(
+            f"Given normalized_shape={list(normalized_shape)}, expected input with shape "
+            f"[*, {', '.join(map(str, normalized_shape))}], but got input of size{list(x.shape)}"
+        )
     axes = tuple(range(axis, x.ndim))
     acc = acc_dtype(x.dtype)
     xf = x.astype(acc)
@@ -194,8 +197,9 @@ def batch_norm_no_update(x, weight, bias, running_mean, running_var, momentum, e
 
 
 @register(aten.native_batch_norm_backward.default)
-def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
-                               output_mask):
+def native_batch_norm_backward(
+    grad, x, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
     acc = acc_dtype(x.dtype)
     axes = _bn_axes(x)
     bs = _bshape(x)
@@ -226,10 +230,12 @@ def native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_
 
 
 @register(aten.batch_norm_backward.default)
-def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask,
-                        reserve):
-    return native_batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps,
-                                      output_mask)
+def batch_norm_backward(
+    grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve
+):
+    return native_batch_norm_backward(
+        grad, x, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask
+    )
 
 
 # -------------------------------------------------------------------------------------- group norm

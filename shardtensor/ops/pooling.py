@@ -10,6 +10,7 @@ Example::
 
     out, idx = lookup(aten.max_pool2d_with_indices.default).fn(x, [3, 3], [2, 2], [1, 1], [1, 1], False)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,7 +39,6 @@ def expand_param(v, n, default=None):
         return (v,) * n
     v = tuple(v)
     return v * n if len(v) == 1 else v
-
 
 
 def lowest(dtype):
@@ -72,7 +72,7 @@ def windows(x, kernel, stride, padding, dilation, out_sizes, pad_value):
 def _window_geometry(in_sizes, kernel, stride, padding, dilation, out_sizes):
     """Static arrays: flat input position of every (out position, kernel offset) and its validity."""
     nsp = len(kernel)
-    instr = [math.prod(in_sizes[i + 1:]) for i in range(nsp)]
+    instr = [math.prod(in_sizes[i + 1 :]) for i in range(nsp)]
     base = np.zeros(out_sizes, np.int64)
     valid = np.ones(tuple(out_sizes) + tuple(kernel), bool)
     off = np.zeros(kernel, np.int64)
@@ -252,7 +252,7 @@ def _adaptive_windows(x, out_sizes):
     nsp = len(out_sizes)
     lead = x.ndim - nsp
     in_sizes = x.shape[lead:]
-    instr = [math.prod(in_sizes[i + 1:]) for i in range(nsp)]
+    instr = [math.prod(in_sizes[i + 1 :]) for i in range(nsp)]
     valid = np.ones((), bool)
     flat = np.zeros((), np.int64)
     for i, (n, o) in enumerate(zip(in_sizes, out_sizes)):
@@ -262,7 +262,7 @@ def _adaptive_windows(x, out_sizes):
         ok = pos < end[:, None]
         pos = np.minimum(pos, n - 1)
         x = jnp.take(x, pos.reshape(-1), axis=lead + 2 * i).reshape(
-            x.shape[: lead + 2 * i] + (o, length) + x.shape[lead + 2 * i + 1:]
+            x.shape[: lead + 2 * i] + (o, length) + x.shape[lead + 2 * i + 1 :]
         )
         shp = [1] * (2 * nsp)
         shp[2 * i], shp[2 * i + 1] = o, length
@@ -288,13 +288,13 @@ def adaptive_avg_pool(x, out_sizes):
         n = y.shape[axis]
         start, end = _adaptive_ranges(n, o)
         if o and n % o == 0:
-            y = jnp.sum(y.reshape(y.shape[:axis] + (o, n // o) + y.shape[axis + 1:]), axis=axis + 1)
+            y = jnp.sum(y.reshape(y.shape[:axis] + (o, n // o) + y.shape[axis + 1 :]), axis=axis + 1)
         else:
             length = int((end - start).max()) if o else 1
             pos = start[:, None] + np.arange(length)[None, :]
             ok = pos < end[:, None]
             win = jnp.take(y, np.minimum(pos, n - 1).reshape(-1), axis=axis)
-            win = win.reshape(y.shape[:axis] + (o, length) + y.shape[axis + 1:])
+            win = win.reshape(y.shape[:axis] + (o, length) + y.shape[axis + 1 :])
             mask = ok.reshape((o, length) + (1,) * (y.ndim - axis - 1))
             y = jnp.sum(jnp.where(mask, win, jnp.zeros((), acc)), axis=axis + 1)
         shape = [1] * nsp
@@ -325,10 +325,14 @@ def _adaptive_avg_pool3d_half(x, out_sizes):
         return jnp.minimum(pos, n - 1), pos < end
 
     def body(t, acc):
-        (pd, vd), (ph, vh), (pw, vw) = (axis_positions(s, e, off, n) for s, e, off, n in (
-            (sd, ed, t // (lh * lw), x.shape[-3]),
-            (sh, eh, (t // lw) % lh, x.shape[-2]),
-            (sw, ew, t % lw, x.shape[-1])))
+        (pd, vd), (ph, vh), (pw, vw) = (
+            axis_positions(s, e, off, n)
+            for s, e, off, n in (
+                (sd, ed, t // (lh * lw), x.shape[-3]),
+                (sh, eh, (t // lw) % lh, x.shape[-2]),
+                (sw, ew, t % lw, x.shape[-1]),
+            )
+        )
         v = x[..., pd[:, None, None], ph[None, :, None], pw[None, None, :]]
         ok = vd[:, None, None] & vh[None, :, None] & vw[None, None, :]
         return (acc.astype(jnp.float32) + jnp.where(ok, v, zero).astype(jnp.float32)).astype(x.dtype)
@@ -373,7 +377,7 @@ def adaptive_max_pool(x, out_sizes):
 
 def _scatter_plane_grad(grad, x, indices, nsp):
     lead = x.shape[: x.ndim - nsp]
-    b, plane = math.prod(lead), math.prod(x.shape[x.ndim - nsp:])
+    b, plane = math.prod(lead), math.prod(x.shape[x.ndim - nsp :])
     acc = acc_dtype(grad.dtype)
     g = grad.reshape(b, -1).astype(acc)
     i = indices.reshape(b, -1)
@@ -407,8 +411,9 @@ def adaptive_max_pool3d_backward(grad, x, indices):
 def im2col(x, kernel_size, dilation, padding, stride):
     kernel = expand_param(kernel_size, 2)
     dilation, padding, stride = (expand_param(v, 2) for v in (dilation, padding, stride))
-    outs = [(n + 2 * p - d * (k - 1) - 1) // s + 1
-            for n, k, d, p, s in zip(x.shape[-2:], kernel, dilation, padding, stride)]
+    outs = [
+        (n + 2 * p - d * (k - 1) - 1) // s + 1 for n, k, d, p, s in zip(x.shape[-2:], kernel, dilation, padding, stride)
+    ]
     win = windows(x, kernel, stride, padding, dilation, outs, 0)  # (..., C, OH, OW, K)
     lead = x.shape[:-3]
     c = x.shape[-3]
@@ -455,8 +460,9 @@ def fractional_max_pool(x, kernel_size, output_size, samples, sample_order):
     in_sizes = xb.shape[2:]
     for n, k, o in zip(in_sizes, kernel, outs):
         if o + k - 1 > n or (nsp == 3 and o + k - 1 == n):  # (torch's 3-d check is strict)
-            raise RuntimeError(f"fractional_max_pool{nsp}d(): pool size {k} too large relative to input size {n} "
-                               f"(output size {o})")
+            raise RuntimeError(
+                f"fractional_max_pool{nsp}d(): pool size {k} too large relative to input size {n} (output size {o})"
+            )
     smp = samples.astype(acc_dtype(samples.dtype)) if samples.dtype != xb.dtype else samples
     nb, c = xb.shape[:2]
     starts = [_fractional_starts(smp[:, :, sample_order[d]], in_sizes[d], outs[d], kernel[d]) for d in range(nsp)]
@@ -501,5 +507,6 @@ def fractional_max_pool3d_backward(grad, x, kernel_size, output_size, indices):
 # from meta kernels): the gradient is shaped like the input.
 _META_LIB = torch.library.Library("aten", "IMPL")
 if not torch._C._dispatch_has_kernel_for_dispatch_key("aten::fractional_max_pool3d_backward", "Meta"):
-    _META_LIB.impl("fractional_max_pool3d_backward",
-                   lambda grad, x, kernel_size, output_size, indices: torch.empty_like(x), "Meta")
+    _META_LIB.impl(
+        "fractional_max_pool3d_backward", lambda grad, x, kernel_size, output_size, indices: torch.empty_like(x), "Meta"
+    )

@@ -4,6 +4,7 @@ Values are drawn for the logical shape with jax's (partitionable) threefry, so t
 the sharding. They cannot equal torch's CPU stream; distributions, ranges and dtypes are torch's.
 A ``generator=`` argument is accepted and ignored: the dispatcher owns the key.
 """
+
 from __future__ import annotations
 
 import jax
@@ -131,8 +132,13 @@ def randint_low(key, low, high, size, *, generator=None, dtype=None, **_factory)
     return _randint(key, _shape(size), low, high, dtype_arg(dtype) or INT64)
 
 
-@register(aten.randint_like.default, aten.randint_like.generator, aten.randint_like.Tensor,
-          aten.randint_like.Tensor_generator, random=True)
+@register(
+    aten.randint_like.default,
+    aten.randint_like.generator,
+    aten.randint_like.Tensor,
+    aten.randint_like.Tensor_generator,
+    random=True,
+)
 def randint_like(key, self, high, *, generator=None, dtype=None, **_factory):
     return _randint(key, jnp.shape(self), 0, high, dtype_arg(dtype) or dtype_of(self))
 
@@ -269,8 +275,9 @@ def _standard_gamma(key, self, generator=None):
 def multinomial(key, self, num_samples, replacement=False, *, generator=None):
     ct = _float_draw_dtype(dtype_of(self)) if not is_complex(dtype_of(self)) else FLOAT32
     w = cast(self, ct)
-    fail_where(~jnp.isfinite(w) | (w < 0), RuntimeError,
-               "probability tensor contains either `inf`, `nan` or element < 0")
+    fail_where(
+        ~jnp.isfinite(w) | (w < 0), RuntimeError, "probability tensor contains either `inf`, `nan` or element < 0"
+    )
     fail_where(jnp.sum(w, axis=-1) <= 0, RuntimeError, "invalid multinomial distribution (sum of probabilities <= 0)")
     logits = jnp.log(w)  # zero weight -> -inf: never drawn
     n = int(num_samples)

@@ -2,6 +2,7 @@
 bfloat16/float16 accumulate in float32, max/min/argmax propagate NaN (the first NaN wins), an empty
 ``dim`` list reduces over every dimension.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -365,8 +366,11 @@ def _cum_extreme(self, dim, better):
         return fresh(self), jnp.zeros((), INT64)
     ax = _axis(dim, self.ndim)
     idx = lax.broadcasted_iota(INT64, self.shape, ax)
-    isnan = (lambda v: jnp.isnan(v)) if (is_float(self.dtype) or is_complex(self.dtype)) else (
-        lambda v: jnp.zeros(v.shape, BOOL))
+    isnan = (
+        (lambda v: jnp.isnan(v))
+        if (is_float(self.dtype) or is_complex(self.dtype))
+        else (lambda v: jnp.zeros(v.shape, BOOL))
+    )
 
     def combine(a, b):
         (va, ia), (vb, ib) = a, b
@@ -471,11 +475,13 @@ def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
     elif dt in _HASHABLE_INTS or is_bool(dt):
         bits = lax.bitcast_convert_type(cast(self, INT64), np.uint64)
     else:
-        raise RuntimeError(f'"xor_sum_cpu" not implemented for \'{dt}\'')
+        raise RuntimeError(f"\"xor_sum_cpu\" not implemented for '{dt}'")
     ax = axes(dim, self.ndim)
     if self.size == 0 and not (dim is not None and len(dim)):
-        raise RuntimeError("hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
-                           "Specify the reduction dim with the 'dim' argument.")
+        raise RuntimeError(
+            "hash_tensor: Expected reduction dim to be specified for input.numel() == 0. "
+            "Specify the reduction dim with the 'dim' argument."
+        )
     for a in ax:
         if self.shape[a] == 0:
             raise RuntimeError(f"hash_tensor: Expected reduction dim {a} to have non-zero size.")

@@ -15,6 +15,7 @@ Example::
     def neg(x):
         return -x
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,14 @@ class Lowering:
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
 
 
-def register(*ops, static_scalars: bool = False, random: bool = False, dtypes_from_lowering: bool = False,
-             platform: str | None = None, checked: bool = False):
+def register(
+    *ops,
+    static_scalars: bool = False,
+    random: bool = False,
+    dtypes_from_lowering: bool = False,
+    platform: str | None = None,
+    checked: bool = False,
+):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
 
     ``platform="cpu"`` registers a variant for that platform of an op registered before.
@@ -69,8 +76,13 @@ def register(*ops, static_scalars: bool = False, random: bool = False, dtypes_fr
                 continue
             if op in _TABLE:
                 raise ValueError(f"{op} has two lowerings")
-            _TABLE[op] = Lowering(fn, static_scalars=static_scalars, random=random,
-                                  dtypes_from_lowering=dtypes_from_lowering, checked=checked)
+            _TABLE[op] = Lowering(
+                fn,
+                static_scalars=static_scalars,
+                random=random,
+                dtypes_from_lowering=dtypes_from_lowering,
+                checked=checked,
+            )
         return fn
 
     return deco

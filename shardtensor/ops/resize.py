@@ -9,6 +9,7 @@ Example::
 
     lookup(aten.upsample_bilinear2d.default).fn(x, [8, 8], False, None, None)
 """
+
 from __future__ import annotations
 
 import math
@@ -236,10 +237,16 @@ def _register_resample(op, bwd, fwd):
 
 
 _register_resample(aten.upsample_bicubic2d.default, aten.upsample_bicubic2d_backward.default, upsample_cubic)
-_register_resample(aten._upsample_bilinear2d_aa.default, aten._upsample_bilinear2d_aa_backward.default,
-                   lambda x, o, a, s: upsample_aa(x, o, a, s, 2, _aa_bilinear))
-_register_resample(aten._upsample_bicubic2d_aa.default, aten._upsample_bicubic2d_aa_backward.default,
-                   lambda x, o, a, s: upsample_aa(x, o, a, s, 4, _aa_bicubic))
+_register_resample(
+    aten._upsample_bilinear2d_aa.default,
+    aten._upsample_bilinear2d_aa_backward.default,
+    lambda x, o, a, s: upsample_aa(x, o, a, s, 2, _aa_bilinear),
+)
+_register_resample(
+    aten._upsample_bicubic2d_aa.default,
+    aten._upsample_bicubic2d_aa_backward.default,
+    lambda x, o, a, s: upsample_aa(x, o, a, s, 4, _aa_bicubic),
+)
 _register_nearest(aten.upsample_nearest1d.default, aten.upsample_nearest1d_backward.default, 1, False)
 _register_nearest(aten.upsample_nearest2d.default, aten.upsample_nearest2d_backward.default, 2, False)
 _register_nearest(aten.upsample_nearest3d.default, aten.upsample_nearest3d_backward.default, 3, False)
@@ -257,15 +264,18 @@ _register_linear(aten.upsample_trilinear3d.default, aten.upsample_trilinear3d_ba
 def pad_mode(x, padding, mode):
     """torch's reflection/replication pad: padding = (left, right, top, bottom, front, back) from the last dim."""
     nsp = len(padding) // 2
-    widths = [(0, 0)] * (x.ndim - nsp) + [(padding[2 * (nsp - 1 - i)], padding[2 * (nsp - 1 - i) + 1])
-                                          for i in range(nsp)]
+    widths = [(0, 0)] * (x.ndim - nsp) + [
+        (padding[2 * (nsp - 1 - i)], padding[2 * (nsp - 1 - i) + 1]) for i in range(nsp)
+    ]
     if mode == "reflect":
         for i in range(nsp):
             n = x.shape[x.ndim - nsp + i]
             lo, hi = widths[x.ndim - nsp + i]
             if lo >= n or hi >= n:
-                raise RuntimeError("Padding size should be less than the corresponding input dimension, but got: "
-                                   f"padding ({lo}, {hi}) at dimension {x.ndim - nsp + i} of input {list(x.shape)}")
+                raise RuntimeError(
+                    "Padding size should be less than the corresponding input dimension, but got: "
+                    f"padding ({lo}, {hi}) at dimension {x.ndim - nsp + i} of input {list(x.shape)}"
+                )
     if mode == "edge":
         for axis, (lo, hi) in enumerate(widths):
             n = x.shape[axis]
@@ -293,7 +303,9 @@ def _register_pad(op, bwd, mode):
 
 
 for _n in (1, 2, 3):
-    _register_pad(getattr(aten, f"reflection_pad{_n}d").default,
-                  getattr(aten, f"reflection_pad{_n}d_backward").default, "reflect")
-    _register_pad(getattr(aten, f"replication_pad{_n}d").default,
-                  getattr(aten, f"replication_pad{_n}d_backward").default, "edge")
+    _register_pad(
+        getattr(aten, f"reflection_pad{_n}d").default, getattr(aten, f"reflection_pad{_n}d_backward").default, "reflect"
+    )
+    _register_pad(
+        getattr(aten, f"replication_pad{_n}d").default, getattr(aten, f"replication_pad{_n}d_backward").default, "edge"
+    )

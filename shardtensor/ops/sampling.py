@@ -15,6 +15,7 @@ Example::
 
     out = lookup(aten.grid_sampler_2d.default).fn(x, grid, 0, 0, False)   # x (N,C,H,W), grid (N,h,w,2)
 """
+
 from __future__ import annotations
 
 import itertools
@@ -107,8 +108,9 @@ def grid_sample(x, grid, mode, padding_mode, align_corners, dtype=None):
     half-precision sample), with torch's order of operations."""
     nsp = x.ndim - 2
     if grid.ndim != nsp + 2 or grid.shape[-1] != nsp or grid.shape[0] != x.shape[0]:
-        raise RuntimeError(f"grid_sampler(): expected grid of shape (N, *out, {nsp}) for input {list(x.shape)}, "
-                           f"got {list(grid.shape)}")
+        raise RuntimeError(
+            f"grid_sampler(): expected grid of shape (N, *out, {nsp}) for input {list(x.shape)}, got {list(grid.shape)}"
+        )
     if mode == BICUBIC and nsp != 2:
         raise RuntimeError("grid_sampler(): bicubic interpolation only supports 4D input")
     if mode not in (BILINEAR, NEAREST, BICUBIC):
@@ -125,8 +127,12 @@ def grid_sample(x, grid, mode, padding_mode, align_corners, dtype=None):
     base = [jnp.floor(c) for c in src]
     if mode == BICUBIC:  # padding applies to each of the 4 x 4 taps, not to the source point
         offs = list(itertools.product(range(4), repeat=2))
-        coords = [jnp.stack([_pad_coord(base[d] + (o[d] - 1), sizes[d], padding_mode, align_corners) for o in offs],
-                            axis=1).astype(jnp.int64) for d in range(2)]
+        coords = [
+            jnp.stack(
+                [_pad_coord(base[d] + (o[d] - 1), sizes[d], padding_mode, align_corners) for o in offs], axis=1
+            ).astype(jnp.int64)
+            for d in range(2)
+        ]
         vals = _gather(flat, sizes, coords)  # (N, C, 16, h, w), rows of 4 along x
         vals = vals.reshape(vals.shape[:2] + (4, 4) + vals.shape[3:])
         wy, wx = (jnp.stack(_cubic_weights(c - b), axis=1)[:, None] for c, b in zip(src, base))

@@ -6,6 +6,7 @@ Example::
 
     facts(torch.ops.aten.add_.Tensor).functional   # aten.add.Tensor
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +71,7 @@ def _make_facts(func) -> OpFacts:
     if functional is not None:
         mine = [n for n in f.arg_names if n not in f.out_names]
         theirs = [a.name for a in functional._schema.arguments]
-        by_name = theirs[:len(mine)] != mine[:len(theirs)]
+        by_name = theirs[: len(mine)] != mine[: len(theirs)]
     return dataclasses.replace(f, functional=functional, functional_by_name=by_name)
 
 

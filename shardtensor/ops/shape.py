@@ -9,6 +9,7 @@ Example::
 
     lookup(aten.slice.Tensor).fn(x, 1, -3, None, 2)   # x[:, -3::2]
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -339,8 +340,9 @@ def _strided_index(size, stride, offset):
 def as_strided(x, size, stride, storage_offset=None):
     idx = _strided_index(size, stride, storage_offset)
     if idx.size and (idx.min() < 0 or idx.max() >= x.size):
-        raise RuntimeError(f"as_strided: size {list(size)} stride {list(stride)} is out of bounds for {x.size} "
-                           "elements")
+        raise RuntimeError(
+            f"as_strided: size {list(size)} stride {list(stride)} is out of bounds for {x.size} elements"
+        )
     return jnp.reshape(x, (-1,))[idx] if idx.size else jnp.zeros(tuple(size), x.dtype)
 
 
@@ -363,7 +365,7 @@ def unfold(x, dimension, size, step):
         raise RuntimeError(f"unfold: size {size} > dimension size {n} or step {step} <= 0")
     windows = (n - size) // step + 1
     idx = (np.arange(windows)[:, None] * step + np.arange(size)[None, :]).reshape(-1)
-    out = jnp.take(x, idx, axis=d).reshape(x.shape[:d] + (windows, size) + x.shape[d + 1:])
+    out = jnp.take(x, idx, axis=d).reshape(x.shape[:d] + (windows, size) + x.shape[d + 1 :])
     return jnp.moveaxis(out, d + 1, -1)
 
 
@@ -375,7 +377,7 @@ def unfold_backward(grad, input_sizes, dim, size, step):
         return jnp.reshape(grad, ())
     windows = (n - size) // step + 1
     idx = (np.arange(windows)[:, None] * step + np.arange(size)[None, :]).reshape(-1)
-    g = jnp.moveaxis(grad, -1, d + 1).reshape(tuple(input_sizes[:d]) + (windows * size,) + tuple(input_sizes[d + 1:]))
+    g = jnp.moveaxis(grad, -1, d + 1).reshape(tuple(input_sizes[:d]) + (windows * size,) + tuple(input_sizes[d + 1 :]))
     zeros = jnp.zeros(tuple(input_sizes), grad.dtype)
     return zeros.at[_index_at(len(input_sizes), d, idx)].add(g)
 
@@ -405,7 +407,7 @@ def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     dim = wrap_dim(dim, x.ndim)
     n = x.shape[dim]
     start, end = slice_bounds(n, start, end, step)
-    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + (len(range(start, end, step)),) + x.shape[dim + 1:])
+    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + (len(range(start, end, step)),) + x.shape[dim + 1 :])
     count = src.shape[dim]
     if count == 0:
         return x
@@ -425,7 +427,7 @@ def select_scatter(x, src, dim, index):
     n = x.shape[dim]
     if not -n <= index < n:
         raise IndexError(f"select_scatter(): index {index} out of range for size {n} at dimension {dim}")
-    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + x.shape[dim + 1:])
+    src = jnp.broadcast_to(src.astype(x.dtype), x.shape[:dim] + x.shape[dim + 1 :])
     return lax.dynamic_update_index_in_dim(x, src, index % n, axis=dim)
 
 

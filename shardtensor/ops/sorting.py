@@ -10,6 +10,7 @@ Example::
 
     lookup(aten.searchsorted.Tensor).fn(jnp.array([1.0, 2.0, 3.0]), jnp.array([2.0]), right=True)  # [2]
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -258,7 +259,7 @@ def left_of_upper_bound(mid_val, value):
 def _search_dtype(name, seq, values):
     dt = result_type(seq, values)
     if dt == BOOL or is_complex(dt):
-        raise NotImplementedError(f'"{name}" not implemented for \'{"Bool" if dt == BOOL else "complex"}\'')
+        raise NotImplementedError(f"\"{name}\" not implemented for '{'Bool' if dt == BOOL else 'complex'}'")
     return dt
 
 
@@ -268,8 +269,9 @@ def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=No
         if side not in ("left", "right"):
             raise RuntimeError(f"torch.searchsorted(): side can only be 'left' or 'right' but got {side}")
         if right and side == "left":
-            raise RuntimeError("torch.searchsorted(): side and right can't be set to opposites, got side of "
-                               "left while right was True")
+            raise RuntimeError(
+                "torch.searchsorted(): side and right can't be set to opposites, got side of left while right was True"
+            )
         right = side == "right"
     dt = _search_dtype("searchsorted_out_cpu", sorted_sequence, self)
     seq, values = cast(sorted_sequence, dt), cast(self, dt)
@@ -277,9 +279,11 @@ def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=No
     if values.size == 0 or seq.shape[-1] == 0:
         return jnp.zeros(values.shape, out_dt)
     if seq.ndim > 1 and values.ndim == 0:
-        raise RuntimeError("torch.searchsorted(): input value can be a scalar only when boundaries tensor "
-                           f"dimension is 1, but we got boundaries tensor dim({seq.ndim}) and input value's "
-                           "dim(0) numel(1)")
+        raise RuntimeError(
+            "torch.searchsorted(): input value can be a scalar only when boundaries tensor "
+            f"dimension is 1, but we got boundaries tensor dim({seq.ndim}) and input value's "
+            "dim(0) numel(1)"
+        )
     if sorter is not None:
         sorter = sorter.astype(INT64)
     pos = binary_search(seq, values, left_of_upper_bound if right else left_of_lower_bound, sorter=sorter)

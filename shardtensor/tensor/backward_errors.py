@@ -6,6 +6,7 @@ around torch's engine re-raises it on the user's thread once backward has unwoun
 waits until autograd's device thread has let go of the backward pass, so a script that exits right
 after ``backward()`` does not abort.
 """
+
 from __future__ import annotations
 
 import contextvars

@@ -6,6 +6,7 @@ Also: ``torch.manual_seed`` reaches shardtensor's key through the backend module
 guard (``device_guard.cpp``) keeps autograd from calling Python while it unwinds an error raised
 inside ``backward()`` (see ``backward_errors``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -236,15 +237,25 @@ def _build_cpp_extension(why_not_prebuilt: str):
         build_dir = cpp_extension._get_build_directory(name, verbose=False)
         building = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
         if building:
-            print(f"shardtensor: building its C++ device extension ({why_not_prebuilt}), once per environment "
-                  "(10-30 s) ...", file=sys.stderr, flush=True)
+            print(
+                f"shardtensor: building its C++ device extension ({why_not_prebuilt}), once per environment "
+                "(10-30 s) ...",
+                file=sys.stderr,
+                flush=True,
+            )
         start = time.monotonic()
         with _ninja_on_path():
-            ext = cpp_extension.load(name, sources=[str(_SOURCE)],
-                                     extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_SOURCE.read_bytes()):#x}ULL"])
+            ext = cpp_extension.load(
+                name,
+                sources=[str(_SOURCE)],
+                extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_SOURCE.read_bytes()):#x}ULL"],
+            )
         if building:
-            print(f"shardtensor: built in {time.monotonic() - start:.0f} s (kept in {build_dir})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"shardtensor: built in {time.monotonic() - start:.0f} s (kept in {build_dir})",
+                file=sys.stderr,
+                flush=True,
+            )
         return ext
     except Exception as e:  # noqa: BLE001  (no compiler or ninja, a failed build: torch's Python guard)
         first_line = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
@@ -254,7 +265,9 @@ def _build_cpp_extension(why_not_prebuilt: str):
             "in-place ops that change a tensor's shape (squeeze_, t_, resize_, set_ ...) and pinned-memory "
             "DataLoaders are not available. Install a C++ compiler and `pip install ninja` to fix this "
             "(or reinstall shardtensor with one).",
-            RuntimeWarning, stacklevel=2)
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
 
 

@@ -1,4 +1,5 @@
 """A tensor's torch geometry (shape, strides, storage offset) apart from its values."""
+
 from __future__ import annotations
 
 import torch

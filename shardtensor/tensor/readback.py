@@ -1,4 +1,5 @@
 """Reading a ShardedTensor's value: the stored jax array (computing what is pending) and a CPU copy."""
+
 from __future__ import annotations
 
 import warnings
@@ -34,8 +35,11 @@ def materialize(t):
             if cell.is_pending() or isinstance(cell.value, Failed):
                 raise
             # another pending tensor failed; it keeps its error for whoever reads it
-            warnings.warn(f"a pending computation failed ({error}); reading that tensor raises the error",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"a pending computation failed ({error}); reading that tensor raises the error",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     checks.verify()  # a failed on-device check of this or an earlier run raises before a value is read
     if isinstance(cell.value, Failed):
         cell.value.reraise()

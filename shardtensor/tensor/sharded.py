@@ -4,6 +4,7 @@ Each ShardedTensor points at a storage ``Cell`` and, for views, a chain of view 
 value to its own. What ``__torch_dispatch__`` does with an op is the dispatch layer's: it fills the
 op-handler slot (``set_op_handler``) when imported.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,10 @@ from shardtensor.tensor.geometry import contiguous_strides, meta_like
 
 
 def _no_handler(func: Any, args: tuple, kwargs: dict) -> Any:
-    raise RuntimeError(f"{func} reached a ShardedTensor before shardtensor.dispatch installed the op handler "
-                       "(while shardtensor itself is being imported)")
+    raise RuntimeError(
+        f"{func} reached a ShardedTensor before shardtensor.dispatch installed the op handler "
+        "(while shardtensor itself is being imported)"
+    )
 
 
 # what __torch_dispatch__ calls: (func, args, kwargs) -> result; set by the dispatch layer
@@ -76,18 +79,34 @@ class ShardedTensor(torch.Tensor):
     _chain: tuple  # view ops from the cell's value to this tensor's value
 
     @staticmethod
-    def __new__(cls, cell: Cell, shape: Sequence[int] | None = None, dtype: torch.dtype | None = None,
-                chain: tuple = (), requires_grad: bool = False, strides: Sequence[int] | None = None,
-                storage_offset: int = 0) -> ShardedTensor:
+    def __new__(
+        cls,
+        cell: Cell,
+        shape: Sequence[int] | None = None,
+        dtype: torch.dtype | None = None,
+        chain: tuple = (),
+        requires_grad: bool = False,
+        strides: Sequence[int] | None = None,
+        storage_offset: int = 0,
+    ) -> ShardedTensor:
         shape = tuple(cell.shape if shape is None else shape)
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
         # the values themselves are always logical jax arrays
         r = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=strides or contiguous_strides(shape), storage_offset=storage_offset,
-            dtype=dtype or cell.dtype, device=torch_device.device(), requires_grad=requires_grad,
+            cls,
+            shape,
+            strides=strides or contiguous_strides(shape),
+            storage_offset=storage_offset,
+            dtype=dtype or cell.dtype,
+            device=torch_device.device(),
+            requires_grad=requires_grad,
         )
-        if not chain and cell.root is None and (strides or storage_offset) and (
-                tuple(strides or ()) != contiguous_strides(shape) or storage_offset):
+        if (
+            not chain
+            and cell.root is None
+            and (strides or storage_offset)
+            and (tuple(strides or ()) != contiguous_strides(shape) or storage_offset)
+        ):
             # the storage layout of the cell (as_strided and resize_ address storage)
             cell.root = (tuple(strides or contiguous_strides(shape)), storage_offset)
         r._cell = cell
@@ -185,6 +204,7 @@ class ShardedTensor(torch.Tensor):
 
     def register_post_accumulate_grad_hook(self, hook: Callable[[torch.Tensor], None]) -> RemovableHandle:
         return super().register_post_accumulate_grad_hook(_guarded_hook(hook))
+
     # (_guarded_hook only matters when the C++ device guard could not be built)
 
     def __format__(self, format_spec):
@@ -219,7 +239,6 @@ class ShardedTensor(torch.Tensor):
             new.grad = copy.deepcopy(self.grad, memo)
         memo[id(self)] = new
         return new
-
 
     # --- torch.compile (Dynamo) -----------------------------------------------------------
     # Dynamo captures a ShardedTensor only if it is a traceable wrapper subclass (otherwise it

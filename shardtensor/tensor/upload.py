@@ -1,6 +1,7 @@
 """Uploads: host values onto the devices, sharded (each device receives only its own shard, stored
 padded where the sharding does not divide), as the storage cells of new ShardedTensors.
 """
+
 from __future__ import annotations
 
 import jax

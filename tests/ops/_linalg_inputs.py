@@ -1,5 +1,6 @@
 """Inputs for the linear-algebra lowering tests: well-conditioned square, symmetric / Hermitian
 matrices, and the tolerances per dtype."""
+
 import torch
 
 from _lowering_harness import make
@@ -15,8 +16,9 @@ def _square(shape, dtype, seed=0):
     """A well-conditioned (diagonally weighted) square matrix batch."""
     if dtype.is_complex:
         real = F32 if dtype == C64 else F64
-        a = torch.complex(make(shape, real, low=-1, high=1, seed=seed),
-                          make(shape, real, low=-1, high=1, seed=seed + 1))
+        a = torch.complex(
+            make(shape, real, low=-1, high=1, seed=seed), make(shape, real, low=-1, high=1, seed=seed + 1)
+        )
     else:
         a = make(shape, dtype, low=-1, high=1, seed=seed)
     return a + 2 * torch.eye(shape[-1], dtype=dtype)

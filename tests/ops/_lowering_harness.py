@@ -16,6 +16,7 @@ Lowerings run with JAX's 64-bit types on, as inside shardtensor's engine: tests/
 them on for each test of a module that uses this harness, in that test's thread only (never for the
 whole process, which would hide a shardtensor entry that forgot its own 64-bit scope).
 """
+
 from __future__ import annotations
 
 import numbers
@@ -229,8 +230,10 @@ class Batch:
         low, leaves, rebuild = _split(op, args, kwargs)
         assert not low.random, f"{op} is a random op"
         if compare is None:
+
             def compare(got, want, what):
                 _compare(got, want, atol, rtol, what)
+
         self.items.append((low, leaves, rebuild, expected, compare, _describe(op, args, kwargs)))
 
     def check_or_skip(self, op, *args, atol=None, rtol=None, expected=None, **kwargs):

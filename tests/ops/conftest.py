@@ -6,6 +6,7 @@ The lowering tests (modules using ``_lowering_harness``) call lowerings on jax v
 the engine does inside its 64-bit scope: each of their tests runs under ``jax.enable_x64(True)``, in
 its own thread only. The others (the OpInfo sweep) run with the process's setting, JAX's default,
 so they check that shardtensor's own entries keep int64 / float64 exact."""
+
 import os
 import sys
 
@@ -19,8 +20,9 @@ if _HERE not in sys.path:
 
 def _uses_lowering_harness(module) -> bool:
     names = ("_lowering_harness",)
-    return any(getattr(v, "__module__", None) in names or getattr(v, "__name__", None) in names
-               for v in vars(module).values())
+    return any(
+        getattr(v, "__module__", None) in names or getattr(v, "__name__", None) in names for v in vars(module).values()
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ Example::
     from opinfo_harness import OPS, check_forward
     check_forward(OPS["abs"])   # raises AssertionError / the op's exception on a mismatch
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,14 @@ EXPECTED_FILE = pathlib.Path(__file__).with_name("opinfo_expected_failures.txt")
 # Floors under OpInfo's tolerances, per result dtype: XLA's CPU kernels (exp, log, tanh, dot
 # reductions) differ from ATen's in the last bits, more than torch's default float32 rtol of 1.3e-6;
 # bfloat16 chains round at different points (XLA keeps excess precision between fused ops).
-BASE_TOL = {torch.float32: (1e-5, 1e-5), torch.float64: (1e-5, 1e-5), torch.complex64: (1e-5, 1e-5),
-            torch.complex128: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+BASE_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float64: (1e-5, 1e-5),
+    torch.complex64: (1e-5, 1e-5),
+    torch.complex128: (1e-5, 1e-5),
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1.6e-2, 1e-2),
+}
 
 _MESH = None
 
@@ -75,6 +82,7 @@ OPS = {op_id(op): op for op in op_db if _has_f32(op) and not op.name.startswith(
 
 
 # ---- expected failures --------------------------------------------------------------------------
+
 
 def load_expected(path=EXPECTED_FILE) -> dict[str, tuple[str, str]]:
     """test id -> (kind, reason); kind is 'xfail' (run, must fail) or 'skip' (not run: slow/hangs).
@@ -119,6 +127,7 @@ def failure_reason(exc: BaseException) -> str:
 
 
 # ---- running one op -----------------------------------------------------------------------------
+
 
 def _seed_cpu(seed):
     """``torch.manual_seed`` for the CPU generator only (plus ``random``/numpy, as torch's
@@ -246,12 +255,14 @@ def _compare(got, want, op, what, values=True, exact=None):
                 assert g.shape == w.shape, f"{what}[{i}]: shape {tuple(g.shape)}, torch gives {tuple(w.shape)}"
                 continue
             w = _closer_of(g.detach(), w.detach(), e, rtol, atol)
-            torch.testing.assert_close(g.detach(), w, rtol=rtol, atol=atol, equal_nan=True,
-                                       msg=lambda m, i=i: f"{what}[{i}]: {m}")
+            torch.testing.assert_close(
+                g.detach(), w, rtol=rtol, atol=atol, equal_nan=True, msg=lambda m, i=i: f"{what}[{i}]: {m}"
+            )
         elif isinstance(w, float) and isinstance(g, float):
             if values:
-                torch.testing.assert_close(g, w, rtol=BASE_TOL[torch.float32][0],
-                                           atol=BASE_TOL[torch.float32][1], equal_nan=True)
+                torch.testing.assert_close(
+                    g, w, rtol=BASE_TOL[torch.float32][0], atol=BASE_TOL[torch.float32][1], equal_nan=True
+                )
         elif w is not None and values:
             assert g == w, f"{what}[{i}]: {g!r} != {w!r}"
 
@@ -262,8 +273,12 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 def _closer_of(got, want, exact, rtol, atol):
     """``want``, except where ``got`` misses it but ``exact`` (a float64 reference) rounded to
     ``want``'s dtype is a valid target for that element."""
-    if (not isinstance(exact, torch.Tensor) or want.dtype not in LOW_PRECISION
-            or exact.shape != want.shape or not exact.dtype.is_floating_point):
+    if (
+        not isinstance(exact, torch.Tensor)
+        or want.dtype not in LOW_PRECISION
+        or exact.shape != want.shape
+        or not exact.dtype.is_floating_point
+    ):
         return want
     near_torch = torch.isclose(got.double(), want.double(), rtol=rtol, atol=atol, equal_nan=True)
     return torch.where(near_torch, want, exact.to(want.dtype))
@@ -271,10 +286,12 @@ def _closer_of(got, want, exact, rtol, atol):
 
 def _exact_reference(op, sample, dtype):
     """The op on the sample with its ``dtype`` tensors widened to float64 (None if torch refuses)."""
+
     def widen(x):
         if isinstance(x, torch.Tensor) and x.dtype == dtype:
             return x.detach().double()
         return x
+
     try:
         with torch.random.fork_rng(devices=[]):
             _seed_cpu(0)
@@ -338,12 +355,17 @@ def _run_sharded(op, fn, sample, uneven=False, eager=False):
 
 def check_forward(op, dtype=torch.float32, eager=False, uneven=False):
     """Compare the op on sharded inputs with eager torch; returns how many samples were compared."""
+
     def has_uneven_dim(sample):
         return any(_spec(t, True) != (None,) * t.dim() for t in _tensors(sample))
 
     variant = eager or uneven or dtype != torch.float32
-    samples = _samples(op, dtype=dtype, where=has_uneven_dim if uneven else lambda s: True,
-                       count=VARIANT_SAMPLES if variant else SAMPLES)
+    samples = _samples(
+        op,
+        dtype=dtype,
+        where=has_uneven_dim if uneven else lambda s: True,
+        count=VARIANT_SAMPLES if variant else SAMPLES,
+    )
     checks = []
     for k, sample in enumerate(samples):
         want, drew_random = _eager(op, sample)
@@ -402,8 +424,9 @@ def _float_leaves(tree):
 
 
 def _loss(out):
-    outs = [o for o in tree_flatten(out)[0]
-            if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+    outs = [
+        o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad
+    ]
     if not outs:
         return None
     total = outs[0].sum()
@@ -463,6 +486,7 @@ def ids_of(kind) -> list[str]:
 
 # ---- families -----------------------------------------------------------------------------------
 
+
 def family(op) -> str:
     """Which shardtensor/ops/<family>.py lowers the first aten op the OpInfo entry hits in eager torch;
     'decomposed' if that op has no lowering but a torch decomposition, 'other' otherwise."""
@@ -484,9 +508,26 @@ def family(op) -> str:
             op(s.input, *s.args, **s.kwargs)
     except Exception:
         pass
-    skip = {"detach", "clone", "_to_copy", "copy_", "empty", "lift_fresh", "alias", "view", "t", "expand",
-            "empty_like", "zeros", "full", "scalar_tensor", "_local_scalar_dense", "new_empty", "fill_",
-            "zero_"}
+    skip = {
+        "detach",
+        "clone",
+        "_to_copy",
+        "copy_",
+        "empty",
+        "lift_fresh",
+        "alias",
+        "view",
+        "t",
+        "expand",
+        "empty_like",
+        "zeros",
+        "full",
+        "scalar_tensor",
+        "_local_scalar_dense",
+        "new_empty",
+        "fill_",
+        "zero_",
+    }
     primary = next((f for f in hits if f.__name__.split(".")[0] not in skip), hits[0] if hits else None)
     if primary is None:
         return "other"

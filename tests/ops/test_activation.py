@@ -1,4 +1,5 @@
 """Activation lowerings and their backward ops against eager torch on CPU."""
+
 import os
 import sys
 
@@ -96,8 +97,10 @@ def test_relu_int():
 def test_matches_autograd():
     """The backward ops chained as autograd does for F.gelu / F.silu / F.softplus."""
     x = _x(F32).nan_to_num().requires_grad_()
-    for fn, back in ((torch.nn.functional.silu, aten.silu_backward.default),
-                     (torch.nn.functional.mish, aten.mish_backward.default)):
+    for fn, back in (
+        (torch.nn.functional.silu, aten.silu_backward.default),
+        (torch.nn.functional.mish, aten.mish_backward.default),
+    ):
         (grad,) = torch.autograd.grad(fn(x).sum(), x)
         with Batch() as b:
             b.check(back, torch.ones_like(x), x.detach())

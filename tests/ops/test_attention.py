@@ -1,5 +1,6 @@
 """Attention lowerings (shardtensor/ops/attention.py: scaled dot-product attention, CPU flash kernel) against
 eager torch on CPU, forward and backward ops."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +11,6 @@ torch.manual_seed(0)
 
 
 r = randn  # float32 normal samples
-
 
 
 # ---------------------------------------------------------------------------------------- attention
@@ -40,11 +40,32 @@ def test_sdpa_flash_cpu(dtype, kind):
         if kind == "scale_masked_row":
             mask[2] = float("-inf")
             scale = 0.3
-    out, lse = check(aten._scaled_dot_product_flash_attention_for_cpu.default, q, k, v, 0.0, causal,
-                     attn_mask=mask, scale=scale, **tol)
+    out, lse = check(
+        aten._scaled_dot_product_flash_attention_for_cpu.default,
+        q,
+        k,
+        v,
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+        **tol,
+    )
     g = torch.randn_like(out)
-    check(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, g, q, k, v, out, lse, 0.0, causal,
-          attn_mask=mask, scale=scale, **tol)
+    check(
+        aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+        g,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        0.0,
+        causal,
+        attn_mask=mask,
+        scale=scale,
+        **tol,
+    )
 
 
 def test_sdpa_matches_autograd_through_functional():

@@ -1,5 +1,6 @@
 """Conjugation / complex / polar lowerings (shardtensor/ops/complex.py) against eager torch on CPU, and
 conjugate views through sharded tensors (reads, autograd, writes through the view)."""
+
 import importlib
 
 import pytest
@@ -40,8 +41,11 @@ def test_conj_complex_polar():
             special = torch.tensor([NAN, INF, -0.0], dtype=dt)
             b.check(aten.complex.default, special, torch.tensor([1, NAN, -INF], dtype=dt))
             b.check(aten.polar.default, a.abs(), t)
-            b.check(aten.polar.default, torch.tensor([2.0, 0.0, INF, NAN, -1.0], dtype=dt),
-                    torch.tensor([0.5, 1.0, 0.0, 1.0, 3.0], dtype=dt))
+            b.check(
+                aten.polar.default,
+                torch.tensor([2.0, 0.0, INF, NAN, -1.0], dtype=dt),
+                torch.tensor([0.5, 1.0, 0.0, 1.0, 3.0], dtype=dt),
+            )
 
 
 def test_complex_errors():
@@ -57,7 +61,7 @@ def test_complex_errors():
 def _mesh(shape=(4, 2)):
     import shardtensor as st
 
-    names = ("x", "y")[:len(shape)]
+    names = ("x", "y")[: len(shape)]
     return st, st.Mesh(range(8), shape, names)
 
 
@@ -76,9 +80,11 @@ def test_sharded_conj_views():
     torch.testing.assert_close(view.cpu(), (2 * z).conj().resolve_conj())
     # autograd through conj, hfft (conj + c2r) and ifft of a real input (r2c + conj)
     r = make((8, 6), F32, seed=15)
-    for fn in (lambda t: torch.fft.hfft(t.to(C64) * (1 + 1j)),
-               lambda t: torch.view_as_real(torch.fft.ifft(t).resolve_conj()),
-               lambda t: (torch.polar(t.abs(), t) * torch.complex(t, t).conj()).abs()):
+    for fn in (
+        lambda t: torch.fft.hfft(t.to(C64) * (1 + 1j)),
+        lambda t: torch.view_as_real(torch.fft.ifft(t).resolve_conj()),
+        lambda t: (torch.polar(t.abs(), t) * torch.complex(t, t).conj()).abs(),
+    ):
         ref = r.clone().requires_grad_()
         fn(ref).sum().backward()
         sr = st.shard(r.clone(), mesh, ("x", None)).requires_grad_()

@@ -1,5 +1,6 @@
 """Convolution lowerings (shardtensor/ops/conv.py) against eager torch on CPU, forward and backward ops;
 then through the dispatcher: spatially sharded kernels, bfloat16 bias rounding."""
+
 import pytest
 import torch
 
@@ -9,7 +10,6 @@ torch.manual_seed(0)
 
 
 r = randn  # float32 normal samples
-
 
 
 # ------------------------------------------------------------------------------------ convolution
@@ -46,8 +46,9 @@ def test_convolution_bf16_and_rank_check():
     x, w, b = r(2, 3, 6, 6, dtype=torch.bfloat16), r(4, 3, 3, 3, dtype=torch.bfloat16), r(4, dtype=torch.bfloat16)
     check(aten.convolution.default, x, w, b, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, **BF16)
     with pytest.raises(RuntimeError):  # aten.convolution takes batched input only (F.conv2d unsqueezes)
-        lower(aten.convolution.default)(*to_jax([r(3, 6, 6), r(4, 3, 3, 3), r(4)]), [1, 1], [0, 0], [1, 1], False,
-                                        [0, 0], 1)
+        lower(aten.convolution.default)(
+            *to_jax([r(3, 6, 6), r(4, 3, 3, 3), r(4)]), [1, 1], [0, 0], [1, 1], False, [0, 0], 1
+        )
 
 
 # -------------------------------------------- through the dispatcher: sharded, bf16
@@ -78,8 +79,9 @@ def test_sharded_conv_with_spatially_sharded_kernel(transposed):
 
 def _bf16_ulp(t):
     """The spacing of bfloat16 numbers at each element of ``t`` (8 significant bits)."""
-    return torch.ldexp(torch.ones_like(t, dtype=torch.float64),
-                       torch.frexp(t.double().abs().clamp_min(2.0 ** -126))[1] - 8)
+    return torch.ldexp(
+        torch.ones_like(t, dtype=torch.float64), torch.frexp(t.double().abs().clamp_min(2.0**-126))[1] - 8
+    )
 
 
 def test_bfloat16_conv_bias_rounds_once():
@@ -98,17 +100,19 @@ def test_bfloat16_conv_bias_rounds_once():
         got = fn(sx, sww, sb, **kw).cpu()
         exact = fn(x.double(), ww.double(), b.double(), **kw)
         once = exact.bfloat16()
-        twice = (fn(x.double(), ww.double(), None, **kw).bfloat16().double()
-                 + b.double().view(-1, *[1] * (x.dim() - 2))).bfloat16()
+        twice = (
+            fn(x.double(), ww.double(), None, **kw).bfloat16().double() + b.double().view(-1, *[1] * (x.dim() - 2))
+        ).bfloat16()
         assert got.dtype == torch.bfloat16
         off = (got.double() - once.double()).abs() / _bf16_ulp(once)
         # float32 accumulation may land across a rounding midpoint on a rare element: one ulp, rarely
         assert off.max() <= 1 and (off > 0).double().mean() < 0.005, (
             f"{fn.__name__}: {(off > 0).double().mean():.2%} of elements differ from the once-rounded "
-            f"exact result (up to {off.max():.0f} ulp)")
+            f"exact result (up to {off.max():.0f} ulp)"
+        )
         # ... which rounding twice cannot meet: the test tells the two apart
         assert ((twice.double() - once.double()).abs() > 0).double().mean() > 0.05
         # torch's kernel: within two bf16 roundings of the sums' magnitudes, whatever the CPU
         scale = fn(x.double().abs(), ww.double().abs(), b.double().abs(), **kw)
         err = (got.double() - fn(x, ww, b, **kw).double()).abs()
-        assert (err <= 2.0 ** -7 * scale).all(), f"{fn.__name__}: {err.max():.3g} from torch's kernel"
+        assert (err <= 2.0**-7 * scale).all(), f"{fn.__name__}: {err.max():.3g} from torch's kernel"

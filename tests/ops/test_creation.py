@@ -1,4 +1,5 @@
 """Factory lowerings against eager torch on CPU (dtype inference included)."""
+
 import os
 import sys
 
@@ -8,8 +9,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import Batch, dtypes, lookup, make, to_jax  # noqa: E402
 
 aten = torch.ops.aten
-F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
-                                      torch.bool, torch.uint8)
+F32, F64, BF16, I64, I32, BOOL, U8 = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 CPU = dict(device=torch.device("cpu"), layout=torch.strided, pin_memory=False)
 
 
@@ -63,10 +71,27 @@ def test_like_and_new():
 
 def test_arange():
     with Batch() as b:
-        for args in ((5,), (7.0,), (2, 9), (-3, 4.5), (0, 1, 0.1), (10, 0, -3), (1, 2.5, 0.5), (0, 10, 3),
-                     (-1.5, 1.5, 0.25), (5, 5), (0, -1e-3, -1e-4)):
-            b.check(aten.arange.default if len(args) == 1 else aten.arange.start if len(args) == 2
-                    else aten.arange.start_step, *args)
+        for args in (
+            (5,),
+            (7.0,),
+            (2, 9),
+            (-3, 4.5),
+            (0, 1, 0.1),
+            (10, 0, -3),
+            (1, 2.5, 0.5),
+            (0, 10, 3),
+            (-1.5, 1.5, 0.25),
+            (5, 5),
+            (0, -1e-3, -1e-4),
+        ):
+            b.check(
+                aten.arange.default
+                if len(args) == 1
+                else aten.arange.start
+                if len(args) == 2
+                else aten.arange.start_step,
+                *args,
+            )
         for dtype in (F32, F64, BF16, I64, I32, U8):
             b.check(aten.arange.start_step, 0, 20, 3, dtype=dtype, **CPU)
             b.check(aten.arange.start_step, 0.5, 20.7, 2.5, dtype=dtype)

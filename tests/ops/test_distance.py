@@ -1,5 +1,6 @@
 """cdist / pdist lowerings (shardtensor/ops/distance.py) against eager torch on CPU, forward and backward
 ops."""
+
 import functools
 import itertools
 import math
@@ -21,8 +22,9 @@ r = functools.partial(randn, dtype=F64)
 P_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")]
 
 
-@pytest.mark.parametrize("shapes", [((5, 4), (6, 4)), ((2, 3, 5, 4), (3, 6, 4)), ((1, 30, 3), (2, 7, 3)),
-                                    ((0, 4, 5), (3, 5))])
+@pytest.mark.parametrize(
+    "shapes", [((5, 4), (6, 4)), ((2, 3, 5, 4), (3, 6, 4)), ((1, 30, 3), (2, 7, 3)), ((0, 4, 5), (3, 5))]
+)
 def test_cdist(shapes):
     s1, s2 = shapes
     x1, x2 = r(*s1, seed=16), r(*s2)

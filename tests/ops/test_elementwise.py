@@ -2,6 +2,7 @@
 torch's type promotion with Python scalars, NaN propagation and integer division signs.
 
 Checks are batched (``Batch``): one jit compile per test, scalars as weakly typed tracers."""
+
 import os
 import sys
 
@@ -12,8 +13,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import Batch, call, check, dtypes, make, to_jax, to_torch  # noqa: E402
 
 aten = torch.ops.aten
-F32, F64, BF16, F16, I64, I32, BOOL = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
-                                       torch.int32, torch.bool)
+F32, F64, BF16, F16, I64, I32, BOOL = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+)
 U8, I8 = torch.uint8, torch.int8
 
 
@@ -21,13 +29,39 @@ U8, I8 = torch.uint8, torch.int8
 # unary
 # ----------------------------------------------------------------------------------------------
 UNARY_FLOAT = {
-    "exp": (-3, 3), "exp2": (-3, 3), "expm1": (-3, 3), "log": (0.1, 5), "log2": (0.1, 5),
-    "log10": (0.1, 5), "log1p": (-0.5, 5), "sqrt": (0, 5), "rsqrt": (0.1, 5), "sin": (-3, 3),
-    "cos": (-3, 3), "tan": (-1.2, 1.2), "tanh": (-3, 3), "asin": (-0.9, 0.9), "acos": (-0.9, 0.9),
-    "atan": (-3, 3), "sinh": (-3, 3), "cosh": (-3, 3), "asinh": (-3, 3), "acosh": (1, 5),
-    "atanh": (-0.9, 0.9), "sigmoid": (-5, 5), "erf": (-3, 3), "erfc": (-3, 3), "erfinv": (-0.9, 0.9),
-    "lgamma": (-3.5, 5), "digamma": (0.1, 5), "i0": (-3, 3), "reciprocal": (0.5, 3),
-    "deg2rad": (-3, 3), "rad2deg": (-3, 3), "sinc": (-3, 3), "angle": (-3, 3),
+    "exp": (-3, 3),
+    "exp2": (-3, 3),
+    "expm1": (-3, 3),
+    "log": (0.1, 5),
+    "log2": (0.1, 5),
+    "log10": (0.1, 5),
+    "log1p": (-0.5, 5),
+    "sqrt": (0, 5),
+    "rsqrt": (0.1, 5),
+    "sin": (-3, 3),
+    "cos": (-3, 3),
+    "tan": (-1.2, 1.2),
+    "tanh": (-3, 3),
+    "asin": (-0.9, 0.9),
+    "acos": (-0.9, 0.9),
+    "atan": (-3, 3),
+    "sinh": (-3, 3),
+    "cosh": (-3, 3),
+    "asinh": (-3, 3),
+    "acosh": (1, 5),
+    "atanh": (-0.9, 0.9),
+    "sigmoid": (-5, 5),
+    "erf": (-3, 3),
+    "erfc": (-3, 3),
+    "erfinv": (-0.9, 0.9),
+    "lgamma": (-3.5, 5),
+    "digamma": (0.1, 5),
+    "i0": (-3, 3),
+    "reciprocal": (0.5, 3),
+    "deg2rad": (-3, 3),
+    "rad2deg": (-3, 3),
+    "sinc": (-3, 3),
+    "angle": (-3, 3),
 }
 
 
@@ -49,8 +83,23 @@ def test_unary_float_from_int_and_bool():
 def test_unary_special_values():
     x = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), -2.0, -1.0, 1.0])
     with Batch() as b:
-        for name in ("digamma", "lgamma", "erfinv", "log", "sqrt", "rsqrt", "reciprocal", "sinc", "sigmoid", "angle",
-                     "exp", "tanh", "erf", "log1p", "expm1"):
+        for name in (
+            "digamma",
+            "lgamma",
+            "erfinv",
+            "log",
+            "sqrt",
+            "rsqrt",
+            "reciprocal",
+            "sinc",
+            "sigmoid",
+            "angle",
+            "exp",
+            "tanh",
+            "erf",
+            "log1p",
+            "expm1",
+        ):
             b.check(getattr(aten, name).default, x)
 
 
@@ -133,8 +182,26 @@ def _operand(kind, seed, shape=(3, 4)):
     return table[kind]()
 
 
-KINDS = ["f32", "f64", "bf16", "f16", "i64", "i32", "u8", "i8", "bool", "f64_0d", "i64_0d", "f32_0d", "bf16_0d",
-         "u8_0d", "bool_0d", "py_float", "py_int", "py_bool"]
+KINDS = [
+    "f32",
+    "f64",
+    "bf16",
+    "f16",
+    "i64",
+    "i32",
+    "u8",
+    "i8",
+    "bool",
+    "f64_0d",
+    "i64_0d",
+    "f32_0d",
+    "bf16_0d",
+    "u8_0d",
+    "bool_0d",
+    "py_float",
+    "py_int",
+    "py_bool",
+]
 
 
 def _torch_result_type(vals):
@@ -163,20 +230,54 @@ def test_result_type_matches_torch():
                 assert dtypes.to_torch(got) == want, (ka, kb, kc, got, want)
 
 
-PAIRS = [("f32", "f32_row"), ("i64", "i64neg"), ("i32", "py_float"), ("bf16", "py_float"), ("bool", "bool"),
-         ("f64_0d", "i64"), ("bf16", "f32_0d"), ("f16", "bf16"), ("u8", "i8"), ("i64", "py_int"), ("bool", "py_int")]
+PAIRS = [
+    ("f32", "f32_row"),
+    ("i64", "i64neg"),
+    ("i32", "py_float"),
+    ("bf16", "py_float"),
+    ("bool", "bool"),
+    ("f64_0d", "i64"),
+    ("bf16", "f32_0d"),
+    ("f16", "bf16"),
+    ("u8", "i8"),
+    ("i64", "py_int"),
+    ("bool", "py_int"),
+]
 BINARY = {
-    "add": aten.add.Tensor, "sub": aten.sub.Tensor, "mul": aten.mul.Tensor, "div": aten.div.Tensor,
-    "remainder": aten.remainder.Tensor, "fmod": aten.fmod.Tensor, "atan2": aten.atan2.default,
-    "maximum": aten.maximum.default, "minimum": aten.minimum.default, "fmax": aten.fmax.default,
-    "fmin": aten.fmin.default, "eq": aten.eq.Tensor, "ne": aten.ne.Tensor, "lt": aten.lt.Tensor,
-    "le": aten.le.Tensor, "gt": aten.gt.Tensor, "ge": aten.ge.Tensor, "copysign": aten.copysign.Tensor,
-    "hypot": aten.hypot.default, "logaddexp": aten.logaddexp.default, "logaddexp2": aten.logaddexp2.default,
-    "xlogy": aten.xlogy.Tensor, "xlog1py": aten.special_xlog1py.default, "floor_divide": aten.floor_divide.default,
-    "bitwise_and": aten.bitwise_and.Tensor, "bitwise_or": aten.bitwise_or.Tensor,
-    "bitwise_xor": aten.bitwise_xor.Tensor, "logical_and": aten.logical_and.default,
-    "logical_or": aten.logical_or.default, "logical_xor": aten.logical_xor.default, "rsub": aten.rsub.Tensor,
-    "nextafter": aten.nextafter.default, "heaviside": aten.heaviside.default, "pow": aten.pow.Tensor_Tensor,
+    "add": aten.add.Tensor,
+    "sub": aten.sub.Tensor,
+    "mul": aten.mul.Tensor,
+    "div": aten.div.Tensor,
+    "remainder": aten.remainder.Tensor,
+    "fmod": aten.fmod.Tensor,
+    "atan2": aten.atan2.default,
+    "maximum": aten.maximum.default,
+    "minimum": aten.minimum.default,
+    "fmax": aten.fmax.default,
+    "fmin": aten.fmin.default,
+    "eq": aten.eq.Tensor,
+    "ne": aten.ne.Tensor,
+    "lt": aten.lt.Tensor,
+    "le": aten.le.Tensor,
+    "gt": aten.gt.Tensor,
+    "ge": aten.ge.Tensor,
+    "copysign": aten.copysign.Tensor,
+    "hypot": aten.hypot.default,
+    "logaddexp": aten.logaddexp.default,
+    "logaddexp2": aten.logaddexp2.default,
+    "xlogy": aten.xlogy.Tensor,
+    "xlog1py": aten.special_xlog1py.default,
+    "floor_divide": aten.floor_divide.default,
+    "bitwise_and": aten.bitwise_and.Tensor,
+    "bitwise_or": aten.bitwise_or.Tensor,
+    "bitwise_xor": aten.bitwise_xor.Tensor,
+    "logical_and": aten.logical_and.default,
+    "logical_or": aten.logical_or.default,
+    "logical_xor": aten.logical_xor.default,
+    "rsub": aten.rsub.Tensor,
+    "nextafter": aten.nextafter.default,
+    "heaviside": aten.heaviside.default,
+    "pow": aten.pow.Tensor_Tensor,
 }
 
 
@@ -195,14 +296,37 @@ def test_binary_ops(pair):
 
 
 SCALAR_OVERLOADS = [
-    aten.add.Scalar, aten.sub.Scalar, aten.mul.Scalar, aten.div.Scalar, aten.remainder.Scalar, aten.fmod.Scalar,
-    aten.eq.Scalar, aten.ne.Scalar, aten.lt.Scalar, aten.le.Scalar, aten.gt.Scalar, aten.ge.Scalar, aten.rsub.Scalar,
-    aten.copysign.Scalar, aten.xlogy.Scalar_Other, aten.special_xlog1py.other_scalar, aten.floor_divide.Scalar,
-    aten.pow.Tensor_Scalar, aten.bitwise_and.Scalar, aten.bitwise_xor.Scalar,
+    aten.add.Scalar,
+    aten.sub.Scalar,
+    aten.mul.Scalar,
+    aten.div.Scalar,
+    aten.remainder.Scalar,
+    aten.fmod.Scalar,
+    aten.eq.Scalar,
+    aten.ne.Scalar,
+    aten.lt.Scalar,
+    aten.le.Scalar,
+    aten.gt.Scalar,
+    aten.ge.Scalar,
+    aten.rsub.Scalar,
+    aten.copysign.Scalar,
+    aten.xlogy.Scalar_Other,
+    aten.special_xlog1py.other_scalar,
+    aten.floor_divide.Scalar,
+    aten.pow.Tensor_Scalar,
+    aten.bitwise_and.Scalar,
+    aten.bitwise_xor.Scalar,
 ]
 # the .Tensor overloads with a Python scalar: what ``x + 2.5`` dispatches
-TENSOR_WITH_SCALAR = [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.remainder.Tensor,
-                      aten.maximum.default, aten.bitwise_or.Tensor]
+TENSOR_WITH_SCALAR = [
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.div.Tensor,
+    aten.remainder.Tensor,
+    aten.maximum.default,
+    aten.bitwise_or.Tensor,
+]
 
 
 @pytest.mark.parametrize("kind", ["f32", "i64", "bf16", "bool", "u8"])
@@ -221,23 +345,38 @@ def test_scalar_first_overloads():
         for kind in ("f32", "i64", "bf16"):
             x = _operand(kind, 4)
             for scalar in (2.5, 3, 1):
-                for op in (aten.remainder.Scalar_Tensor, aten.pow.Scalar, aten.xlogy.Scalar_Self,
-                           aten.bitwise_or.Scalar_Tensor, aten.special_xlog1py.self_scalar,
-                           aten.bitwise_left_shift.Scalar_Tensor):
+                for op in (
+                    aten.remainder.Scalar_Tensor,
+                    aten.pow.Scalar,
+                    aten.xlogy.Scalar_Self,
+                    aten.bitwise_or.Scalar_Tensor,
+                    aten.special_xlog1py.self_scalar,
+                    aten.bitwise_left_shift.Scalar_Tensor,
+                ):
                     b.check_or_skip(op, scalar, x)
 
 
 def test_add_sub_alpha():
-    pairs = [("f32", "f32"), ("i64", "i64neg"), ("bf16", "py_float"), ("i64", "py_int"), ("f64", "f32_row"),
-             ("bool", "bool"), ("bf16", "bf16")]
+    pairs = [
+        ("f32", "f32"),
+        ("i64", "i64neg"),
+        ("bf16", "py_float"),
+        ("i64", "py_int"),
+        ("f64", "f32_row"),
+        ("bool", "bool"),
+        ("bf16", "bf16"),
+    ]
     with Batch() as b:
         for pa, pb in pairs:
             # (4, 8): torch's scalar (non-vectorised) CPU loop for tiny bfloat16 tensors rounds alpha * y
             # to bfloat16 before adding; its vectorised loop, like us, does not
             x, y = _operand(pa, 5, (4, 8)), _operand(pb, 6, (4, 8))
             for alpha in (1, 2, -0.5, 0.7123):
-                for op, scalar_op in ((aten.add.Tensor, aten.add.Scalar), (aten.sub.Tensor, aten.sub.Scalar),
-                                      (aten.rsub.Tensor, aten.rsub.Scalar)):
+                for op, scalar_op in (
+                    (aten.add.Tensor, aten.add.Scalar),
+                    (aten.sub.Tensor, aten.sub.Scalar),
+                    (aten.rsub.Tensor, aten.rsub.Scalar),
+                ):
                     b.check_or_skip(op, x, y, alpha=alpha, **_bf16_reference(op, x, y, alpha=alpha))
                     if not isinstance(y, torch.Tensor):
                         b.check_or_skip(scalar_op, x, y, alpha, **_bf16_reference(scalar_op, x, y, alpha))
@@ -325,8 +464,11 @@ def test_integer_pow():
             b.check(aten.pow.Scalar, 2, exp)
             b.check(aten.pow.Scalar, 1.5, exp)
         # negative exponents: 1 -> 1, -1 -> +-1, others -> 0; and an exponent past 63 bits of squaring
-        b.check(aten.pow.Tensor_Tensor, torch.tensor([-3, -2, -1, -1, 0, 1, 1, 2, 3, 2, -1, 3]),
-                torch.tensor([-1, -2, -1, -2, 3, -5, 4, -1, 2, 40, 101, 70]))
+        b.check(
+            aten.pow.Tensor_Tensor,
+            torch.tensor([-3, -2, -1, -1, 0, 1, 1, 2, 3, 2, -1, 3]),
+            torch.tensor([-1, -2, -1, -2, 3, -5, 4, -1, 2, 40, 101, 70]),
+        )
 
 
 @pytest.mark.parametrize("dtype", [F32, F64, BF16])
@@ -337,8 +479,9 @@ def test_float_pow(dtype):
             b.check(aten.pow.Tensor_Scalar, x, e)
             b.check(aten.pow.Scalar, e, x)
         b.check(aten.pow.Tensor_Tensor, x.abs(), make((10,), dtype, low=-2, high=2, seed=3))
-        b.check(aten.pow.Tensor_Tensor, x, torch.tensor([2.0, 3.0, 0.5, -1.0, 0.0, 1.0, 2.0, 3.0, -2.0, 4.0],
-                                                        dtype=dtype))
+        b.check(
+            aten.pow.Tensor_Tensor, x, torch.tensor([2.0, 3.0, 0.5, -1.0, 0.0, 1.0, 2.0, 3.0, -2.0, 4.0], dtype=dtype)
+        )
 
 
 def test_jit_and_eager_agree():
@@ -497,8 +640,11 @@ def test_special_binary_values():
         b.check(aten.xlogy.Tensor, x, y)
         b.check(aten.special_xlog1py.default, x, y)
         b.check(aten.heaviside.default, x, y)
-        b.check(aten.logaddexp.default, torch.tensor([float("inf"), -float("inf"), 1.0]),
-                torch.tensor([float("inf"), -float("inf"), float("nan")]))
+        b.check(
+            aten.logaddexp.default,
+            torch.tensor([float("inf"), -float("inf"), 1.0]),
+            torch.tensor([float("inf"), -float("inf"), float("nan")]),
+        )
 
 
 def test_single_check_helper():
@@ -515,13 +661,20 @@ def test_outputs_are_fresh_buffers():
 
     f, i = jnp.arange(6.0).reshape(2, 3), jnp.arange(6).reshape(2, 3)
     cases = [
-        (aten.clone.default, (f,), {}), (aten._to_copy.default, (f,), {}),
-        (aten._to_copy.default, (f,), {"dtype": F32}), (aten.copy.default, (f, f), {}),
-        (aten.floor.default, (i,), {}), (aten.round.decimals, (i,), {"decimals": 1}),
-        (aten.conj_physical.default, (f,), {}), (aten.clamp.default, (f,), {}),
-        (aten.nan_to_num.default, (i,), {}), (aten.relu.default, (jnp.array([True]),), {}),
-        (aten.sign.default, (jnp.array([True]),), {}), (aten.cumsum.default, (jnp.float32(1.0), 0), {}),
-        (aten.max.dim, (jnp.float32(1.0), 0), {}), (aten.sort.default, (jnp.float32(1.0),), {}),
+        (aten.clone.default, (f,), {}),
+        (aten._to_copy.default, (f,), {}),
+        (aten._to_copy.default, (f,), {"dtype": F32}),
+        (aten.copy.default, (f, f), {}),
+        (aten.floor.default, (i,), {}),
+        (aten.round.decimals, (i,), {"decimals": 1}),
+        (aten.conj_physical.default, (f,), {}),
+        (aten.clamp.default, (f,), {}),
+        (aten.nan_to_num.default, (i,), {}),
+        (aten.relu.default, (jnp.array([True]),), {}),
+        (aten.sign.default, (jnp.array([True]),), {}),
+        (aten.cumsum.default, (jnp.float32(1.0), 0), {}),
+        (aten.max.dim, (jnp.float32(1.0), 0), {}),
+        (aten.sort.default, (jnp.float32(1.0),), {}),
         (aten._foreach_clone.default, ([f, i],), {}),
     ]
     for op, args, kw in cases:

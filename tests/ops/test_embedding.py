@@ -2,6 +2,7 @@
 forward and backward ops; then a few NN ops through sharded tensors (forward and autograd backward):
 grid_sample / bicubic and antialiased interpolate, margin and CTC losses, embedding_bag, cdist / pdist
 (kept together: they share the ``_sharded`` helper)."""
+
 import functools
 import itertools
 
@@ -48,8 +49,9 @@ def test_embedding_bag(mode):
         o2b, bag_size = (torch.from_numpy(np.array(v)) for v in got[1:3])
         max_idx = torch.from_numpy(np.array(got[3])) if mode == 2 else want[3]
         g = torch.randn_like(want[0])
-        check(aten._embedding_bag_dense_backward.default, g, idx, o2b, bag_size, max_idx, 10, sgf, mode, p, pad,
-              **TIGHT)
+        check(
+            aten._embedding_bag_dense_backward.default, g, idx, o2b, bag_size, max_idx, 10, sgf, mode, p, pad, **TIGHT
+        )
         if use_psw:
             check(aten._embedding_bag_per_sample_weights_backward.default, g, w, idx, off, o2b, mode, pad, **TIGHT)
 
@@ -58,10 +60,12 @@ def test_embedding_bag_meta_layout():
     """Aux outputs are shaped as torch's meta kernel (the dispatcher's contract), not as CPU's."""
     w, idx, off = r(10, 3, seed=7), torch.tensor([1, 2, 3, 4]), torch.tensor([0, 2, 4])
     for mode, include_last in itertools.product((0, 1, 2), (False, True)):
-        meta = aten._embedding_bag.default(w.to("meta"), idx.to("meta"), off.to("meta"), False, mode, False, None,
-                                           include_last, -1)
-        got = run(lower(aten._embedding_bag.default),
-                  to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {})
+        meta = aten._embedding_bag.default(
+            w.to("meta"), idx.to("meta"), off.to("meta"), False, mode, False, None, include_last, -1
+        )
+        got = run(
+            lower(aten._embedding_bag.default), to_jax([w, idx, off, False, mode, False, None, include_last, -1]), {}
+        )
         assert [tuple(g.shape) for g in got] == [tuple(m.shape) for m in meta]
     empty = torch.zeros(0, dtype=torch.long)
     for mode in (0, 1, 2):  # no indices at all: every bag is empty
@@ -105,8 +109,10 @@ def _sharded(fn, inputs, grad=True, tol=None):
     diff = [x.is_floating_point() and grad for x in inputs]
     ref = [x.detach().clone().requires_grad_(d) for x, d in zip(inputs, diff)]
     want = fn(*ref)
-    sh = [st.shard(x.detach().clone(), mesh, ("x",) + (None,) * (x.dim() - 1)).requires_grad_(d)
-          for x, d in zip(inputs, diff)]
+    sh = [
+        st.shard(x.detach().clone(), mesh, ("x",) + (None,) * (x.dim() - 1)).requires_grad_(d)
+        for x, d in zip(inputs, diff)
+    ]
     got = fn(*sh)
     torch.testing.assert_close(got.cpu(), want.detach(), **tol)
     if grad:
@@ -120,8 +126,9 @@ def _sharded(fn, inputs, grad=True, tol=None):
 def test_sharded_grid_sample_and_bicubic():
     torch.manual_seed(18)
     x, grid = torch.randn(8, 3, 6, 5), torch.rand(8, 4, 7, 2) * 2.2 - 1.1
-    _sharded(lambda a, g: F.grid_sample(a, g, mode="bilinear", padding_mode="reflection", align_corners=False),
-             [x, grid])
+    _sharded(
+        lambda a, g: F.grid_sample(a, g, mode="bilinear", padding_mode="reflection", align_corners=False), [x, grid]
+    )
     _sharded(lambda a: F.interpolate(a, size=(9, 4), mode="bicubic", align_corners=False), [x])
     _sharded(lambda a: F.interpolate(a, size=(3, 4), mode="bilinear", antialias=True), [x])
 

@@ -1,4 +1,5 @@
 """FFT lowerings (shardtensor/ops/fft.py) against eager torch on CPU (float32, float64, odd and batched shapes)."""
+
 import importlib
 
 import pytest

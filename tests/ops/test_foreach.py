@@ -1,4 +1,5 @@
 """``_foreach_*`` lowerings against eager torch on CPU (the ops torch.optim's foreach paths use)."""
+
 import os
 import sys
 
@@ -20,8 +21,30 @@ def test_unary():
     # the single-tensor lowerings are tested elsewhere: here, the plumbing over mixed-dtype lists
     xs, pos = _tensors()[1:3], _tensors(low=0.5, high=3)[1:3]
     with Batch() as b:
-        for name in ("abs", "ceil", "cos", "cosh", "erf", "erfc", "exp", "expm1", "floor", "frac", "neg", "round",
-                     "sigmoid", "sign", "sin", "sinh", "tan", "tanh", "trunc", "atan", "lgamma", "zero"):
+        for name in (
+            "abs",
+            "ceil",
+            "cos",
+            "cosh",
+            "erf",
+            "erfc",
+            "exp",
+            "expm1",
+            "floor",
+            "frac",
+            "neg",
+            "round",
+            "sigmoid",
+            "sign",
+            "sin",
+            "sinh",
+            "tan",
+            "tanh",
+            "trunc",
+            "atan",
+            "lgamma",
+            "zero",
+        ):
             b.check(getattr(aten, f"_foreach_{name}").default, xs)
         for name in ("sqrt", "rsqrt", "log", "log10", "log1p", "log2", "reciprocal", "acos", "asin"):
             b.check(getattr(aten, f"_foreach_{name}").default, [x / 3 for x in pos])
@@ -96,8 +119,11 @@ def test_norms_and_mm():
         b.check(aten._foreach_norm.Scalar, xs, 2, F64)
         b.check(aten._foreach_powsum.Scalar, xs, 2)
         b.check(aten._foreach_powsum.Scalar, xs, 3)
-        b.check(aten._foreach_mm.default, [make((2, 3), F32), make((4, 2), F64)],
-                [make((3, 5), F32, seed=1), make((2, 2), F64, seed=1)])
+        b.check(
+            aten._foreach_mm.default,
+            [make((2, 3), F32), make((4, 2), F64)],
+            [make((3, 5), F32, seed=1), make((2, 2), F64, seed=1)],
+        )
         b.check(aten._foreach_mm.default, [make((2, 3), BF16)], [make((3, 5), BF16, seed=1)])
 
 

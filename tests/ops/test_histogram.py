@@ -1,5 +1,6 @@
 """histc / histogram / histogramdd lowerings (shardtensor/ops/histogram.py) and their exact bin edges
 against eager torch on CPU, and through sharded tensors (even and uneven shardings)."""
+
 import importlib
 import os
 import sys
@@ -40,10 +41,13 @@ def fused_linspace(start, end, steps, dtype):
     s, e = dt(start), dt(end)
     if steps == 1:
         return torch.tensor([s], dtype=dtype)
-    step = Fraction(float(_round_once(Fraction(float(_round_once(Fraction(float(e)) - Fraction(float(s)), dt)))
-                                      / (steps - 1), dt)))
-    out = [Fraction(float(s)) + step * i if i < steps // 2 else Fraction(float(e)) - step * (steps - 1 - i)
-           for i in range(steps)]
+    step = Fraction(
+        float(_round_once(Fraction(float(_round_once(Fraction(float(e)) - Fraction(float(s)), dt))) / (steps - 1), dt))
+    )
+    out = [
+        Fraction(float(s)) + step * i if i < steps // 2 else Fraction(float(e)) - step * (steps - 1 - i)
+        for i in range(steps)
+    ]
     return torch.tensor(np.array([_round_once(v, dt) for v in out], dtype=dt))
 
 
@@ -53,8 +57,7 @@ def test_exact_linspace(dtype):
     rng = np.random.default_rng(1)
     jd = {F32: np.float32, F64: np.float64, F16: np.float16, BF16: jnp.bfloat16}[dtype]
     cases = [(-3.0, 7.0, 101), (-2.9, 6.1, 11), (0.0, 1.0, 1), (2.0, 2.0, 5)]
-    cases += [(*sorted(rng.normal(size=2) * 10.0 ** rng.integers(-3, 4)), int(rng.integers(2, 300)))
-              for _ in range(40)]
+    cases += [(*sorted(rng.normal(size=2) * 10.0 ** rng.integers(-3, 4)), int(rng.integers(2, 300))) for _ in range(40)]
 
     @jax.jit
     def edges(starts, ends):
@@ -99,10 +102,21 @@ def test_histc_histogram(dtype):
             b.check(aten.histc.default, edge_points, bins)
             # density divides the counts by their total and the bin width: checked at the odd width
             for density in (False, True) if bins == 13 else (False,):
-                for t, kw in ((x, {}), (x, {"range": [-1.0, 1.0]}), (x, {"weight": w}), (odd, {"range": [0.0, 4.0]}),
-                              (edge_points, {"range": [-2.9, 6.1]})):
-                    b.check(aten.histogram.bin_ct, t, bins, density=density, **kw,
-                            expected=_histogram_by_edges(t, bins, density=density, **kw))
+                for t, kw in (
+                    (x, {}),
+                    (x, {"range": [-1.0, 1.0]}),
+                    (x, {"weight": w}),
+                    (odd, {"range": [0.0, 4.0]}),
+                    (edge_points, {"range": [-2.9, 6.1]}),
+                ):
+                    b.check(
+                        aten.histogram.bin_ct,
+                        t,
+                        bins,
+                        density=density,
+                        **kw,
+                        expected=_histogram_by_edges(t, bins, density=density, **kw),
+                    )
         e = torch.tensor([-1.0, 0, 0.5, 2], dtype=dtype)
         for density in (False, True):
             b.check(aten.histogram.bins_tensor, x, e, density=density)
@@ -129,8 +143,13 @@ def test_histogramdd(dtype):
             b.check(aten._histogramdd_bin_edges.default, pts, bins, range=[-1.0, 1.0, 0.0, 2.0, -3.0, 0.0])
             for density in (False, True) if bins == [2, 3, 4] else (False,):  # (density: as in test_histc_histogram)
                 b.check(aten._histogramdd_from_bin_cts.default, pts, bins, density=density)
-                b.check(aten._histogramdd_from_bin_cts.default, pts, bins, range=[-1.0, 1.0, 0.0, 2.0, -3.0, 0.0],
-                        density=density)
+                b.check(
+                    aten._histogramdd_from_bin_cts.default,
+                    pts,
+                    bins,
+                    range=[-1.0, 1.0, 0.0, 2.0, -3.0, 0.0],
+                    density=density,
+                )
                 b.check(aten._histogramdd_from_bin_cts.default, pts, bins, weight=w, density=density)
         edges = [torch.tensor(e, dtype=dtype) for e in ([-1.0, 0, 1], [-2.0, -1, 0, 0.5, 3], [0.0, 1])]
         for density in (False, True):
@@ -160,7 +179,7 @@ def test_histogram_errors():
 def _mesh(shape=(4, 2)):
     import shardtensor as st
 
-    names = ("x", "y")[:len(shape)]
+    names = ("x", "y")[: len(shape)]
     return st, st.Mesh(range(8), shape, names)
 
 
@@ -181,8 +200,10 @@ def test_sharded_histograms(n):
     same(torch.histc(s1, 7), torch.histc(x[:, 0], 7))
     same(torch.histc(sx, 5, -1, 1), torch.histc(x, 5, -1, 1))
     same(torch.histogram(s1, 6, weight=sw, density=True), torch.histogram(x[:, 0], 6, weight=w, density=True))
-    same(torch.histogram(s1, st.shard(torch.tensor([-1.0, 0, 2]), mesh, (None,))),
-         torch.histogram(x[:, 0], torch.tensor([-1.0, 0, 2])))
+    same(
+        torch.histogram(s1, st.shard(torch.tensor([-1.0, 0, 2]), mesh, (None,))),
+        torch.histogram(x[:, 0], torch.tensor([-1.0, 0, 2])),
+    )
     same(torch.histogramdd(sx, [2, 3, 1]), torch.histogramdd(x, [2, 3, 1]))
     same(torch.histogramdd(sx, [2, 2, 2], weight=sw), torch.histogramdd(x, [2, 2, 2], weight=w))
     with pytest.raises(RuntimeError, match="same dtype"):

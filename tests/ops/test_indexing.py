@@ -1,4 +1,5 @@
 """Indexing lowerings (shardtensor/ops/indexing.py) against eager torch on CPU."""
+
 import pytest
 import torch
 
@@ -14,16 +15,19 @@ def idx(*shape, high, low=None, dtype=torch.int64):
     return torch.randint(-high if low is None else low, high, shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("indices", [
-    [T([0, 2, -1])],
-    [None, T([[1, 0], [4, -5]])],
-    [T([1, 2]), None, T([0, 5])],             # separated advanced indices -> front
-    [None, T([1, 2]), T([[0], [5]])],          # adjacent, broadcast
-    [T([3]), T([4]), T([5])],
-    [T(1), None, T([0, 1, 2])],                # 0-d index
-    [None, None, T([2, 3], dtype=torch.int32)],
-    [T([], dtype=torch.int64)],
-])
+@pytest.mark.parametrize(
+    "indices",
+    [
+        [T([0, 2, -1])],
+        [None, T([[1, 0], [4, -5]])],
+        [T([1, 2]), None, T([0, 5])],  # separated advanced indices -> front
+        [None, T([1, 2]), T([[0], [5]])],  # adjacent, broadcast
+        [T([3]), T([4]), T([5])],
+        [T(1), None, T([0, 1, 2])],  # 0-d index
+        [None, None, T([2, 3], dtype=torch.int32)],
+        [T([], dtype=torch.int64)],
+    ],
+)
 def test_index(indices):
     check(aten.index.Tensor, X, indices)
     check(aten._unsafe_index.Tensor, X, indices)
@@ -58,8 +62,9 @@ def test_index_select_take_put():
     check(aten.index_select.default, X, 2, T([], dtype=torch.int64))
     check(aten.take.default, X, idx(3, 4, high=120))
     for acc in (False, True):
-        check(aten.put.default, X, T([0, 7, -1, 7]), torch.randn(2, 2), acc) if acc else \
-            check(aten.put.default, X, T([0, 7, -1, 9]), torch.randn(2, 2), acc)
+        check(aten.put.default, X, T([0, 7, -1, 7]), torch.randn(2, 2), acc) if acc else check(
+            aten.put.default, X, T([0, 7, -1, 9]), torch.randn(2, 2), acc
+        )
 
 
 @pytest.mark.parametrize("dim", [0, 1, -1])
@@ -134,8 +139,15 @@ def test_index_add_copy_fill(dim):
 @pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 def test_index_reduce(reduce):
     for include_self in (True, False):
-        check(aten.index_reduce.default, X, 1, torch.tensor([0, 4, 0, 2]), torch.randn(4, 4, 6), reduce,
-              include_self=include_self)
+        check(
+            aten.index_reduce.default,
+            X,
+            1,
+            torch.tensor([0, 4, 0, 2]),
+            torch.randn(4, 4, 6),
+            reduce,
+            include_self=include_self,
+        )
 
 
 def test_masked_scatter():
@@ -201,8 +213,9 @@ def test_bool_mean_reductions_raise_like_torch():
 
     b = torch.rand(6, 5) > 0.5
     with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
-        lower(aten.scatter_reduce.two)(to_jax(b), 0, to_jax(torch.zeros(2, 5, dtype=torch.int64)), to_jax(b[:2]),
-                                       "mean")
+        lower(aten.scatter_reduce.two)(
+            to_jax(b), 0, to_jax(torch.zeros(2, 5, dtype=torch.int64)), to_jax(b[:2]), "mean"
+        )
     with pytest.raises(RuntimeError, match="not implemented for 'Bool'"):
         lower(aten.index_reduce.default)(to_jax(b), 0, to_jax(torch.tensor([0, 1])), to_jax(b[:2]), "amax")
 
@@ -247,15 +260,17 @@ def test_sharded_uneven_index_reduce_and_constant_scatters():
     i2 = torch.randint(1, 6, (5, 3), generator=g)
     si2 = st.shard(i2, mesh, ("x", None))
     torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="add").cpu(), x.scatter(0, i2, 2.5, reduce="add"))
-    torch.testing.assert_close(sx.scatter(0, si2, 2.5, reduce="multiply").cpu(),
-                               x.scatter(0, i2, 2.5, reduce="multiply"))
+    torch.testing.assert_close(
+        sx.scatter(0, si2, 2.5, reduce="multiply").cpu(), x.scatter(0, i2, 2.5, reduce="multiply")
+    )
     xt = x.t().contiguous()
     acc = st.shard(xt.clone(), mesh, (None, None))
     acc.index_put_((si,), torch.tensor(1.5), accumulate=True)
     torch.testing.assert_close(acc.cpu(), xt.index_put((index,), torch.tensor(1.5), accumulate=True))
     ids = torch.tensor([3, 3, 7, 1, 3])
-    gw = torch.ops.aten.embedding_dense_backward(st.shard(torch.ones(5, 3), mesh, ("x", None)),
-                                                 st.shard(ids, mesh, ("x",)), 10, -1, True)
+    gw = torch.ops.aten.embedding_dense_backward(
+        st.shard(torch.ones(5, 3), mesh, ("x", None)), st.shard(ids, mesh, ("x",)), 10, -1, True
+    )
     torch.testing.assert_close(gw.cpu(), torch.ops.aten.embedding_dense_backward(torch.ones(5, 3), ids, 10, -1, True))
 
 
@@ -271,8 +286,12 @@ def test_sharded_uneven_index_add_put_and_index_put():
     torch.testing.assert_close(sx.index_add(1, st.shard(i, mesh, ("x",)), ssrc * 2).cpu(), x.index_add(1, i, src * 2))
     r, c = torch.tensor([[0, 5, 5], [2, 1, 5]]), torch.tensor([4, 0, 4])  # separated by a slice: batch dims in front
     vals = torch.randn(2, 3, 7, generator=g)
-    got = torch.ops.aten.index_put(sx, [st.shard(r, mesh, (None, "x")), None, st.shard(c, mesh, ("x",))],
-                                   st.shard(vals, mesh, (None, "x", None)) + 1, True)
+    got = torch.ops.aten.index_put(
+        sx,
+        [st.shard(r, mesh, (None, "x")), None, st.shard(c, mesh, ("x",))],
+        st.shard(vals, mesh, (None, "x", None)) + 1,
+        True,
+    )
     torch.testing.assert_close(got.cpu(), torch.ops.aten.index_put(x, [r, None, c], vals + 1, True))
     flat = torch.tensor([0, 209, 17, 17, -3])
     sp = torch.randn(5, generator=g)

@@ -1,5 +1,6 @@
 """Linear algebra lowerings (shardtensor/ops/linalg.py: SVD, QR, pinv, LU factor, triangular solves,
 diag_embed, max_unpool) against eager torch on CPU (float32, float64, odd and batched shapes)."""
+
 import importlib
 import os
 import sys

@@ -1,6 +1,7 @@
 """Eigen and matrix-exponential lowerings (shardtensor/ops/linalg_eig.py) against eager torch on CPU:
 float32, float64 and complex128, batched shapes. (Through sharded tensors: test_linalg_solve.py's
 test_sharded_forward_backward, cases eigvalsh and matrix_exp.)"""
+
 import importlib
 
 import pytest

@@ -2,6 +2,7 @@
 float32 and float64 (complex where the algorithm differs), batched and broadcast shapes, singular
 inputs' ``info``; then forward and backward through sharded tensors (eigvalsh and matrix_exp, of
 shardtensor/ops/linalg_eig.py, among them)."""
+
 import importlib
 import os
 import sys
@@ -33,8 +34,12 @@ def test_solve_inv_det(dtype):
     t = _tol(dtype)
     A = _square((2, 4, 4), dtype)
     with Batch() as b:
-        for B in (make((2, 4, 3), F64, seed=1), make((4,), F64, seed=2), make((2, 4), F64, seed=3),
-                  make((5, 2, 4, 2), F64, seed=4)):
+        for B in (
+            make((2, 4, 3), F64, seed=1),
+            make((4,), F64, seed=2),
+            make((2, 4), F64, seed=3),
+            make((5, 2, 4, 2), F64, seed=4),
+        ):
             b.check(aten._linalg_solve_ex.default, A, B.to(dtype), **t)
         b.check(aten._linalg_solve_ex.default, A[0], make((3, 2, 4, 4), F64, seed=5).to(dtype), **t)  # broadcast
         b.check(aten._linalg_solve_ex.default, A, make((2, 3, 4), F64, seed=6).to(dtype), left=False, **t)
@@ -190,14 +195,21 @@ CASES = {
     "inv_ex": (lambda A: torch.linalg.inv_ex(A)[:1], 1),
     "det_slogdet": (lambda A: (torch.linalg.det(A), torch.linalg.slogdet(A)[1], torch.logdet(A @ A.mT)), 1),
     "cholesky_ex": (lambda A: torch.linalg.cholesky_ex(A @ A.mT)[:1], 1),
-    "cholesky_solve_inverse": (lambda A, B: (torch.cholesky_solve(B, torch.cholesky(A @ A.mT)),
-                                             torch.cholesky_inverse(torch.cholesky(A @ A.mT))), 2),
+    "cholesky_solve_inverse": (
+        lambda A, B: (
+            torch.cholesky_solve(B, torch.cholesky(A @ A.mT)),
+            torch.cholesky_inverse(torch.cholesky(A @ A.mT)),
+        ),
+        2,
+    ),
     "lu": (lambda A: torch.linalg.lu(A), 1),
     "lu_solve": (lambda A, B: (torch.linalg.lu_solve(*torch.linalg.lu_factor_ex(A)[:2], B, adjoint=True),), 2),
     "eigvalsh": (lambda A: (torch.linalg.eigvalsh(A + A.mT),), 1),
     "matrix_exp": (lambda A: (torch.linalg.matrix_exp(A * 0.5),), 1),
-    "householder_ormqr": (lambda A, B: (torch.linalg.householder_product(A, A[..., 0, :3]),
-                                        torch.ormqr(A, A[..., 0, :], B)), 2),
+    "householder_ormqr": (
+        lambda A, B: (torch.linalg.householder_product(A, A[..., 0, :3]), torch.ormqr(A, A[..., 0, :], B)),
+        2,
+    ),
 }
 
 

@@ -1,4 +1,5 @@
 """Matrix-product lowerings (shardtensor/ops/matmul.py) against eager torch on CPU."""
+
 import pytest
 import torch
 
@@ -84,13 +85,20 @@ def test_out_dtype_overloads():
     a, b = r(3, 4, dtype=torch.bfloat16), r(4, 5, dtype=torch.bfloat16)
     bias = r(5)
     f32 = torch.float32
-    want = [a.float() @ b.float(), (a.float() @ b.float())[None], bias + 2 * (a.float() @ b.float()),
-            0.5 * bias + a.float() @ b.float()]
+    want = [
+        a.float() @ b.float(),
+        (a.float() @ b.float())[None],
+        bias + 2 * (a.float() @ b.float()),
+        0.5 * bias + a.float() @ b.float(),
+    ]
 
     def all_four(a, b, bias):
-        return [lower(aten.mm.dtype)(a, b, f32), lower(aten.bmm.dtype)(a[None], b[None], f32),
-                lower(aten.addmm.dtype)(bias, a, b, f32, alpha=2),
-                lower(aten.baddbmm.dtype)(bias, a[None], b[None], f32, beta=0.5)[0]]
+        return [
+            lower(aten.mm.dtype)(a, b, f32),
+            lower(aten.bmm.dtype)(a[None], b[None], f32),
+            lower(aten.addmm.dtype)(bias, a, b, f32, alpha=2),
+            lower(aten.baddbmm.dtype)(bias, a[None], b[None], f32, beta=0.5)[0],
+        ]
 
     assert_same(run(all_four, to_jax([a, b, bias]), {}), want, rtol=1e-6, atol=1e-6)
 
@@ -102,14 +110,26 @@ def test_integer_beta_alpha_are_truncated():
     for beta, alpha in [(0.2, 0.6), (1.5, 2.7), (-1.5, -2.7)]:
         check(aten.addmv.default, r(3, dtype=i64), r(3, 4, dtype=i64), r(4, dtype=i64), beta=beta, alpha=alpha)
         check(aten.addmm.default, r(3, 5, dtype=i64), r(3, 4, dtype=i64), r(4, 5, dtype=i64), beta=beta, alpha=alpha)
-        check(aten.baddbmm.default, r(2, 3, 5, dtype=i64), r(2, 3, 4, dtype=i64), r(2, 4, 5, dtype=i64),
-              beta=beta, alpha=alpha)
-        check(aten.addbmm.default, r(3, 5, dtype=i64), r(2, 3, 4, dtype=i64), r(2, 4, 5, dtype=i64),
-              beta=beta, alpha=alpha)
+        check(
+            aten.baddbmm.default,
+            r(2, 3, 5, dtype=i64),
+            r(2, 3, 4, dtype=i64),
+            r(2, 4, 5, dtype=i64),
+            beta=beta,
+            alpha=alpha,
+        )
+        check(
+            aten.addbmm.default,
+            r(3, 5, dtype=i64),
+            r(2, 3, 4, dtype=i64),
+            r(2, 4, 5, dtype=i64),
+            beta=beta,
+            alpha=alpha,
+        )
 
 
 def test_integer_products_are_exact():
-    big = 2 ** 40  # products overflow int64: torch wraps around, so must we (no float detour)
+    big = 2**40  # products overflow int64: torch wraps around, so must we (no float detour)
     a, b = torch.randint(-big, big, (4, 16)), torch.randint(-big, big, (16, 3))
     check(aten.mm.default, a, b)
     check(aten.mv.default, a, b[:, 0])
@@ -122,10 +142,26 @@ def test_bfloat16_rounds_once():
     one rounding: exact equality, not a tolerance."""
     bf = torch.bfloat16
     for beta, alpha in [(1, 1), (0.7, 1.3), (0, 2.5)]:
-        check(aten.addmm.default, r(6, 7, dtype=bf), r(6, 50, dtype=bf), r(50, 7, dtype=bf), beta=beta, alpha=alpha,
-              rtol=0, atol=0)
-        check(aten.baddbmm.default, r(3, 6, 7, dtype=bf), r(3, 6, 50, dtype=bf), r(3, 50, 7, dtype=bf), beta=beta,
-              alpha=alpha, rtol=0, atol=0)
+        check(
+            aten.addmm.default,
+            r(6, 7, dtype=bf),
+            r(6, 50, dtype=bf),
+            r(50, 7, dtype=bf),
+            beta=beta,
+            alpha=alpha,
+            rtol=0,
+            atol=0,
+        )
+        check(
+            aten.baddbmm.default,
+            r(3, 6, 7, dtype=bf),
+            r(3, 6, 50, dtype=bf),
+            r(3, 50, 7, dtype=bf),
+            beta=beta,
+            alpha=alpha,
+            rtol=0,
+            atol=0,
+        )
     check(aten.mm.default, r(6, 50, dtype=bf), r(50, 7, dtype=bf), rtol=0, atol=0)
     check(aten.bmm.default, r(3, 6, 50, dtype=bf), r(3, 50, 7, dtype=bf), rtol=0, atol=0)
 
@@ -164,7 +200,8 @@ def test_eager_executable_cache_tells_repeated_inputs_apart():
         torch.testing.assert_close((sa @ sa).cpu(), a @ a)
         torch.testing.assert_close((sa @ sb).cpu(), a @ b)
         torch.testing.assert_close((sb @ sa).cpu(), b @ a)
-        torch.testing.assert_close(torch.linalg.matrix_power(sa, 3).cpu(), torch.linalg.matrix_power(a, 3),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.linalg.matrix_power(sa, 3).cpu(), torch.linalg.matrix_power(a, 3), rtol=1e-5, atol=1e-5
+        )
         assert torch.isclose(sa, sa).cpu().all()
         torch.testing.assert_close(torch.isclose(sa, sb).cpu(), torch.isclose(a, b))

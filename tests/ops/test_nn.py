@@ -1,5 +1,6 @@
 """Miscellaneous NN lowerings (shardtensor/ops/nn.py: rrelu_with_noise, _trilinear) against eager torch on
 CPU."""
+
 import functools
 
 import jax

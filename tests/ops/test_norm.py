@@ -1,6 +1,7 @@
 """Normalization lowerings (shardtensor/ops/norm.py: layer, batch and group norm) against eager torch on
 CPU, forward and backward ops; then the saved statistics' dtypes of bfloat16 norms through sharded
 tensors."""
+
 import pytest
 import torch
 
@@ -10,7 +11,6 @@ torch.manual_seed(0)
 
 
 r = randn  # float32 normal samples
-
 
 
 # ----------------------------------------------------------------------------------- normalization
@@ -117,10 +117,14 @@ def test_bfloat16_norm_statistics_have_torch_cpu_dtypes():
         srm, srv = st.shard(rm.clone(), mesh, (None,)), st.shard(rv.clone(), mesh, (None,))
         cases = [
             (A.native_layer_norm(sx, [5], None, None, 1e-5), A.native_layer_norm(x, [5], None, None, 1e-5)),
-            (A.native_batch_norm(sx, *sp, srm, srv, True, 0.1, 1e-5),
-             A.native_batch_norm(x, *params, rm, rv, True, 0.1, 1e-5)),
-            (A._native_batch_norm_legit(sx, *sp, True, 0.1, 1e-5),
-             A._native_batch_norm_legit(x, *params, True, 0.1, 1e-5)),
+            (
+                A.native_batch_norm(sx, *sp, srm, srv, True, 0.1, 1e-5),
+                A.native_batch_norm(x, *params, rm, rv, True, 0.1, 1e-5),
+            ),
+            (
+                A._native_batch_norm_legit(sx, *sp, True, 0.1, 1e-5),
+                A._native_batch_norm_legit(x, *params, True, 0.1, 1e-5),
+            ),
         ]
         for got, want in cases:
             for gi, wi in zip(got, want):

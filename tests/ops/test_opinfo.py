@@ -9,6 +9,7 @@ Expected failures live in opinfo_expected_failures.txt, one test id a line with 
   * not listed and fails       -> FAIL.
 Regenerate the file with ``.venv/bin/python bench/op_coverage.py --write-expected``.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -51,8 +52,7 @@ def _run(kind, name):
     if failure is not None:  # (outside the except: pytest would format the chained traceback's sources)
         pytest.xfail(f"{reason} [got {failure}]")
     if expected == "xfail":
-        pytest.fail(f"{tid} passes now: remove it from {h.EXPECTED_FILE.name} (listed: {reason})",
-                    pytrace=False)
+        pytest.fail(f"{tid} passes now: remove it from {h.EXPECTED_FILE.name} (listed: {reason})", pytrace=False)
     if not compared:
         pytest.skip("the OpInfo entry has no sample for this check")
 
@@ -98,8 +98,9 @@ def test_inplace(name):
 
 
 def test_every_kind_has_a_test():
-    assert {k for k in h.KINDS} == {n[len("test_"):] for n in globals() if n.startswith("test_")
-                                    and n[len("test_"):] in h.KINDS}
+    assert {k for k in h.KINDS} == {
+        n[len("test_") :] for n in globals() if n.startswith("test_") and n[len("test_") :] in h.KINDS
+    }
 
 
 def test_expected_file_names_real_tests():

@@ -1,6 +1,7 @@
 """Pooling lowerings (shardtensor/ops/pooling.py: max, avg, adaptive, fractional pooling, im2col / col2im)
 against eager torch on CPU, forward and backward ops; then bfloat16 adaptive average pooling through
 sharded tensors."""
+
 import functools
 
 import pytest
@@ -47,8 +48,17 @@ def test_max_pool_int_3d_and_unbatched():
     check(aten.max_pool2d_with_indices.default, r(3, 7, 7), [2, 2], [2, 2], [0, 0], [1, 1], True)
     x3 = r(2, 2, 5, 6, 7)
     out, idx = check(aten.max_pool3d_with_indices.default, x3, [2, 3, 2], [2, 2, 1], [1, 1, 0], [1, 1, 2], True)
-    check(aten.max_pool3d_with_indices_backward.default, torch.randn_like(out), x3, [2, 3, 2], [2, 2, 1], [1, 1, 0],
-          [1, 1, 2], True, idx)
+    check(
+        aten.max_pool3d_with_indices_backward.default,
+        torch.randn_like(out),
+        x3,
+        [2, 3, 2],
+        [2, 2, 1],
+        [1, 1, 0],
+        [1, 1, 2],
+        True,
+        idx,
+    )
     xinf = torch.full((1, 1, 4, 4), float("-inf"))
     check(aten.max_pool2d_with_indices.default, xinf, [3, 3], [2, 2], [1, 1], [1, 1], False)
 
@@ -72,12 +82,24 @@ def test_avg_pool2d(case):
 
 def test_avg_pool_int_bf16_3d():
     check(aten.avg_pool2d.default, torch.arange(-20, 20).reshape(1, 2, 4, 5), [3, 3], [1, 1], [1, 1], False, True, None)
-    check(aten.avg_pool2d.default, r(2, 3, 6, 6, dtype=torch.bfloat16), [2, 2], [2, 2], [0, 0], False, True, None,
-          **BF16)
+    check(
+        aten.avg_pool2d.default, r(2, 3, 6, 6, dtype=torch.bfloat16), [2, 2], [2, 2], [0, 0], False, True, None, **BF16
+    )
     x3 = r(2, 2, 5, 6, 5)
     out = check(aten.avg_pool3d.default, x3, [2, 3, 2], [2, 2, 1], [1, 1, 0], True, False, None, rtol=1e-5, atol=1e-5)
-    check(aten.avg_pool3d_backward.default, torch.randn_like(out), x3, [2, 3, 2], [2, 2, 1], [1, 1, 0], True, False,
-          None, rtol=1e-5, atol=1e-5)
+    check(
+        aten.avg_pool3d_backward.default,
+        torch.randn_like(out),
+        x3,
+        [2, 3, 2],
+        [2, 2, 1],
+        [1, 1, 0],
+        True,
+        False,
+        None,
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
 
 @pytest.mark.parametrize("in_hw,out_hw", [((7, 7), (3, 2)), ((8, 6), (4, 3)), ((5, 5), (1, 1)), ((3, 4), (5, 6))])
@@ -106,10 +128,16 @@ def test_im2col_col2im():
 # ------------------------------------------------------------------------------- fractional pooling
 
 
-@pytest.mark.parametrize("nsp,shape,kernel,out", [(2, (2, 3, 9, 9), [3, 3], [2, 3]), (2, (1, 3, 9, 8), [2, 3], [5, 4]),
-                                                   (2, (3, 7, 6), [2, 2], [4, 5]),
-                                                   (3, (2, 3, 5, 5, 5), [2, 2, 2], [2, 3, 2]),
-                                                   (3, (2, 2, 7, 6, 5), [2, 3, 1], [4, 3, 4])])
+@pytest.mark.parametrize(
+    "nsp,shape,kernel,out",
+    [
+        (2, (2, 3, 9, 9), [3, 3], [2, 3]),
+        (2, (1, 3, 9, 8), [2, 3], [5, 4]),
+        (2, (3, 7, 6), [2, 2], [4, 5]),
+        (3, (2, 3, 5, 5, 5), [2, 2, 2], [2, 3, 2]),
+        (3, (2, 2, 7, 6, 5), [2, 3, 1], [4, 3, 4]),
+    ],
+)
 def test_fractional_max_pool(nsp, shape, kernel, out):
     for dtype in (torch.float32, F64):
         x = r64(*shape, dtype=dtype, seed=5)

@@ -1,5 +1,6 @@
 """Random lowerings: torch's shapes, dtypes, ranges and moments; determinism per key; values that do
 not depend on the sharding. (Values cannot equal torch's CPU generator's.)"""
+
 import os
 import sys
 
@@ -13,8 +14,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import check, dtypes, lookup, make, to_jax, to_torch  # noqa: E402
 
 aten = torch.ops.aten
-F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
-                                      torch.bool, torch.uint8)
+F32, F64, BF16, I64, I32, BOOL, U8 = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 KEY = jax.random.key(0)
 RANDOM_FROM = getattr(aten.random, "from")  # (a Python keyword)
 N = 20000
@@ -34,8 +42,10 @@ def draws(*calls, key=KEY):
 
     def f(key):
         keys = jax.random.split(key, len(norm))
-        return [low.fn(keys[i], *[to_jax(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
-                for i, (op, low, args, kwargs) in enumerate(norm)]
+        return [
+            low.fn(keys[i], *[to_jax(a) if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+            for i, (op, low, args, kwargs) in enumerate(norm)
+        ]
 
     outs = jax.jit(f)(key)
     results = []
@@ -67,11 +77,18 @@ def test_uniform_normal(dtype):
     x = torch.empty(N, dtype=dtype)
     mean, half = torch.full((N,), -1.0, dtype=dtype), torch.full((N,), 0.5, dtype=dtype)
     u, u01, n1, n2, n3, n4, n5, r, rn, rl, rnl = draws(
-        (aten.uniform.default, x, -2.0, 3.0), (aten.uniform.default, x),
-        (aten.normal_functional.default, x, 1.5, 0.5), (aten.normal.float_float, 2.0, 3.0, [N], {"dtype": dtype}),
-        (aten.normal.Tensor_float, mean, 2.0), (aten.normal.float_Tensor, 3.0, half),
-        (aten.normal.Tensor_Tensor, mean, half), (aten.rand.default, [N], {"dtype": dtype}),
-        (aten.randn.default, [N], {"dtype": dtype}), (aten.rand_like.default, x), (aten.randn_like.default, x))
+        (aten.uniform.default, x, -2.0, 3.0),
+        (aten.uniform.default, x),
+        (aten.normal_functional.default, x, 1.5, 0.5),
+        (aten.normal.float_float, 2.0, 3.0, [N], {"dtype": dtype}),
+        (aten.normal.Tensor_float, mean, 2.0),
+        (aten.normal.float_Tensor, 3.0, half),
+        (aten.normal.Tensor_Tensor, mean, half),
+        (aten.rand.default, [N], {"dtype": dtype}),
+        (aten.randn.default, [N], {"dtype": dtype}),
+        (aten.rand_like.default, x),
+        (aten.randn_like.default, x),
+    )
     assert u.min() >= -2 and u.max() < 3
     _moments(u, 0.5, 5 / 12**0.5)
     for t in (u01, r, rl):
@@ -88,11 +105,20 @@ def test_uniform_normal(dtype):
 
 def test_default_dtypes_and_generator_overloads():
     g = torch.Generator()
-    draws((aten.rand.default, [3, 4]), (aten.randn.default, [2]), (aten.randint.default, 5, [3]),
-          (aten.randint.low, -2, 5, [3]), (aten.randperm.default, 7), (aten.normal.float_float, 0.0, 1.0, [4]),
-          (aten.rand.generator, [3], {"generator": g}), (aten.randn.generator, [3], {"generator": g}),
-          (aten.randint.generator, 5, [3], {"generator": g}), (aten.randint.low_generator, 1, 5, [3], {"generator": g}),
-          (aten.randperm.generator, 4, {"generator": g}), (aten.rand_like.default, make((3,), BF16), {"dtype": F64}))
+    draws(
+        (aten.rand.default, [3, 4]),
+        (aten.randn.default, [2]),
+        (aten.randint.default, 5, [3]),
+        (aten.randint.low, -2, 5, [3]),
+        (aten.randperm.default, 7),
+        (aten.normal.float_float, 0.0, 1.0, [4]),
+        (aten.rand.generator, [3], {"generator": g}),
+        (aten.randn.generator, [3], {"generator": g}),
+        (aten.randint.generator, 5, [3], {"generator": g}),
+        (aten.randint.low_generator, 1, 5, [3], {"generator": g}),
+        (aten.randperm.generator, 4, {"generator": g}),
+        (aten.rand_like.default, make((3,), BF16), {"dtype": F64}),
+    )
 
 
 def test_integers():
@@ -100,9 +126,15 @@ def test_integers():
     kinds = (I64, U8, F32)
     for dtype in kinds:
         x = torch.empty(2000, dtype=dtype)
-        calls += [(RANDOM_FROM, x, 3, 10), (aten.random.to, x, 7), (aten.random.default, x), (RANDOM_FROM, x, 5, None),
-                  (aten.randint.low, -3, 4, [2000], {"dtype": dtype if dtype != U8 else I64}),
-                  (aten.randint_like.default, x, 6), (aten.randint_like.low_dtype, x, 2, 6)]
+        calls += [
+            (RANDOM_FROM, x, 3, 10),
+            (aten.random.to, x, 7),
+            (aten.random.default, x),
+            (RANDOM_FROM, x, 5, None),
+            (aten.randint.low, -3, 4, [2000], {"dtype": dtype if dtype != U8 else I64}),
+            (aten.randint_like.default, x, 6),
+            (aten.randint_like.low_dtype, x, 2, 6),
+        ]
     outs = iter(draws(*calls))
     for dtype in kinds:
         r_from, r_to, r_def, r_open, r_int, r_like, r_like_low = (next(outs) for _ in range(7))
@@ -118,9 +150,11 @@ def test_integers():
 
 
 def test_randint_like_tensor_high_bool_random_randperm():
-    r, b, *perms = draws((aten.randint_like.Tensor, torch.empty(1000, dtype=I64), torch.tensor(4)),
-                         (aten.random.default, torch.empty(1000, dtype=BOOL)),
-                         *[(aten.randperm.default, 50, {"dtype": dtype}) for dtype in (I64, I32, F32)])
+    r, b, *perms = draws(
+        (aten.randint_like.Tensor, torch.empty(1000, dtype=I64), torch.tensor(4)),
+        (aten.random.default, torch.empty(1000, dtype=BOOL)),
+        *[(aten.randperm.default, 50, {"dtype": dtype}) for dtype in (I64, I32, F32)],
+    )
     assert r.min() == 0 and r.max() == 3
     assert 300 < int(b.sum()) < 700
     for p in perms:
@@ -131,9 +165,12 @@ def test_randint_like_tensor_high_bool_random_randperm():
 def test_bernoulli(dtype):
     probs = torch.rand(N, dtype=torch.float64).to(dtype)
     b0, b1, b2, b3, b4 = draws(
-        (aten.bernoulli.default, probs), (aten.bernoulli.p, torch.empty(N, dtype=dtype), 0.3),
-        (aten.bernoulli.p, torch.empty(10, dtype=dtype), 0.0), (aten.bernoulli.p, torch.empty(10, dtype=dtype), 1.0),
-        (aten.bernoulli.Tensor, torch.empty(4, N // 4, dtype=dtype), torch.tensor([[0.0], [0.2], [0.8], [1.0]])))
+        (aten.bernoulli.default, probs),
+        (aten.bernoulli.p, torch.empty(N, dtype=dtype), 0.3),
+        (aten.bernoulli.p, torch.empty(10, dtype=dtype), 0.0),
+        (aten.bernoulli.p, torch.empty(10, dtype=dtype), 1.0),
+        (aten.bernoulli.Tensor, torch.empty(4, N // 4, dtype=dtype), torch.tensor([[0.0], [0.2], [0.8], [1.0]])),
+    )
     assert set(b0.unique().tolist()) <= {0.0, 1.0}
     assert abs(b0.double().mean() - probs.double().mean()) < 0.02
     assert abs(b1.double().mean() - 0.3) < 0.02
@@ -145,8 +182,11 @@ def test_bernoulli(dtype):
 def test_native_dropout(dtype):
     x = make((100, 200), dtype, low=1, high=2)
     (out, mask), (out_eval, mask_eval), (out_all, mask_all), (out_none, mask_none) = draws(
-        (aten.native_dropout.default, x, 0.3, True), (aten.native_dropout.default, x, 0.3, False),
-        (aten.native_dropout.default, x, 1.0, True), (aten.native_dropout.default, x, 0.0, None))
+        (aten.native_dropout.default, x, 0.3, True),
+        (aten.native_dropout.default, x, 0.3, False),
+        (aten.native_dropout.default, x, 1.0, True),
+        (aten.native_dropout.default, x, 0.0, None),
+    )
     assert mask.dtype == BOOL and abs(mask.double().mean() - 0.7) < 0.02
     torch.testing.assert_close(out, torch.where(mask, x * (1 / 0.7), torch.zeros_like(x)))
     assert mask_eval.all() and torch.equal(out_eval, x)
@@ -159,9 +199,13 @@ def test_native_dropout(dtype):
 def test_other_distributions():
     x = torch.empty(N)
     e, c, ln, geo, pois, gam = draws(
-        (aten.exponential.default, x, 2.0), (aten.cauchy.default, x, 1.0, 2.0), (aten.log_normal.default, x, 0.5, 0.25),
-        (aten.geometric.default, x, 0.25), (aten.poisson.default, torch.full((N,), 3.0)),
-        (aten._standard_gamma.default, torch.full((N,), 2.0)))
+        (aten.exponential.default, x, 2.0),
+        (aten.cauchy.default, x, 1.0, 2.0),
+        (aten.log_normal.default, x, 0.5, 0.25),
+        (aten.geometric.default, x, 0.25),
+        (aten.poisson.default, torch.full((N,), 3.0)),
+        (aten._standard_gamma.default, torch.full((N,), 2.0)),
+    )
     _moments(e, 0.5, 0.5)
     assert abs(c.median() - 1.0) < 0.1
     _moments(ln.log(), 0.5, 0.25)
@@ -173,8 +217,11 @@ def test_other_distributions():
 def test_multinomial():
     w = torch.tensor([0.0, 1.0, 3.0, 0.0, 6.0])
     s3, s2, s_rep, s_2d = draws(
-        (aten.multinomial.default, w, 3), (aten.multinomial.default, w, 2), (aten.multinomial.default, w, 5000, True),
-        (aten.multinomial.default, torch.stack([w, w.flip(0)]), 4000, True))
+        (aten.multinomial.default, w, 3),
+        (aten.multinomial.default, w, 2),
+        (aten.multinomial.default, w, 5000, True),
+        (aten.multinomial.default, torch.stack([w, w.flip(0)]), 4000, True),
+    )
     assert sorted(s3.tolist()) == [1, 2, 4]  # without replacement, zero weights never drawn
     assert len(set(s2.tolist())) == 2 and not set(s2.tolist()) & {0, 3}
     freq = torch.bincount(s_rep, minlength=5).double() / 5000

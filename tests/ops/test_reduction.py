@@ -1,4 +1,5 @@
 """Reduction, scan and softmax lowerings against eager torch on CPU."""
+
 import os
 import sys
 
@@ -9,8 +10,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import Batch, call, make  # noqa: E402
 
 aten = torch.ops.aten
-F32, F64, BF16, I64, I32, BOOL, U8 = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
-                                      torch.bool, torch.uint8)
+F32, F64, BF16, I64, I32, BOOL, U8 = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+)
 F16, C64 = torch.float16, torch.complex64
 NAN, INF = float("nan"), float("inf")
 DIMS = [None, [], [1], [-1], [2, 0]]

@@ -1,6 +1,7 @@
 """Resampling and padding lowerings (shardtensor/ops/resize.py: upsample nearest / linear / bicubic /
 antialiased, reflection and replication padding, negative padding included) against eager torch on
 CPU, forward and backward ops."""
+
 import functools
 import itertools
 import math
@@ -24,18 +25,36 @@ r64 = functools.partial(randn, dtype=F64)
 # --------------------------------------------------------------------------------- upsample, pads
 
 
-@pytest.mark.parametrize("out_size,scales", [([6, 8], [None, None]), ([7, 5], [None, None]), ([6, 9], [2.0, 2.5]),
-                                             ([3, 4], [None, None]), ([5, 4], [1.7, None])])
+@pytest.mark.parametrize(
+    "out_size,scales",
+    [
+        ([6, 8], [None, None]),
+        ([7, 5], [None, None]),
+        ([6, 9], [2.0, 2.5]),
+        ([3, 4], [None, None]),
+        ([5, 4], [1.7, None]),
+    ],
+)
 def test_upsample_2d(out_size, scales):
     x = r(2, 3, 3, 4)
-    for op, bwd in [(aten.upsample_nearest2d, aten.upsample_nearest2d_backward),
-                    (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward)]:
+    for op, bwd in [
+        (aten.upsample_nearest2d, aten.upsample_nearest2d_backward),
+        (aten._upsample_nearest_exact2d, aten._upsample_nearest_exact2d_backward),
+    ]:
         out = check(op.default, x, out_size, *scales)
         check(bwd.default, torch.randn_like(out), out_size, list(x.shape), *scales, rtol=1e-5, atol=1e-5)
     for align in (False, True):
         out = check(aten.upsample_bilinear2d.default, x, out_size, align, *scales, rtol=1e-5, atol=1e-5)
-        check(aten.upsample_bilinear2d_backward.default, torch.randn_like(out), out_size, list(x.shape), align, *scales,
-              rtol=1e-5, atol=1e-5)
+        check(
+            aten.upsample_bilinear2d_backward.default,
+            torch.randn_like(out),
+            out_size,
+            list(x.shape),
+            align,
+            *scales,
+            rtol=1e-5,
+            atol=1e-5,
+        )
 
 
 def test_upsample_1d_3d():
@@ -46,8 +65,18 @@ def test_upsample_1d_3d():
     out = check(aten.upsample_nearest3d.default, x3, [6, 5, 4], None, None, None)
     check(aten.upsample_nearest3d_backward.default, torch.randn_like(out), [6, 5, 4], list(x3.shape), None, None, None)
     out = check(aten.upsample_trilinear3d.default, x3, [5, 7, 3], False, None, None, None, rtol=1e-5, atol=1e-5)
-    check(aten.upsample_trilinear3d_backward.default, torch.randn_like(out), [5, 7, 3], list(x3.shape), False, None,
-          None, None, rtol=1e-5, atol=1e-5)
+    check(
+        aten.upsample_trilinear3d_backward.default,
+        torch.randn_like(out),
+        [5, 7, 3],
+        list(x3.shape),
+        False,
+        None,
+        None,
+        None,
+        rtol=1e-5,
+        atol=1e-5,
+    )
     check(aten.upsample_bilinear2d.default, r(1, 2, 4, 4, dtype=torch.bfloat16), [7, 9], False, None, None, **BF16)
 
 
@@ -71,13 +100,16 @@ def test_replicate_pad_negative():
     check(aten.replication_pad1d.default, x[0], [-5, 7])
 
 
-RESAMPLE = [(aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward),
-            (aten._upsample_bilinear2d_aa, aten._upsample_bilinear2d_aa_backward),
-            (aten._upsample_bicubic2d_aa, aten._upsample_bicubic2d_aa_backward)]
+RESAMPLE = [
+    (aten.upsample_bicubic2d, aten.upsample_bicubic2d_backward),
+    (aten._upsample_bilinear2d_aa, aten._upsample_bilinear2d_aa_backward),
+    (aten._upsample_bicubic2d_aa, aten._upsample_bicubic2d_aa_backward),
+]
 
 
-@pytest.mark.parametrize("in_hw,scales", [((4, 4), (1.7, 0.6)), ((10, 20), (0.3, 2.5)), ((33, 17), (0.26, 0.5)),
-                                          ((7, 3), (3.0, 1.0))])
+@pytest.mark.parametrize(
+    "in_hw,scales", [((4, 4), (1.7, 0.6)), ((10, 20), (0.3, 2.5)), ((33, 17), (0.26, 0.5)), ((7, 3), (3.0, 1.0))]
+)
 def test_bicubic_and_antialiased_resampling(in_hw, scales):
     x = r64(2, 3, *in_hw, seed=1)
     out_hw = [math.floor(n * s) for n, s in zip(in_hw, scales)]
@@ -88,5 +120,12 @@ def test_bicubic_and_antialiased_resampling(in_hw, scales):
 
 
 def test_bicubic_bf16():
-    check(aten.upsample_bicubic2d.default, r64(1, 2, 5, 6, dtype=torch.bfloat16, seed=2), [8, 9], False, None, None,
-          **BF16)
+    check(
+        aten.upsample_bicubic2d.default,
+        r64(1, 2, 5, 6, dtype=torch.bfloat16, seed=2),
+        [8, 9],
+        False,
+        None,
+        None,
+        **BF16,
+    )

@@ -1,5 +1,6 @@
 """grid_sampler lowerings (shardtensor/ops/sampling.py) against eager torch on CPU, forward and backward
 ops, bfloat16 rounding as torch's CPU kernel."""
+
 import functools
 import itertools
 

@@ -1,4 +1,5 @@
 """Shape and view lowerings (shardtensor/ops/shape.py) against eager torch on CPU."""
+
 import pytest
 import torch
 
@@ -32,9 +33,17 @@ def test_view_scalar_and_empty():
     check(aten.view.default, r(0, 3), [-1, 6])
 
 
-@pytest.mark.parametrize("src,dst", [(torch.float32, torch.int32), (torch.float32, torch.int16),
-                                     (torch.int16, torch.float32), (torch.bfloat16, torch.int16),
-                                     (torch.int64, torch.float64), (torch.uint8, torch.bool)])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        (torch.float32, torch.int32),
+        (torch.float32, torch.int16),
+        (torch.int16, torch.float32),
+        (torch.bfloat16, torch.int16),
+        (torch.int64, torch.float64),
+        (torch.uint8, torch.bool),
+    ],
+)
 def test_view_dtype(src, dst):
     x = r(3, 4, dtype=src) if src != torch.uint8 else torch.randint(0, 2, (3, 4), dtype=torch.uint8)
     check(aten.view.dtype, x, dst)
@@ -75,15 +84,32 @@ def test_squeeze_unsqueeze():
     check(aten.unsqueeze.default, torch.tensor(2.0), -1)
 
 
-@pytest.mark.parametrize("dim,start,end,step", [(0, 0, 2, 1), (1, -3, None, 2), (1, None, -1, 1), (2, -100, 100, 3),
-                                                (1, 4, 2, 1), (-1, 1, 9223372036854775807, 1), (0, 5, 10, 2),
-                                                (1, -1, None, 1)])
+@pytest.mark.parametrize(
+    "dim,start,end,step",
+    [
+        (0, 0, 2, 1),
+        (1, -3, None, 2),
+        (1, None, -1, 1),
+        (2, -100, 100, 3),
+        (1, 4, 2, 1),
+        (-1, 1, 9223372036854775807, 1),
+        (0, 5, 10, 2),
+        (1, -1, None, 1),
+    ],
+)
 def test_slice(dim, start, end, step):
     check(aten.slice.Tensor, X, dim, start, end, step)
     src = aten.slice.Tensor(X, dim, start, end, step)
     check(aten.slice_scatter.default, X, torch.randn_like(src), dim, start, end, step)
-    check(aten.slice_backward.default, torch.randn_like(src), list(X.shape), dim,
-          0 if start is None else start, 9223372036854775807 if end is None else end, step)
+    check(
+        aten.slice_backward.default,
+        torch.randn_like(src),
+        list(X.shape),
+        dim,
+        0 if start is None else start,
+        9223372036854775807 if end is None else end,
+        step,
+    )
 
 
 def test_select_narrow():
@@ -118,8 +144,17 @@ def test_diagonal(offset, d1, d2):
     check(aten.diagonal_backward.default, src, list(X.shape), offset, d1, d2)
 
 
-@pytest.mark.parametrize("size,stride,offset", [([2, 2], [1, 2], 0), ([3, 4], [4, 1], 5), ([4, 3], [1, 4], None),
-                                                ([2, 3, 2], [20, 4, 1], 1), ([5, 2], [1, 1], 0), ([0, 3], [3, 1], 0)])
+@pytest.mark.parametrize(
+    "size,stride,offset",
+    [
+        ([2, 2], [1, 2], 0),
+        ([3, 4], [4, 1], 5),
+        ([4, 3], [1, 4], None),
+        ([2, 3, 2], [20, 4, 1], 1),
+        ([5, 2], [1, 1], 0),
+        ([0, 3], [3, 1], 0),
+    ],
+)
 def test_as_strided(size, stride, offset):
     check(aten.as_strided.default, X, size, stride, offset)
     want = aten.as_strided.default(X, size, stride, offset)
@@ -188,10 +223,23 @@ def test_pixel_and_channel_shuffle_rot90():
 
 
 def test_copy_variants_registered():
-    for op in [aten.permute_copy.default, aten.transpose_copy.int, aten.expand_copy.default, aten.slice_copy.Tensor,
-               aten.select_copy.int, aten.split_copy.Tensor, aten.unbind_copy.int, aten.diagonal_copy.default,
-               aten.as_strided_copy.default, aten.squeeze_copy.dims, aten.unsqueeze_copy.default, aten.t_copy.default,
-               aten.alias_copy.default, aten.detach_copy.default, aten.unfold_copy.default]:
+    for op in [
+        aten.permute_copy.default,
+        aten.transpose_copy.int,
+        aten.expand_copy.default,
+        aten.slice_copy.Tensor,
+        aten.select_copy.int,
+        aten.split_copy.Tensor,
+        aten.unbind_copy.int,
+        aten.diagonal_copy.default,
+        aten.as_strided_copy.default,
+        aten.squeeze_copy.dims,
+        aten.unsqueeze_copy.default,
+        aten.t_copy.default,
+        aten.alias_copy.default,
+        aten.detach_copy.default,
+        aten.unfold_copy.default,
+    ]:
         assert lower(op) is not None
     check(aten.permute_copy.default, X, [1, 2, 0])
     check(aten.slice_copy.Tensor, X, 1, 1, -1, 2)
@@ -230,4 +278,3 @@ def test_prims_convert_element_type():
         assert_same(run(lower(prim), [to_jax(x), dtype], {}), prim(x, dtype))
     z = torch.tensor([1 + 2j, -3j])
     assert_same(run(lower(prim), [to_jax(z), torch.float32], {}), prim(z, torch.float32))
-

@@ -1,6 +1,7 @@
 """sort / topk / median / nanmedian / kthvalue / mode / searchsorted / bucketize / isin lowerings against
 eager torch on CPU, with torch CPU's order of equal elements in sort / topk / kthvalue indices; then
 through sharded tensors (even and uneven shardings)."""
+
 import os
 import sys
 
@@ -11,8 +12,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _lowering_harness import Batch, call, check, deferred_checks, make, to_torch  # noqa: E402,F401  (the deferred_checks fixture)
 
 aten = torch.ops.aten
-F32, F64, BF16, I64, I32, U8, BOOL = (torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32,
-                                      torch.uint8, torch.bool)
+F32, F64, BF16, I64, I32, U8, BOOL = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
 NAN, INF = float("nan"), float("inf")
 
 
@@ -136,8 +144,18 @@ def test_mode():
                 b.check(aten.mode.default, x, dim)
                 b.check(aten.mode.default, x, dim, True)
         # ties between values: the smallest wins; the index is the value's last occurrence
-        for row in ([1.0, 2, 2, 3, 3], [3.0, 1, 2], [5.0, 5, 5], [0.0, -0.0, 1], [-0.0, 0.0, 1],
-                    [-INF, INF, INF, -INF], [2, 2, NAN, NAN, NAN], [1.0, 1, NAN], [NAN, 1, 1], [NAN, NAN]):
+        for row in (
+            [1.0, 2, 2, 3, 3],
+            [3.0, 1, 2],
+            [5.0, 5, 5],
+            [0.0, -0.0, 1],
+            [-0.0, 0.0, 1],
+            [-INF, INF, INF, -INF],
+            [2, 2, NAN, NAN, NAN],
+            [1.0, 1, NAN],
+            [NAN, 1, 1],
+            [NAN, NAN],
+        ):
             b.check(aten.mode.default, torch.tensor(row))
         b.check(aten.mode.default, torch.tensor(3.5))
         b.check(aten.mode.default, torch.tensor(3.5), 0, True)
@@ -222,10 +240,17 @@ def test_isin():
             b.check(aten.isin.Scalar_Tensor, 2, torch.arange(5), invert=invert)
             b.check(aten.isin.Scalar_Tensor, 7, torch.arange(50), invert=invert)
         for n in (3, 60, 500):
-            b.check(aten.isin.Tensor_Tensor, torch.randint(0, 100, (40,), generator=g),
-                    torch.randint(0, 100, (n,), generator=g))
-            b.check(aten.isin.Tensor_Tensor, torch.randint(0, 9, (4, 10), generator=g).to(F64) / 2,
-                    torch.randint(0, 9, (n,), generator=g).to(F32) / 2, assume_unique=n == 3)
+            b.check(
+                aten.isin.Tensor_Tensor,
+                torch.randint(0, 100, (40,), generator=g),
+                torch.randint(0, 100, (n,), generator=g),
+            )
+            b.check(
+                aten.isin.Tensor_Tensor,
+                torch.randint(0, 9, (4, 10), generator=g).to(F64) / 2,
+                torch.randint(0, 9, (n,), generator=g).to(F32) / 2,
+                assume_unique=n == 3,
+            )
         b.check(aten.isin.Tensor_Tensor, torch.empty(0), torch.tensor([1.0]))
         b.check(aten.isin.Tensor_Tensor, torch.tensor([1.0]), torch.empty(0))
 
@@ -236,7 +261,7 @@ def test_isin():
 def _mesh(shape=(4, 2)):
     import shardtensor as st
 
-    names = ("x", "y")[:len(shape)]
+    names = ("x", "y")[: len(shape)]
     return st, st.Mesh(range(8), shape, names)
 
 
@@ -245,11 +270,14 @@ def test_sharded_sort_topk_kthvalue_ties():
     g = torch.Generator().manual_seed(1)
     x = torch.randint(-9, 9, (5, 10, 5), generator=g)  # the OpInfo sample shape, many ties
     sx = st.shard(x, mesh, (None, None, "x"))  # 5 over 4 devices: uneven as well
-    for got, want in [(torch.topk(sx, 3), torch.topk(x, 3)), (torch.topk(sx, 3, 1), torch.topk(x, 3, 1)),
-                      (torch.kthvalue(sx, 2), torch.kthvalue(x, 2)),
-                      (torch.kthvalue(sx, 4, 1), torch.kthvalue(x, 4, 1)),
-                      (torch.sort(sx, 1), torch.sort(x, 1)),
-                      (torch.sort(sx.bfloat16(), 1), torch.sort(x.bfloat16(), 1))]:
+    for got, want in [
+        (torch.topk(sx, 3), torch.topk(x, 3)),
+        (torch.topk(sx, 3, 1), torch.topk(x, 3, 1)),
+        (torch.kthvalue(sx, 2), torch.kthvalue(x, 2)),
+        (torch.kthvalue(sx, 4, 1), torch.kthvalue(x, 4, 1)),
+        (torch.sort(sx, 1), torch.sort(x, 1)),
+        (torch.sort(sx.bfloat16(), 1), torch.sort(x.bfloat16(), 1)),
+    ]:
         for a, b in zip(got, want):
             torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0)
     big = torch.randint(0, 50, (2, 3000), generator=g).bfloat16()

@@ -3,6 +3,7 @@ polygamma at negative inputs and poles, Bessel and Airy functions across their a
 branches, the scipy-style helpers (i0e, i1, ndtri, log_ndtr, erfcx, entr, igamma, zeta), the
 orthogonal polynomials with torch's special cases (n < 0, |x| == 1, closed forms for large n, degree
 limits), then forward and backward through sharded tensors."""
+
 import importlib
 import os
 import sys
@@ -27,23 +28,77 @@ def _tol(dtype):
 
 # the branch points of the approximations (5 for J/Y, 8 for I, 2 for K, +-2.09 and 103.892 for Ai),
 # poles, signed zeros, tiny values and the non-finite values
-SPECIAL_POINTS = [0.0, -0.0, 1e-30, -1e-30, 1e-6, -1e-6, 0.25, 0.5, -0.5, 1.0, -1.0, 1.9999, 2.0, 2.0001, -2.0,
-                  2.09, -2.09, 2.1, -2.1, 4.99, 5.0, 5.01, -5.0, 7.99, 8.0, 8.01, -8.0, 9.99, 10.0, -7.5, -3.3,
-                  30.0, -30.0, 100.0, 103.9, 500.0, 1e10, -1e10, float("inf"), float("-inf"), float("nan")]
+SPECIAL_POINTS = [
+    0.0,
+    -0.0,
+    1e-30,
+    -1e-30,
+    1e-6,
+    -1e-6,
+    0.25,
+    0.5,
+    -0.5,
+    1.0,
+    -1.0,
+    1.9999,
+    2.0,
+    2.0001,
+    -2.0,
+    2.09,
+    -2.09,
+    2.1,
+    -2.1,
+    4.99,
+    5.0,
+    5.01,
+    -5.0,
+    7.99,
+    8.0,
+    8.01,
+    -8.0,
+    9.99,
+    10.0,
+    -7.5,
+    -3.3,
+    30.0,
+    -30.0,
+    100.0,
+    103.9,
+    500.0,
+    1e10,
+    -1e10,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+]
 
 
 def _points(dtype, seed=0):
     fixed = torch.tensor(SPECIAL_POINTS, dtype=dtype)
-    return torch.cat([fixed, make((300,), dtype, low=-12, high=12, seed=seed),
-                      make((100,), dtype, low=-200, high=200, seed=seed + 1)])
+    return torch.cat(
+        [
+            fixed,
+            make((300,), dtype, low=-12, high=12, seed=seed),
+            make((100,), dtype, low=-200, high=200, seed=seed + 1),
+        ]
+    )
 
 
-UNARY = [aten.special_bessel_j0.default, aten.special_bessel_j1.default, aten.special_bessel_y0.default,
-         aten.special_bessel_y1.default, aten.special_spherical_bessel_j0.default, aten.special_airy_ai.default,
-         aten.special_modified_bessel_i0.default, aten.special_modified_bessel_i1.default,
-         aten.special_modified_bessel_k0.default, aten.special_modified_bessel_k1.default,
-         aten.special_scaled_modified_bessel_k0.default, aten.special_scaled_modified_bessel_k1.default,
-         aten.digamma.default]
+UNARY = [
+    aten.special_bessel_j0.default,
+    aten.special_bessel_j1.default,
+    aten.special_bessel_y0.default,
+    aten.special_bessel_y1.default,
+    aten.special_spherical_bessel_j0.default,
+    aten.special_airy_ai.default,
+    aten.special_modified_bessel_i0.default,
+    aten.special_modified_bessel_i1.default,
+    aten.special_modified_bessel_k0.default,
+    aten.special_modified_bessel_k1.default,
+    aten.special_scaled_modified_bessel_k0.default,
+    aten.special_scaled_modified_bessel_k1.default,
+    aten.digamma.default,
+]
 
 
 @pytest.mark.parametrize("dtype", [F32, F64])
@@ -76,8 +131,13 @@ def test_prims_overloads():
 def test_polygamma(dtype):
     # negative non-integers (reflection), poles (negative integers, 0, -inf: inf/NaN as torch), large
     # positives; n = 1 is torch's trigamma (in x's dtype), n >= 2 its float64 Hurwitz zeta
-    x = torch.cat([_points(dtype), make((200,), dtype, low=-60, high=0, seed=5),
-                   torch.tensor([-1.0000001, -0.9999999, -2.5, -1e3 + 0.25, 1e20], dtype=dtype)])
+    x = torch.cat(
+        [
+            _points(dtype),
+            make((200,), dtype, low=-60, high=0, seed=5),
+            torch.tensor([-1.0000001, -0.9999999, -2.5, -1e3 + 0.25, 1e20], dtype=dtype),
+        ]
+    )
     with Batch() as b:
         for n in range(7):
             b.check(aten.polygamma.default, n, x, **_tol(dtype))
@@ -109,8 +169,14 @@ def test_special_functions_and_integer_extras():
     with Batch() as b:
         for dtype in (F32,):
             x = make((12,), dtype, low=-4, high=4)
-            for name in ("special_i0e", "special_i1", "special_i1e", "special_log_ndtr", "special_erfcx",
-                         "special_entr"):
+            for name in (
+                "special_i0e",
+                "special_i1",
+                "special_i1e",
+                "special_log_ndtr",
+                "special_erfcx",
+                "special_entr",
+            ):
                 b.check(getattr(aten, name).default, x)
             b.check(aten.special_ndtri.default, make((12,), dtype, low=0.01, high=0.99))
             a, y = make((12,), dtype, low=0.5, high=4, seed=1), make((12,), dtype, low=0.1, high=5, seed=2)
@@ -135,17 +201,71 @@ def test_special_functions_and_integer_extras():
             b.check(aten.__rshift__.Tensor, p, torch.tensor([0, 1, 2, 3, 4, 5], dtype=dtype))
 
 
-POLYNOMIALS = ["chebyshev_polynomial_t", "chebyshev_polynomial_u", "chebyshev_polynomial_v",
-               "chebyshev_polynomial_w", "shifted_chebyshev_polynomial_t", "shifted_chebyshev_polynomial_u",
-               "shifted_chebyshev_polynomial_v", "shifted_chebyshev_polynomial_w", "hermite_polynomial_h",
-               "hermite_polynomial_he", "laguerre_polynomial_l", "legendre_polynomial_p"]
+POLYNOMIALS = [
+    "chebyshev_polynomial_t",
+    "chebyshev_polynomial_u",
+    "chebyshev_polynomial_v",
+    "chebyshev_polynomial_w",
+    "shifted_chebyshev_polynomial_t",
+    "shifted_chebyshev_polynomial_u",
+    "shifted_chebyshev_polynomial_v",
+    "shifted_chebyshev_polynomial_w",
+    "hermite_polynomial_h",
+    "hermite_polynomial_he",
+    "laguerre_polynomial_l",
+    "legendre_polynomial_p",
+]
 # endpoints (|x| == 1, and 0 / 1 of the shifted forms), values next to them, |x| > 1, infinities
-POLY_X = [0.0, -0.0, 1.0, -1.0, 0.5, -0.5, 0.25, 0.75, 1e-30, 1e-8, 0.9999999, -0.9999999, 1.0000001, 2.0, -2.0,
-          3.0, -8.48, 0.3, -0.7, float("inf"), float("-inf")]
+POLY_X = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    0.5,
+    -0.5,
+    0.25,
+    0.75,
+    1e-30,
+    1e-8,
+    0.9999999,
+    -0.9999999,
+    1.0000001,
+    2.0,
+    -2.0,
+    3.0,
+    -8.48,
+    0.3,
+    -0.7,
+    float("inf"),
+    float("-inf"),
+]
 # negative, fractional (truncated), the closed-form thresholds (4, 6, 8), Hermite's limits (128 / 512)
 # and non-finite degrees (taken as negative)
-POLY_N = [-3.0, -1.0, -0.5, 0.0, 0.7, 1.0, 1.9, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 12.0, 20.0, 33.0,
-          float("nan"), float("inf"), float("-inf"), 1e30]
+POLY_N = [
+    -3.0,
+    -1.0,
+    -0.5,
+    0.0,
+    0.7,
+    1.0,
+    1.9,
+    2.0,
+    3.0,
+    4.0,
+    5.0,
+    6.0,
+    7.0,
+    8.0,
+    9.0,
+    10.0,
+    12.0,
+    20.0,
+    33.0,
+    float("nan"),
+    float("inf"),
+    float("-inf"),
+    1e30,
+]
 POLY_N_LARGE = [64.0, 127.0, 128.0, 129.0, 300.0, 512.0, 513.0, 1000.0]
 
 
@@ -178,9 +298,13 @@ def _against_float64(op, *args, rtol, atol, growth=None):
         ok |= ref.isinf() & (g.sign() == ref.sign()) & (g.abs() > big)
         if not bool(ok.all()):
             bad = (~ok).nonzero().tolist()[:5]
-            raise AssertionError(f"{what}: {int((~ok).sum())} elements off the float64 value; first at "
-                                 + "; ".join(f"{i}: got {g[tuple(i)].item()!r}, float64 {ref[tuple(i)].item()!r}, "
-                                             f"torch {own[tuple(i)].item()!r}" for i in bad))
+            raise AssertionError(
+                f"{what}: {int((~ok).sum())} elements off the float64 value; first at "
+                + "; ".join(
+                    f"{i}: got {g[tuple(i)].item()!r}, float64 {ref[tuple(i)].item()!r}, torch {own[tuple(i)].item()!r}"
+                    for i in bad
+                )
+            )
 
     return {"compare": compare}
 
@@ -189,13 +313,24 @@ def _against_float64(op, *args, rtol, atol, growth=None):
 @pytest.mark.parametrize("name", POLYNOMIALS)
 def test_polynomials(name, dtype):
     op = getattr(aten, "special_" + name)
-    x = torch.cat([torch.tensor(POLY_X, dtype=dtype), make((30,), dtype, low=-1.2, high=1.2, seed=3),
-                   make((10,), dtype, low=-9, high=9, seed=4)])
+    x = torch.cat(
+        [
+            torch.tensor(POLY_X, dtype=dtype),
+            make((30,), dtype, low=-1.2, high=1.2, seed=3),
+            make((10,), dtype, low=-9, high=9, seed=4),
+        ]
+    )
     n = torch.tensor(POLY_N + (POLY_N_LARGE if dtype == F64 else []), dtype=dtype)
     t = _tol(dtype)
     with Batch() as b:
-        for variant, args in ((op.default, (x[:, None], n[None, :])), (op.x_scalar, (0.3, n)), (op.x_scalar, (-2, n)),
-                              (op.n_scalar, (x, 5)), (op.n_scalar, (x, 2.5)), (op.n_scalar, (x, 11))):
+        for variant, args in (
+            (op.default, (x[:, None], n[None, :])),
+            (op.x_scalar, (0.3, n)),
+            (op.x_scalar, (-2, n)),
+            (op.n_scalar, (x, 5)),
+            (op.n_scalar, (x, 2.5)),
+            (op.n_scalar, (x, 11)),
+        ):
             b.check(variant, *args, **_against_float64(variant, *args, **t))
         b.check(op.default, torch.arange(-3, 4)[:, None], torch.arange(-1, 6, dtype=torch.int32), **_tol(F32))
 
@@ -209,14 +344,21 @@ def test_polynomials_large_degree_float32(name):
     x = torch.cat([torch.tensor(POLY_X, dtype=F32), make((20,), F32, low=-1.2, high=1.2, seed=6)])
     n = torch.tensor(POLY_N_LARGE, dtype=F32)
     with Batch() as b:
-        b.check(op, x[:, None], n[None, :],
-                **_against_float64(op, x[:, None], n[None, :], rtol=1e-5, atol=1e-5, growth=n[None, :].double() ** 2))
+        b.check(
+            op,
+            x[:, None],
+            n[None, :],
+            **_against_float64(op, x[:, None], n[None, :], rtol=1e-5, atol=1e-5, growth=n[None, :].double() ** 2),
+        )
 
 
 def test_polynomial_dtype_errors():
     with pytest.raises(RuntimeError, match="not implemented for 'Half'"):
-        call(aten.special_chebyshev_polynomial_t.default, torch.ones(3, dtype=torch.float16),
-             torch.ones(3, dtype=torch.float16))
+        call(
+            aten.special_chebyshev_polynomial_t.default,
+            torch.ones(3, dtype=torch.float16),
+            torch.ones(3, dtype=torch.float16),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,8 +374,12 @@ def _mesh():
 def test_sharded_polygamma_backward(dtype):
     st, mesh = _mesh()
     x = torch.cat([make((12, 3), dtype, low=-9, high=9, seed=7), make((4, 3), dtype, low=0.1, high=3, seed=8)])
-    for fn in (torch.digamma, lambda v: torch.polygamma(1, v), lambda v: torch.polygamma(3, v),
-               lambda v: torch.special.polygamma(0, v) * v):
+    for fn in (
+        torch.digamma,
+        lambda v: torch.polygamma(1, v),
+        lambda v: torch.polygamma(3, v),
+        lambda v: torch.special.polygamma(0, v) * v,
+    ):
         ref = x.clone().requires_grad_()
         want = fn(ref)
         want.sum().backward()

@@ -2,6 +2,7 @@
 segment_reduce forward and backward, with the scattered (index) dimension sharded over a mesh axis it
 does not divide. XLA (jax 0.10.2) pads such a scatter's indices with a valid position and keeps the
 padded updates; the lowerings go through ops/indexing.write_at to avoid it."""
+
 import math
 
 import pytest
@@ -53,8 +54,15 @@ def _bags(n_idx, n_bags, g):
 
 
 # (per_sample_weights: mode 'sum' only; torch's max mode does not support scale_grad_by_freq)
-BAG_CASES = [("sum", False, False), ("sum", True, False), ("sum", False, True), ("sum", True, True),
-             ("mean", False, False), ("mean", False, True), ("max", False, False)]
+BAG_CASES = [
+    ("sum", False, False),
+    ("sum", True, False),
+    ("sum", False, True),
+    ("sum", True, True),
+    ("mean", False, False),
+    ("mean", False, True),
+    ("max", False, False),
+]
 
 
 @pytest.mark.parametrize("mesh", list(MESHES))
@@ -72,8 +80,9 @@ def test_embedding_bag_uneven(mesh, mode, psw, sgf, padding_idx):
     gout = torch.randn(5, 4, generator=g)
 
     def run(weight, i, o, s):
-        return F.embedding_bag(i, weight, o, mode=mode, per_sample_weights=s, padding_idx=padding_idx,
-                               scale_grad_by_freq=sgf)
+        return F.embedding_bag(
+            i, weight, o, mode=mode, per_sample_weights=s, padding_idx=padding_idx, scale_grad_by_freq=sgf
+        )
 
     ref_w, ref_s = _leaf(w, True), (_leaf(psw_t, True) if psw else None)
     want = run(ref_w, idx, off, ref_s)
