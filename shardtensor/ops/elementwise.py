@@ -4,8 +4,8 @@ bitwise and logical ops, where/clamp/lerp/addcmul/addcdiv/masked_fill, dtype con
 Every op follows torch exactly: the result dtype is ``torch.result_type`` of the operands (see
 ``_promote``), bfloat16/float16 are computed in float32 and rounded once at the end (as torch's CPU
 kernels do), integer division and remainder take torch's signs, NaN propagates as in torch.
-Activations live in ``activation.py``; digamma, polygamma, Bessel functions and the other special
-functions in ``special.py``.
+Activations live in ``activation.py``; digamma, polygamma and the other special functions in
+``special.py``, ``bessel.py`` (Bessel and Airy) and ``polynomials.py`` (orthogonal polynomials).
 """
 
 from __future__ import annotations
