@@ -1,6 +1,5 @@
 """Special-function lowerings (shardtensor/ops/special.py, bessel.py, polynomials.py) against eager
-torch on CPU: digamma /
-polygamma at negative inputs and poles, Bessel and Airy functions across their approximation
+torch on CPU: digamma / polygamma at negative inputs and poles, Bessel and Airy functions across their approximation
 branches, the scipy-style helpers (i0e, i1, ndtri, log_ndtr, erfcx, entr, igamma, zeta), the
 orthogonal polynomials with torch's special cases (n < 0, |x| == 1, closed forms for large n, degree
 limits), then forward and backward through sharded tensors."""
