@@ -28,5 +28,6 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     shape,
     sorting,
     special,
+    transformer,
 )
 from shardtensor.ops.registry import Lowering, lookup, register, registered_ops  # noqa: F401
