@@ -109,10 +109,13 @@ def plan_for(func, template, args, kwargs, lowering) -> Plan:
 
 
 def _make_plan(func, template, args, kwargs, lowering) -> Plan:
-    try:
-        outs, structure = meta_outputs(func, args, kwargs)
-    except NotImplementedError:  # no meta kernel in torch
+    if lowering.meta_from_lowering:  # torch's meta kernel follows another device's rules
         outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
+    else:
+        try:
+            outs, structure = meta_outputs(func, args, kwargs)
+        except NotImplementedError:  # no meta kernel in torch
+            outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
     if lowering.dtypes_from_lowering:
         # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
         mine, _ = outputs_from_lowering(func, lowering, args, kwargs)

@@ -11,6 +11,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     elementwise,
     fft,
     foreach,
+    grouped_mm,
     histogram,
     indexing,
     linalg,

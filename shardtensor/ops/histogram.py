@@ -197,6 +197,10 @@ def _rows(self):
 # ----------------------------------------------------------------------------------------------
 @register(aten.histc.default, static_scalars=True)
 def histc(self, bins=100, min=0, max=0):
+    if jnp.issubdtype(self.dtype, jnp.integer):
+        # integer input: torch's CUDA kernel counts it (its CPU kernel refuses), and transformers' MoE
+        # layers rely on that on any non-CPU device; counted here on float64 values, counts in its dtype
+        return histc(self.astype(FLOAT64), bins, min, max).astype(self.dtype)
     dt = _check_float(self, "histogram_cpu")
     x2 = jnp.reshape(self, (-1, 1))
     rng = None if (min == max and x2.shape[0] > 0) else (float(min), float(max))
