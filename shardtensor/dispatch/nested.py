@@ -29,6 +29,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,8 @@ class PaddedNested(ShardedTensor):
     valid: ShardedTensor
     _OPS = frozenset({aten._transformer_encoder_layer_fwd.default, aten.to_padded_tensor.default})
 
-    @property  # type: ignore[override]
-    def is_nested(self) -> bool:
+    @property
+    def is_nested(self) -> bool:  # type: ignore[override]
         """True, as for the nested tensor it stands for (torch's modules check it)."""
         return True
 
@@ -66,12 +68,13 @@ class PaddedNested(ShardedTensor):
 
 def _dense(x: ShardedTensor) -> ShardedTensor:
     """A plain ShardedTensor over the same value as the stand-in ``x``."""
-    return ShardedTensor(x._cell, x.shape, x.dtype, x._chain, strides=x.stride(), storage_offset=x.storage_offset())
+    offset = int(x.storage_offset())
+    return ShardedTensor(x._cell, x.shape, x.dtype, x._chain, strides=x.stride(), storage_offset=offset)
 
 
 def _stand_in(values: ShardedTensor, valid: ShardedTensor) -> PaddedNested:
     """``values`` with zeros where ``valid`` is False, as a PaddedNested."""
-    zeroed = values.masked_fill(valid.logical_not().unsqueeze(-1), 0)
+    zeroed = cast(ShardedTensor, values.masked_fill(valid.logical_not().unsqueeze(-1), 0))
     out = PaddedNested(zeroed._cell, zeroed.shape, zeroed.dtype, zeroed._chain)
     out.valid = valid
     return out
@@ -80,7 +83,7 @@ def _stand_in(values: ShardedTensor, valid: ShardedTensor) -> PaddedNested:
 def _check_mask_args(t, mask):
     # torch's messages (aten/src/ATen/native/nested/NestedTensorTransformerFunctions.cpp)
     if mask.dtype != torch.bool:
-        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {str(mask.dtype).removeprefix('torch.')} instead.")
+        raise RuntimeError(f"Expected mask to be of ScalarType Bool, but got {mask.dtype} instead.")
     if t.dim() != 3:
         raise RuntimeError("Input should be a 3D tensor, N * L * D")
     if mask.dim() != 2 or tuple(mask.shape) != tuple(t.shape[:2]):

@@ -72,9 +72,13 @@ def masked_softmax_rows(scores, masked):
 def masked_softmax(x, mask, dim=None, mask_type=None):
     """``_masked_softmax``: softmax over ``dim`` where ``mask`` is True means left out."""
     dim = x.ndim - 1 if dim is None else dim % x.ndim
-    if mask_type == 0 and mask.ndim == 2:  # (L, S) source mask
+    if mask_type == 0:  # (L, L) source mask
+        if mask.ndim != 2 or mask.shape[0] != mask.shape[1]:
+            raise RuntimeError("For mask_type == 0 mask shape should be (L, L)")
         mask = jnp.broadcast_to(mask, x.shape)
-    elif mask_type == 1 and mask.ndim == 2:  # (B, S) padding mask for (B, H, L, S) scores
+    elif mask_type == 1:  # (B, L) padding mask for (B, H, L, L) scores
+        if mask.ndim != 2 or x.ndim != 4 or mask.shape != (x.shape[0], x.shape[-1]):
+            raise RuntimeError("For mask_type == 1 mask shape should be (B, L)")
         mask = jnp.broadcast_to(mask[:, None, None, :], x.shape)
     masked = jnp.moveaxis(jnp.broadcast_to(mask.astype(jnp.bool_), x.shape), dim, -1)
     return jnp.moveaxis(masked_softmax_rows(jnp.moveaxis(x, dim, -1), masked), -1, dim)

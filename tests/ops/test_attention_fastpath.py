@@ -98,7 +98,9 @@ def test_multihead_attention(case, batch_first):
 
 
 def _layer(norm_first, activation):
-    return nn.TransformerEncoderLayer(E, HEADS, 32, dropout=0.0, batch_first=True, norm_first=norm_first, activation=activation)
+    return nn.TransformerEncoderLayer(
+        E, HEADS, 32, dropout=0.0, batch_first=True, norm_first=norm_first, activation=activation
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,3 +173,21 @@ def test_nested_stand_in_ops_and_errors():
         nested + 1
     with pytest.raises(NotImplementedError, match="to_padded_tensor"):
         xd.to_padded_tensor(0.0)
+
+
+def test_masked_softmax():
+    """``_masked_softmax`` (True = left out) for each mask type; a row with every entry masked is NaN."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 4, 4, generator=g)
+    key_padding = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    cases = [
+        (torch.rand(4, 4, generator=g) > 0.5, 0),  # (L, L) source mask
+        (key_padding, 1),  # (B, S) key padding mask
+        (torch.rand(2, 2, 4, 4, generator=g) > 0.5, 2),  # full mask
+    ]
+    for mask, mask_type in cases:
+        ref = torch._masked_softmax(x, mask, 3, mask_type)
+        got = torch._masked_softmax(x.to(st.device()), mask.to(st.device()), 3, mask_type)
+        torch.testing.assert_close(got.cpu(), ref, equal_nan=True, **TOL)
+    with pytest.raises(RuntimeError, match=r"For mask_type == 0 mask shape should be \(L, L\)"):
+        torch._masked_softmax(x.to(st.device()), key_padding.to(st.device()), 3, 0)

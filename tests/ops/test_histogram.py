@@ -166,9 +166,18 @@ def test_histogram_low_precision():
         b.check(aten.histogram.bin_ct, h, 10, range=[-1.0, 1.0])
 
 
+def test_histc_integer_input_counts_as_on_cuda():
+    """torch's CPU kernel refuses integer input; its CUDA kernel (and transformers' MoE routing on any
+    non-CPU device) counts it: the counts of the same values as floats, in the input's dtype."""
+    x = torch.tensor([0, 3, 1, 1, 3, 2, 7, -1], dtype=torch.int32)
+    got = call(aten.histc.default, x, 4, 0, 3)
+    assert got.dtype == jnp.int32
+    assert got.tolist() == torch.histc(x.float(), 4, 0, 3).int().tolist() == [1, 2, 1, 2]
+
+
 def test_histogram_errors():
     with pytest.raises(NotImplementedError, match="not implemented for"):
-        call(aten.histc.default, torch.arange(3), 4)
+        call(aten.histogram.bin_ct, torch.arange(3), 4)
     with pytest.raises(RuntimeError, match="not finite"):
         call(aten.histc.default, make((3,), F32), 4, 0, INF)
 
