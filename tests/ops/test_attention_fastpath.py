@@ -110,6 +110,8 @@ def _layer(norm_first, activation):
         (False, "gelu", {"src_key_padding_mask": _padding()}),
         (True, "gelu", {"src_mask": nn.Transformer.generate_square_subsequent_mask(T), "is_causal": True}),
         (True, "relu", {"src_key_padding_mask": _padding(), "src_mask": torch.rand(T, T) > 0.7}),
+        # a float mask: torch's fused kernel masks every nonzero entry (it converts the mask to bool)
+        (False, "relu", {"src_mask": torch.zeros(T, T).index_fill_(1, torch.tensor([2]), 0.5)}),
     ],
 )
 def test_encoder_layer(norm_first, activation, masks):
