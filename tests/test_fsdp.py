@@ -8,6 +8,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import inspect
 import math
 
 import pytest
@@ -136,6 +137,40 @@ def test_module_attribute_and_item_forwarding():
     clone = copy.deepcopy(model)
     assert isinstance(clone, FSDPv2) and clone.module is not seq and clone._mesh == mesh
     assert spec(clone[0].weight) == spec(seq[0].weight) == ("fsdp", None)
+
+
+class KeywordModel(nn.Module):
+    """A forward with named, defaulted and keyword-only arguments, as Hugging Face models have."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, input_ids, labels=None, *, scale: float = 1.0):
+        return self.fc(input_ids) * scale
+
+
+def test_wrapper_shows_the_module_forward_signature():
+    """Tools that pick arguments by the forward's signature (Hugging Face Trainer's column filter)
+    see the wrapped module's, on the wrapper and on its forward, after deepcopy, and
+    through checkpoint_module applied before or after wrapping."""
+    mesh = fsdp_mesh()
+    ref, module = pair(KeywordModel)
+    want = inspect.signature(module.forward)
+    assert list(want.parameters) == ["input_ids", "labels", "scale"]
+    model = FSDPv2(module, mesh=mesh)
+    assert inspect.signature(model.forward) == inspect.signature(model) == want
+    assert list(inspect.signature(FSDPv2).parameters)[0] == "module"
+    clone = copy.deepcopy(model)
+    assert inspect.signature(clone.forward) == want
+    assert clone.forward.wrapper is clone  # the copy's forward runs the copy
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(model(st.shard(x, mesh, ("fsdp", None)), scale=2.0).cpu(), ref(x, scale=2.0))
+
+    later = FSDPv2(KeywordModel(), mesh=mesh)
+    checkpoint_module(later.module)  # the signature is looked up at each ask
+    assert inspect.signature(later.forward) == want
+    assert inspect.signature(FSDPv2(checkpoint_module(KeywordModel()), mesh=mesh)) == want
 
 
 def test_auto_wrap_transformer_layer_cls():

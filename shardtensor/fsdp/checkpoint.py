@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import types
 import weakref
 
 import torch
@@ -68,6 +70,13 @@ class _CheckpointedForward:
         if self.patched is not None:
             return self.patched(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The module's own forward signature (tools such as Hugging Face ``Trainer`` read it)."""
+        if self.patched is not None:
+            return inspect.signature(self.patched)
+        return inspect.signature(types.MethodType(type(self.module).forward, self.module))
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled() or not _any_requires_grad((args, kwargs)):

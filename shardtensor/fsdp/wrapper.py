@@ -7,6 +7,7 @@ inserts the all-gathers (forward, backward) and reduce-scatters (gradients) itse
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,15 @@ import torch.nn as nn
 import shardtensor as st
 from shardtensor.fsdp.outputs import batch_output_sharder
 from shardtensor.fsdp.wrap import recursive_wrap
+
+
+class _ModuleForwardSignature:
+    """``FSDPv2.__signature__``: on a wrapper, the wrapped module's forward signature, looked up at
+    each ask (so it follows a forward replaced later, e.g. by ``checkpoint_module``); on the class
+    itself None, so that ``inspect.signature(FSDPv2)`` still reads ``__init__``."""
+
+    def __get__(self, wrapper, owner=None):
+        return None if wrapper is None else inspect.signature(wrapper._orig_module.forward)
 
 
 class FSDPv2(nn.Module):
@@ -35,6 +45,10 @@ class FSDPv2(nn.Module):
         extra_data_axis: another mesh axis the batch is also split over (multislice); used for the
             outputs only (of this wrapper and of auto-wrapped children) — parameters stay sharded
             over ``'fsdp'`` and replicated across it.
+
+    The wrapper shows the wrapped module's forward signature: ``inspect.signature(wrapper.forward)``
+    and ``inspect.signature(wrapper)`` are ``inspect.signature(module.forward)``, so tools that
+    choose arguments by it (Hugging Face ``Trainer``'s unused-column filter) see the real names.
 
     The module is moved to ``st.device()``. Parameters that already carry a sharding (given by
     ``st.shard``/``st.mark_sharding``, or by an inner FSDPv2) are left alone; every other parameter is
@@ -106,6 +120,7 @@ class FSDPv2(nn.Module):
         self._orig_module = module
         self._mesh = mesh
         self._shard_output = shard_output
+        self.forward = _ForwardShowingModuleSignature(self)  # type: ignore[method-assign]
 
     @property
     def module(self) -> nn.Module:
@@ -113,9 +128,13 @@ class FSDPv2(nn.Module):
         return self._orig_module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped module's forward, then ``shard_output`` on its output (each instance calls it
+        through a ``forward`` attribute that shows the module's signature)."""
         output = self._orig_module(*args, **kwargs)
         sharded = self._shard_output(output, self._mesh)
         return output if sharded is None else sharded
+
+    __signature__ = _ModuleForwardSignature()
 
     def __getattr__(self, name: str):
         try:
@@ -127,6 +146,23 @@ class FSDPv2(nn.Module):
 
     def __getitem__(self, key):
         return self._orig_module[key]  # type: ignore[index]  # a wrapped container (nn.Sequential, ...)
+
+
+class _ForwardShowingModuleSignature:
+    """An FSDPv2 instance's ``forward``: runs ``FSDPv2.forward``, and ``inspect.signature`` of it is the
+    wrapped module's forward signature (a bound method's signature would be ``(*args, **kwargs)``).
+    An object holding the wrapper rather than a closure, so ``copy.deepcopy`` of the wrapper gives a
+    copy whose forward runs the copy."""
+
+    def __init__(self, wrapper: FSDPv2):
+        self.wrapper = wrapper
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return FSDPv2.forward(self.wrapper, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.wrapper)
 
 
 def largest_dim_spec(shape) -> tuple:
