@@ -19,6 +19,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     loss,
     matmul,
     nn,
+    optim_fused,
     norm,
     polynomials,
     pooling,
