@@ -14,6 +14,9 @@ behaviour): no value is read back to the host.
 as in torch's kernels; the step counters are torch.optim's business (it adds 1 before the call and
 subtracts ``found_inf`` after).
 
+Also here: the kernels of ``torch.amp.GradScaler`` (``_amp_foreach_non_finite_check_and_unscale``,
+``_amp_update_scale``), which hand ``grad_scale`` and ``found_inf`` to the fused steps.
+
 The learning rate (and Adam's betas, SGD's momentum) enter the program as runtime values, so a
 learning-rate schedule does not recompile the step.
 
@@ -36,8 +39,8 @@ aten = torch.ops.aten
 
 def _check_lengths(op: str, n: int, **lists) -> None:
     for name, values in lists.items():
-        if len(values) != n:
-            raise ValueError(
+        if len(values) != n:  # torch's kernels raise a RuntimeError
+            raise RuntimeError(
                 f"{op}: {name} has {len(values)} tensors but there are {n} parameters; pass one per "
                 "parameter (or an empty list where the option is off: max_exp_avg_sqs without amsgrad, "
                 "momentum_buffer_list with momentum 0)"
@@ -129,7 +132,7 @@ def _adam(
     if amsgrad:
         _check_lengths(name, n, max_exp_avg_sqs=max_exp_avg_sqs)
     elif max_exp_avg_sqs:
-        raise ValueError(f"{name}: max_exp_avg_sqs must be empty when amsgrad=False (got {len(max_exp_avg_sqs)})")
+        raise RuntimeError(f"{name}: max_exp_avg_sqs must be empty when amsgrad=False (got {len(max_exp_avg_sqs)})")
     out: list[list] = [[], [], [], [], []]
     for i in range(n):
         results = _adam_one(
@@ -237,6 +240,38 @@ def fused_sgd(
         for k, value in zip(kept, new):
             out[k].append(value)
     return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# the grad scaler's kernels (torch.amp.GradScaler): with a fused optimizer it never reads a value back
+# ----------------------------------------------------------------------------------------------
+@register(aten._amp_foreach_non_finite_check_and_unscale.default)
+def amp_non_finite_check_and_unscale(self, found_inf, inv_scale):
+    """Each gradient times ``inv_scale`` (left as is where ``inv_scale`` is 1), and ``found_inf`` set
+    to 1 if any gradient holds an inf or a NaN (it is never cleared)."""
+    found = found_inf
+    out = []
+    for g in self:
+        ct = opmath(g.dtype)
+        gc, inv = cast(g, ct), cast(inv_scale, ct)
+        found = jnp.where(jnp.all(jnp.isfinite(gc)), found, jnp.ones_like(found))
+        out.append(cast(jnp.where(inv == 1, gc, gc * inv), g.dtype))
+    return out, found
+
+
+@register(aten._amp_update_scale.default)
+def amp_update_scale(self, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval):
+    """GradScaler.update(): back off after an inf (and restart counting), grow after
+    ``growth_interval`` clean steps in a row (unless the grown scale would be inf)."""
+    found = found_inf != 0
+    scale64 = cast(self, FLOAT64)  # torch multiplies the float scale by the double factors in double
+    backed_off = cast(scale64 * scale_backoff_factor, self.dtype)
+    grown = cast(scale64 * scale_growth_factor, self.dtype)
+    successful = growth_tracker + 1
+    grow = successful == growth_interval
+    new_scale = jnp.where(found, backed_off, jnp.where(grow & jnp.isfinite(grown), grown, self))
+    new_tracker = jnp.where(found | grow, jnp.zeros_like(successful), successful)
+    return new_scale, cast(new_tracker, growth_tracker.dtype)
 
 
 # torch 2.13 has meta kernels for _fused_adam(w)_.default only (the dispatcher takes output shapes from
