@@ -61,10 +61,13 @@ def regroup(values, structure):
     return tuple(next(it) if n is None else [next(it) for _ in range(n)] for n in structure)
 
 
-def flat_results(out, structure) -> tuple:
-    """A lowering's results as one flat tuple: a tuple of lists (``structure`` a tuple) is flattened."""
-    if not isinstance(structure, tuple):
-        return out if isinstance(out, (tuple, list)) else (out,)
+def flat_results(out, structure: tuple) -> tuple:
+    """A lowering's tuple of lists (and tensors) as one flat tuple; ``structure``: its group sizes.
+
+    Example::
+
+        flat_results(([a, b], c), (2, None))   # (a, b, c)
+    """
     return tuple(v for o, n in zip(out, structure) for v in (o if n is not None else [o]))
 
 

@@ -74,7 +74,9 @@ def _make_facts(func) -> OpFacts:
         mine = [n for n in f.arg_names if n not in f.out_names]
         theirs = [a.name for a in functional._schema.arguments]
         by_name = theirs[: len(mine)] != mine[: len(theirs)]
-    return dataclasses.replace(f, functional=functional, functional_by_name=by_name, written=_written(func, f, functional))
+    return dataclasses.replace(
+        f, functional=functional, functional_by_name=by_name, written=_written(func, f, functional)
+    )
 
 
 def _written(func, f: OpFacts, functional) -> tuple:

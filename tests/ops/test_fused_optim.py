@@ -205,7 +205,8 @@ def _optimizers(model, fused, foreach, adamw_only=False):
     if adamw_only:
         adamw = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.1, **kw)
         return [adamw], torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: 1.0 / (1 + s))
-    sgd = torch.optim.SGD(model.fc1.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, **kw)
+    sgd_kw = dict(kw, foreach=False) if fused else kw  # fused=True with foreach=False: the same path
+    sgd = torch.optim.SGD(model.fc1.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01, **sgd_kw)
     # Adam takes a tensor lr with fused=True or foreach=False (foreach=True would need capturable=True)
     lr = torch.tensor(1e-3) if fused or not foreach else 1e-3
     adam = torch.optim.Adam(model.fc2.parameters(), lr=lr, amsgrad=True, **kw)
@@ -267,7 +268,10 @@ def test_mlp_with_fused_optimizers_and_grad_scaler(mode):
     references = {}
     for fused, foreach in ((True, None), (False, False), (False, True)):
         trained = copy.deepcopy(ref)
-        references["fused" if fused else f"foreach={foreach}"] = (trained, *_train_cpu(trained, fused, foreach, adamw_only))
+        references["fused" if fused else f"foreach={foreach}"] = (
+            trained,
+            *_train_cpu(trained, fused, foreach, adamw_only),
+        )
 
     opts, schedule = _optimizers(dev, True, None, adamw_only)
     scaler = torch.amp.GradScaler(st.device().type, init_scale=2.0**10, growth_interval=2)
