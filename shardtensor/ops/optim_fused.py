@@ -178,7 +178,10 @@ def fused_adamw(self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps
 # SGD
 # ----------------------------------------------------------------------------------------------
 def _sgd_one(p, g, buf, *, weight_decay, momentum, lr, dampening, nesterov, maximize, is_first_step, grad_scale):
-    """One tensor's SGD update: (param, grad, momentum buffer or None)."""
+    """One tensor's SGD update: (param, grad, momentum buffer or None).
+
+    (torch 2.13's CPU kernel leaves bfloat16 / float16 parameters unchanged on its vectorized path, a
+    torch bug; this follows its float32 path, the CUDA kernel and the unfused optimizer.)"""
     ct = opmath(p.dtype)
     gc, g_out = _unscale(g, grad_scale, ct)
     if maximize:

@@ -93,7 +93,8 @@ SGD_CASES = {
     "dampening_maximize_tensor_lr": dict(
         momentum=0.8, nesterov=False, dampening=0.3, weight_decay=0.0, lr=torch.tensor(0.05), maximize=True
     ),
-    "no_momentum": dict(momentum=0.0, nesterov=False, dampening=0.0, weight_decay=0.01, lr=0.2),
+    # found_inf without grad_scale: what GradScaler passes after scaler.unscale_(opt)
+    "no_momentum_found_inf_only": dict(momentum=0.0, nesterov=False, dampening=0.0, weight_decay=0.01, lr=0.2),
 }
 
 
@@ -113,6 +114,8 @@ def test_fused_sgd_op_matches_torch_cpu_kernel(case):
             grads = [g * 64 for g in grads]
         dev_g = _dev(grads)
         scale = dict(grad_scale=torch.tensor(64.0), found_inf=torch.tensor(found)) if scaled else {}
+        if case.endswith("found_inf_only"):
+            scale = dict(found_inf=torch.tensor(found))
         kw = dict(c, maximize=maximize, is_first_step=step == 1)
         torch._fused_sgd_(ref_p, grads, ref_b, lr=lr, **kw, **scale)
         dev_scale = {k: v.to(st.device()) for k, v in scale.items()}
