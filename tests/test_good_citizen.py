@@ -1,6 +1,7 @@
 """Importing shardtensor changes nothing for plain PyTorch code: torch's own tools that ask the
 registered accelerator for something (pinned memory, streams) keep working on CPU tensors."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader, TensorDataset
@@ -15,6 +16,16 @@ def test_dataloader_pin_memory_works_on_cpu_tensors():
     assert torch.equal(torch.cat([b[1] for b in batches]), data.tensors[1])
     # the pinned batches move to the device like any CPU tensor
     assert torch.equal(batches[0][0].to(st.device()).cpu(), data.tensors[0][:4])
+
+
+def test_device_tensors_are_not_pinned_and_cannot_be_pinned():
+    """DCP, DataLoader and others ask ``is_pinned``; ``pin_memory`` of a non-CPU tensor raises, as torch's
+    does for a CUDA tensor."""
+    x = st.shard(torch.arange(8.0), st.Mesh(range(8), (8,), ("d",)), ("d",))
+    assert x.is_pinned() is False
+    with pytest.raises(RuntimeError, match=r"cannot pin 'torch\.shardtensor\.FloatTensor' only dense CPU tensors"):
+        x.pin_memory()
+    assert torch.equal(x.cpu(), torch.arange(8.0))  # the tensor is untouched
 
 
 def test_distributed_checkpoint_of_a_plain_state_dict(tmp_path):

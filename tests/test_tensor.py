@@ -993,6 +993,38 @@ def test_0d_cpu_tensor_in_more_ops():
     assert_close(y.cpu(), t * 3 + 2)
 
 
+@modes()
+def test_tensor_split_at_points_held_on_the_device(eager):
+    """torch requires the split points of ``tensor_split(x, tensor)`` on the CPU: points on the device
+    are read back (as from CUDA); values and gradients as torch, bad points get torch's errors."""
+    t = torch.randn(10, 4)
+    with mode(eager):
+        x = st.shard(t.clone(), MESH_42, ("x", "y")).requires_grad_()
+        ref = t.clone().requires_grad_()
+        for points, dim in ((torch.tensor([2, 7]), 0), (torch.tensor(3), 0), (torch.tensor([1]), 1)):
+            got = torch.tensor_split(x, points.to(st.device()), dim)
+            want = torch.tensor_split(ref, points, dim)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert_close(g.cpu(), w)
+        sum((g * (i + 1)).sum() for i, g in enumerate(got)).backward()
+        sum((w * (i + 1)).sum() for i, w in enumerate(want)).backward()
+        assert_close(x.grad.cpu(), ref.grad)
+        plain, points = x.detach(), torch.tensor([4]).to(st.device())
+        with torch.inference_mode():  # no autograd key: reaches __torch_dispatch__
+            got = torch.tensor_split(plain, points)
+        assert_close(got[1].cpu(), t[4:])
+        assert_close(torch.tensor_split(t, torch.tensor([4]).to(st.device()))[0], t[:4])  # CPU data, device points
+        for bad, message in (
+            (torch.tensor([[1]]), "zero-dimensional or one-dimensional"),
+            (torch.tensor([1.5]), "long"),
+        ):
+            with pytest.raises(RuntimeError, match=message):
+                torch.tensor_split(t, bad)
+            with pytest.raises(RuntimeError, match=message):
+                torch.tensor_split(x, bad.to(st.device()))
+
+
 def test_new_scalar_values_do_not_recompile():
     x = st.shard(torch.randn(8, 4), MESH_42, ("x", "y"))
     (x * 0.5).cpu()

@@ -11,7 +11,7 @@ import os
 import torch
 
 from shardtensor import runtime
-from shardtensor.dispatch.meta import meta_outputs
+from shardtensor.dispatch.meta import meta_outputs, regroup
 from shardtensor.dispatch.mutation import mutating_op
 from shardtensor.dispatch.record import record_and_wrap, zeros
 from shardtensor.dispatch.table import SPECIAL
@@ -58,9 +58,7 @@ def _placeholder(func, args, kwargs):
         return args[0]
     outs, structure = meta_outputs(func, args, kwargs)
     values = [None if o is None else zeros(o[0], o[1]) for o in outs]
-    if structure == "one":
-        return values[0]
-    return values if structure == "list" else tuple(values)
+    return regroup(values, structure)
 
 
 def _refuse_in_forked_child(func, args, kwargs):

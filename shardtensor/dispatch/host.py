@@ -301,3 +301,46 @@ def _native_batch_norm(func, args, kwargs):
     if STATE.eager:
         run_cells([rm._cell, rv._cell])
     return out, mean, rstd
+
+
+def _split_points_on_host(x, points, dim):
+    """``tensor_split(x, points, dim)`` with the split points read back to the host: torch's kernel
+    requires them on the CPU (it reads them), so a device tensor is read back as CUDA's would be."""
+    if isinstance(points, ShardedTensor):
+        check_execution_allowed("tensor_split with a device tensor of split points needs their values")
+        points = to_cpu(points)
+    # torch's own checks and messages (dtype, dims), on a stand-in without data
+    aten.tensor_split.tensor_indices_or_sections(torch.empty(x.shape, device="meta"), points, dim)
+    if points.dim() == 0:
+        return aten.tensor_split.sections(x, int(points), dim)
+    return aten.tensor_split.indices(x, points.tolist(), dim)
+
+
+@special(aten.tensor_split.tensor_indices_or_sections)
+def _tensor_split_by_tensor(func, args, kwargs):
+    """Reached without autograd (inference mode); with autograd, the kernel below runs first."""
+    bound = facts(func).bind(args, kwargs)
+    return _split_points_on_host(bound["self"], bound["tensor_indices_or_sections"], bound.get("dim", 0))
+
+
+def _tensor_split_autograd_kernel(x, points, dim=0):
+    # tensor_split is a composite op, decomposed (with its device check) above __torch_dispatch__: a
+    # kernel for the autograd key of st.device() reads the points first; the ops it decomposes into
+    # (slices) record their own backward
+    return _split_points_on_host(x, points, dim)
+
+
+@special(aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    """Only CPU tensors can be pinned (DCP, DataLoader and others ask)."""
+    return False
+
+
+@special(aten._pin_memory.default)
+def _pin_memory(func, args, kwargs):
+    """torch's error for pinning a tensor that is not on the CPU (``t.pin_memory()`` on CUDA raises it)."""
+    raise RuntimeError(f"cannot pin '{args[0].type()}' only dense CPU tensors can be pinned")
+
+
+_AUTOGRAD_LIB = torch.library.Library("aten", "IMPL")  # kept: the registration lasts as long as it
+_AUTOGRAD_LIB.impl("tensor_split.tensor_indices_or_sections", _tensor_split_autograd_kernel, "AutogradPrivateUse1")

@@ -35,8 +35,40 @@ def meta_outputs(func, args, kwargs):
         return (), "none"
     if isinstance(out, torch.Tensor):
         return (describe(out),), "one"
+    if isinstance(out, tuple) and any(isinstance(o, list) for o in out):  # _fused_adam: lists in a tuple
+        flat = [t for o in out for t in (o if isinstance(o, list) else [o])]
+        grouping = tuple(len(o) if isinstance(o, list) else None for o in out)
+        return tuple(None if o is None else describe(o) for o in flat), grouping
     structure = "list" if isinstance(out, list) else "tuple"
     return tuple(None if o is None else describe(o) for o in out), structure
+
+
+def regroup(values, structure):
+    """An op's results from its flat outputs, shaped as ``structure`` says: "one", "list", "tuple", or a
+    tuple of group sizes (None: a single tensor, n: a list of n), as in ``_fused_adam``'s tuple of lists.
+
+    Example::
+
+        regroup([a, b, c], (2, None))   # ([a, b], c)
+    """
+    if structure == "one":
+        return values[0]
+    if structure == "list":
+        return list(values)
+    if not isinstance(structure, tuple):
+        return tuple(values)
+    it = iter(values)
+    return tuple(next(it) if n is None else [next(it) for _ in range(n)] for n in structure)
+
+
+def flat_results(out, structure: tuple) -> tuple:
+    """A lowering's tuple of lists (and tensors) as one flat tuple; ``structure``: its group sizes.
+
+    Example::
+
+        flat_results(([a, b], c), (2, None))   # (a, b, c)
+    """
+    return tuple(v for o, n in zip(out, structure) for v in (o if n is not None else [o]))
 
 
 def describe(t):

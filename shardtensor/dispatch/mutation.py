@@ -34,14 +34,16 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     if f.functional is None:
         return record_and_wrap(func, args, kwargs)
     bound = f.bind(args, kwargs)
-    targets = [bound[name] for name in f.mutated]
-    flat_targets: list = []
-    for t in targets:
-        flat_targets.extend(t if isinstance(t, (list, tuple)) else [t])
+    targets = [bound[name] for name, write in f.written if write]
+    flat_targets: list = []  # per result of the functional twin: the tensor it is written into, or None
+    for name, write in f.written:
+        t = bound[name]
+        items = t if isinstance(t, (list, tuple)) else [t]
+        flat_targets.extend(items if write else [None] * len(items))
     for x in flat_targets:
         if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
             raise device_mismatch(x)
-    _check_one_mesh(func, flat_targets, args, kwargs)
+    _check_one_mesh(func, [x for x in flat_targets if x is not None], args, kwargs)
     args = _with_defaults(func, args, kwargs)  # torch drops trailing arguments equal to their default
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
@@ -52,7 +54,7 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     refs, plan = record(f.functional, fargs, fkw)
     if plan is not None:
         metas = plan.outs
-        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets))
+        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets if x is not None))
         meta_ran = checked not in _CHECKED
         if meta_ran:  # torch's own checks (broadcast into self, casts), once
             meta_outputs(func, args, kwargs)
@@ -72,6 +74,8 @@ def mutating_op(func, f: OpFacts, args, kwargs):
         for x in (bound[name] if isinstance(bound[name], (list, tuple)) else [bound[name]])
     }
     for t, ref, meta in zip(flat_targets, written, written_metas):
+        if t is None:  # a result torch does not write back (see schema._written)
+            continue
         if tuple(meta[0]) != tuple(t.shape):
             if id(t) not in outs:
                 raise RuntimeError(

@@ -14,7 +14,7 @@ from jax._src.lax.lax import _convert_element_type
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
-from shardtensor.dispatch.meta import meta_outputs, outputs_from_lowering
+from shardtensor.dispatch.meta import flat_results, meta_outputs, outputs_from_lowering, regroup
 from shardtensor.dtypes import to_jax
 from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
@@ -77,11 +77,12 @@ def _decode(entry, it):
     raise AssertionError(entry)
 
 
-def flatten(func, args, kwargs, static_scalars=False):
-    """(static template, dynamic value references) of a call: the template keys the plan."""
+def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()):
+    """(static template, dynamic value references) of a call: the template keys the plan.
+    ``runtime_floats``: names of ``float`` arguments that enter as runtime scalars too (a learning rate)."""
     f = facts(func)
     refs: list = []
-    slots = f.scalar_slots
+    slots = f.scalar_slots | runtime_floats if runtime_floats else f.scalar_slots
     pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
     kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
     return (pos, kw), refs
@@ -93,7 +94,7 @@ class Plan:
     caller: object
     key: tuple
     outs: tuple  # (shape, dtype) or None per flat output
-    structure: str  # "one" | "tuple" | "list"
+    structure: str | tuple  # "one" | "tuple" | "list" | group sizes of a tuple of lists (meta.regroup)
     random: bool
 
 
@@ -123,6 +124,7 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
     expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
     fn, random = lowering.for_platform(runtime.platform()), lowering.random
     pos_t, kw_t = template
+    nested = isinstance(structure, tuple)
 
     def caller(*values):
         it = iter(values)
@@ -131,7 +133,9 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         a = [_decode(e, it) for e in pos_t]
         k = {name: _decode(e, it) for name, e in kw_t}
         out = fn(sub, *a, **k) if random else fn(*a, **k)
-        if not isinstance(out, (tuple, list)):
+        if nested:
+            out = flat_results(out, structure)
+        elif not isinstance(out, (tuple, list)):
             out = (out,)
         out = tuple(None if d is None else (o if o.dtype == d else o.astype(d)) for o, d in zip(out, expected))
         return out + (key,) if random else out
@@ -145,7 +149,7 @@ def record(func, args, kwargs):
     lowering = lookup(func)
     if lowering is None:
         return _fallback(func, args, kwargs)
-    template, refs = flatten(func, args, kwargs, lowering.static_scalars)
+    template, refs = flatten(func, args, kwargs, lowering.static_scalars, lowering.runtime_floats)
     plan = plan_for(func, template, args, kwargs, lowering)
     if plan.random:
         refs.insert(0, rng.current())
@@ -200,9 +204,7 @@ def wrap(func, out_refs, plan=None):
             run_cells(cells + rng.pending_cells())
         else:
             run_single_node(out_refs[0].node, cells)
-    if plan.structure == "one":
-        return outs[0]
-    return list(outs) if plan.structure == "list" else tuple(outs)
+    return regroup(outs, plan.structure)
 
 
 def record_and_wrap(func, args, kwargs):

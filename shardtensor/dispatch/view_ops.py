@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtensor.dispatch.meta import regroup
 from shardtensor.dispatch.record import flatten, plan_for, record_and_wrap
 from shardtensor.dispatch.table import special
 from shardtensor.graph import views
@@ -30,9 +31,7 @@ def view_op(func, args, kwargs):
                 base._cell, meta[0], meta[1], chain=base._chain + (step,), strides=meta[2], storage_offset=meta[3]
             )
         )
-    if plan.structure == "one":
-        return outs[0]
-    return list(outs) if plan.structure == "list" else tuple(outs)
+    return regroup(outs, plan.structure)
 
 
 @special(aten.detach.default, aten.alias.default, aten.lift_fresh.default)

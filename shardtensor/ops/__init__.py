@@ -21,6 +21,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     matmul,
     nn,
     norm,
+    optim_fused,
     polynomials,
     pooling,
     random,

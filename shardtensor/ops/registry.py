@@ -38,6 +38,9 @@ class Lowering:
     meta_from_lowering: bool = False
     platforms: tuple = ()  # (platform name, fn) pairs: a variant of fn for that PJRT platform
     checked: bool = False  # fn may declare on-device checks (ops.checks): record the user's line
+    # ``float`` arguments (by name) that enter as runtime scalars, like Scalars: a learning rate that
+    # a scheduler changes every step must not recompile the step
+    runtime_floats: frozenset = frozenset()
 
     def for_platform(self, platform: str) -> Callable:
         """The function to run on ``platform`` ('cpu', 'cuda', 'tpu'): its variant, else ``fn``."""
@@ -55,11 +58,13 @@ def register(
     meta_from_lowering: bool = False,
     platform: str | None = None,
     checked: bool = False,
+    runtime_floats: tuple = (),
 ):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
 
     ``platform="cpu"`` registers a variant for that platform of an op registered before.
     ``checked=True``: the lowering may call ``ops.checks.fail_where`` (torch raises on some values).
+    ``runtime_floats``: names of ``float`` arguments passed as 0-d jax values, not baked in.
 
     Example::
 
@@ -87,6 +92,7 @@ def register(
                 dtypes_from_lowering=dtypes_from_lowering,
                 meta_from_lowering=meta_from_lowering,
                 checked=checked,
+                runtime_floats=frozenset(runtime_floats),
             )
         return fn
 

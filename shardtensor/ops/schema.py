@@ -27,6 +27,8 @@ class OpFacts:
     is_view: bool
     functional: torch._ops.OpOverload | None = None  # the overload to run for a mutating op
     functional_by_name: bool = False  # its arguments come in another order: pass them by name
+    # per result of the functional twin: (the argument it goes to, whether it is written there)
+    written: tuple = ()
 
     def bind(self, args, kwargs) -> dict:
         """The arguments of a call by name."""
@@ -72,7 +74,36 @@ def _make_facts(func) -> OpFacts:
         mine = [n for n in f.arg_names if n not in f.out_names]
         theirs = [a.name for a in functional._schema.arguments]
         by_name = theirs[: len(mine)] != mine[: len(theirs)]
-    return dataclasses.replace(f, functional=functional, functional_by_name=by_name)
+    return dataclasses.replace(
+        f, functional=functional, functional_by_name=by_name, written=_written(func, f, functional)
+    )
+
+
+def _written(func, f: OpFacts, functional) -> tuple:
+    """Per result of ``functional``, in order: (the argument it belongs to, whether it is written there).
+
+    Mostly the mutated arguments in the schema's order, all written. Where the twin names its results
+    after arguments (``_fused_adam`` returns ``self_out, grads_out, ...``), by name; and torch's
+    out= form of such an op (``_fused_adam.out``, ``_amp_update_scale.out``) writes only its out=
+    arguments, although its schema marks the others as written too: the others are left as they are.
+    """
+    everything = tuple((name, True) for name in f.mutated)
+    if functional is None or not (is_inplace(func) or f.out_names):
+        return everything
+    results = [r.name for r in functional._schema.returns]
+    if len(results) != len(f.mutated):
+        return everything
+    pairs: list = []
+    outs = list(f.out_names)
+    for r in results:
+        base = r[: -len("_out")] if r.endswith("_out") else None
+        if base is not None and base in f.mutated and base not in f.out_names:
+            pairs.append((base, not f.out_names))
+        elif outs:
+            pairs.append((outs.pop(0), True))
+        else:
+            return everything
+    return tuple(pairs)
 
 
 def _functional_twin(func, f: OpFacts):

@@ -194,16 +194,10 @@ def _args(sample, fn):
     return tree_map(fn, (sample.input, sample.args, sample.kwargs))
 
 
-# Positional arguments that torch requires on the CPU whatever the device of the other inputs (as the
-# OpInfo samples build them): they stay CPU tensors instead of being sharded.
-HOST_ARGS = {"tensor_split": {0}}  # tensor_indices_or_sections: "expected ... to be on cpu"
-
-
 def _sharded_args(op, sample, **kw):
     """(input, args, kwargs) of ``sample`` with every tensor sharded (see ``_to_sharded``)."""
-    host = HOST_ARGS.get(op.name, set())
     inp = tree_map(lambda x: _to_sharded(x, **kw), sample.input)
-    args = [a if i in host else tree_map(lambda x: _to_sharded(x, **kw), a) for i, a in enumerate(sample.args)]
+    args = [tree_map(lambda x: _to_sharded(x, **kw), a) for a in sample.args]
     return inp, args, tree_map(lambda x: _to_sharded(x, **kw), sample.kwargs)
 
 
