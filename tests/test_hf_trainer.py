@@ -117,15 +117,10 @@ def check_trainer_matches_cpu(monkeypatch, **options):
     assert_same_parameters(wrapped.module, reference)
 
 
-@pytest.mark.xfail(strict=True, raises=NotImplementedError, reason="needs the fused AdamW lowering (branch fused)")
 def test_trainer_defaults_train_fsdp_llama_like_cpu(monkeypatch):
     """The true defaults: on torch >= 2.8 Trainer's optimizer is the fused AdamW."""
     assert TrainingArguments(output_dir="unused").optim == "adamw_torch_fused"
     check_trainer_matches_cpu(monkeypatch)
-
-
-def test_trainer_with_unfused_adamw_trains_fsdp_llama_like_cpu(monkeypatch):
-    check_trainer_matches_cpu(monkeypatch, optim="adamw_torch")
 
 
 def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
