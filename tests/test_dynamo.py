@@ -155,11 +155,15 @@ def test_training_through_compiled_model_matches_eager(make_opt):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        with st.step():  # forward: its own program; backward + optimizer: one more at the end
-            loss = F.cross_entropy(compiled(st.shard(x, mesh, ("d", None))), st.shard(y, mesh, ("d",)))
+        xs, ys = st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d",))
+        st.sync()
+        before = n("ExecuteReplicated")
+        with st.step():  # the compiled forward stays pending: one program with backward and optimizer
+            loss = F.cross_entropy(compiled(xs), ys)
             loss.backward()
             dev_opt.step()
             dev_opt.zero_grad()
+        assert n("ExecuteReplicated") - before == 1
         torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=RTOL, atol=ATOL)
     for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
         torch.testing.assert_close(q.cpu(), p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
