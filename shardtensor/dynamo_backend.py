@@ -135,22 +135,25 @@ class _DynamoGraph:
 
     def __call__(self, *args):
         check_execution_allowed(f"compiled graph {self.name} called inside a compiled function")
-        opener = _STEP.opener
-        continues = opener is not None and opener is not self and has_pending()
-        if not (continues or self.defers):
+        opener = _STEP.opener if has_pending() else None  # the graph that opened a still pending step
+        if opener is None and not self.defers:
             _STEP.opener = None
             return self.compiled(*args)
-        if not continues:
-            run_cells(pending_cells())  # what came before the step (as st.compile syncs on entry)
-            checks.verify()
-        out = self.forward(*args)
+        if opener is self:  # its last step was never closed (no graph ran after its backward): run it
+            _run_pending()
+            opener = None
+        out = self.forward(*args)  # recorded onto what is pending (the step so far)
         if self.defers or _requires_grad(out):
-            _STEP.opener = opener if continues else self
+            _STEP.opener = opener or self
             return out
         _STEP.opener = None
-        run_cells(pending_cells())  # the step's forward, backward and update: one program
-        checks.verify()
+        _run_pending()  # the step's forward, backward and update: one program
         return out
+
+
+def _run_pending() -> None:
+    run_cells(pending_cells())
+    checks.verify()  # a failed on-device check raises on the call that ran it
 
 
 def _returns_grad(gm: torch.fx.GraphModule) -> bool:
