@@ -67,12 +67,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from shardtensor import annotate
+from shardtensor import annotate, ops
 from shardtensor import metrics as counters
 from shardtensor.compiler import CompiledFunction
+from shardtensor.dispatch import entry as dispatch_entry
+from shardtensor.dispatch import factories
 from shardtensor.graph import checks
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.state import check_execution_allowed, has_pending, pending_cells
+from shardtensor.ops import elementwise
 from shardtensor.tensor import ShardedTensor, backward_errors
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.sharded import set_dynamo_unflatten
@@ -158,9 +161,10 @@ def _run_pending() -> None:
 
 def _returns_grad(gm: torch.fx.GraphModule) -> bool:
     """Whether a graph's outputs require grad (from the example values Dynamo traced with)."""
-    outputs = [n for n in gm.graph.nodes if n.op == "output"]
-    values = [a.meta.get("example_value") for a in pytree.tree_leaves(outputs[0].args) if isinstance(a, torch.fx.Node)]
-    return _requires_grad(values) if outputs else False
+    output = gm.graph.output_node()
+    return _requires_grad(
+        [a.meta.get("example_value") for a in pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
+    )
 
 
 def _requires_grad(out) -> bool:
@@ -305,20 +309,16 @@ def _register_dynamo_prims() -> None:
     (``a * b + c``), an op that exists only once Dynamo imports it, hence registered here."""
     from torch._inductor import inductor_prims  # noqa: F401  # (defines torch.ops.prims.fma)
 
-    from shardtensor.ops import elementwise, lookup, register
-
     fma = torch.ops.prims.fma.default
-    if lookup(fma) is None:
-        register(fma)(lambda a, b, c: elementwise.addcmul(c, a, b))
+    if ops.lookup(fma) is None:
+        ops.register(fma)(lambda a, b, c: elementwise.addcmul(c, a, b))
 
 
 def _engine_entries():
     """The Python functions torch calls from C++ on real ShardedTensors (their outermost frames)."""
-    from shardtensor.dispatch import entry, factories
-
     dispatch = ShardedTensor.__dict__["__torch_dispatch__"].__func__
     # (handle's outermost frame is the engine-lock wrapper, which the factory kernels share)
-    entries = [dispatch, entry.handle, factories._copy_from_kernel]
+    entries = [dispatch, dispatch_entry.handle, factories._copy_from_kernel]
     # the wrapper around autograd's engine (tensor/backward_errors.py), which `backward()` calls
     run_backward = torch.autograd.graph._engine_run_backward
     if run_backward.__code__.co_filename == backward_errors.__file__:  # (wraps copied torch's __module__)
