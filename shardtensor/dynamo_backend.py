@@ -13,18 +13,27 @@ What happens, in order:
 2. **Guards.** Dynamo guards on each input's ``__tensor_flatten__`` context — the mesh and partition
    spec given with ``st.shard``/``st.mark_sharding`` — so calling with an input sharded another way
    (same shape) recompiles, as does any change Dynamo itself guards on (shapes, dtypes, grad mode).
-3. **Run.** The backend returns ``st.compile(graph)``: the first calls run the graph's ops on the real
+3. **Run.** Without grad, the backend runs ``st.compile(graph)``: the first calls run the graph's ops on the real
    ShardedTensors in lazy mode, through the same lowerings as eager code, and run everything the graph
    computes as **one JAX program** at the end of the call. Once two calls record the same program from
    the same tensors, and no output requires grad, the graph is frozen: later calls run the cached
    executable without running the graph's Python at all (see ``shardtensor/compiler.py``).
 
-Autograd is torch's own: the compiled forward records its backward like eager code does, so
-``loss.backward()`` and ``opt.step()`` after a compiled forward run lazily and form one more program at
-the next sync (``st.step()``, ``.item()``, or the next compiled call, which syncs pending work on
-entry). A forward whose outputs require grad re-runs the graph's Python each call (still one cached
-executable: no recompile). A graph break (``print``, ``.item()``, unsupported Python) splits the model
-into several graphs, each its own program, with the code between them run lazily as usual.
+**Training.** Autograd is torch's own: a compiled forward records its backward like eager code does.
+A graph whose outputs require grad does not run at the end of its call; its work stays pending, so in
+``torch.compile(train_step)`` — where Dynamo breaks the graph at ``loss.backward()`` (run eagerly, it
+records the backward lazily on top of the forward) and around the optimizer's step — the optimizer's
+graph records onto both and runs **forward, backward and update as one program** when it returns
+(``_DynamoGraph``). The same holds when only the model is compiled: ``loss.backward()`` and
+``opt.step()`` join the forward's program, which runs at the next sync (``st.step()``, ``.item()``,
+or the same compiled forward called again, which first syncs what its last call left). Such a step
+re-runs the graphs' Python each call (one cached executable: no recompile); unlike ``st.compile``,
+it is never frozen, because ``backward()`` between the graphs always runs. Dynamo does not trace
+shardtensor itself: the functions torch calls back from C++ (``__torch_dispatch__``, the device's
+factory kernels, the wrapper around autograd's engine) run untraced even between graphs.
+
+A graph break (``print``, ``.item()``, unsupported Python) splits the model into several graphs;
+without grad each runs as its own program, with the code between them run lazily as usual.
 
 Limits: only this backend knows ShardedTensor. AOTAutograd-based backends (``inductor``,
 ``aot_eager``) would compile for the meta placeholders, so they stop with a clear error. Dynamo guards
@@ -52,15 +61,22 @@ import importlib.abc
 import importlib.util
 import itertools
 import sys
+import threading
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from shardtensor import annotate
+from shardtensor import annotate, ops
 from shardtensor import metrics as counters
 from shardtensor.compiler import CompiledFunction
-from shardtensor.tensor import ShardedTensor
+from shardtensor.dispatch import entry as dispatch_entry
+from shardtensor.dispatch import factories
+from shardtensor.graph import checks
+from shardtensor.graph.execute import run_cells
+from shardtensor.graph.state import check_execution_allowed, has_pending, pending_cells
+from shardtensor.ops import elementwise
+from shardtensor.tensor import ShardedTensor, backward_errors
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.sharded import set_dynamo_unflatten
 
@@ -86,8 +102,73 @@ def shardtensor_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
         raise TypeError(f"the shardtensor backend has no options {sorted(options)} (it knows 'full_graph')")
     counters.increment("DynamoGraph")
     name = f"dynamo_graph_{next(_graph_ids)}"
-    # gm.forward, not gm: calling the module would run nn.Module hooks machinery on every call
-    return CompiledFunction(gm.forward, full_graph=full_graph, name=name)
+    return _DynamoGraph(gm, full_graph=full_graph, name=name)
+
+
+# --- running a captured graph ---------------------------------------------------------------------
+class _StepState(threading.local):
+    opener: _DynamoGraph | None = None  # the graph whose call left a training step pending
+
+
+_STEP = _StepState()
+
+
+class _DynamoGraph:
+    """One captured graph, run as one program — or, in a training step, as part of one.
+
+    A graph whose outputs require grad (a forward) leaves its work pending: Dynamo breaks the graph at
+    ``loss.backward()``, which records the backward lazily on top of it, and the next graph (the
+    optimizer's step) records onto both and runs the whole step — forward, backward, update — as one
+    program when it returns no tensor that requires grad. Whatever syncs first ends such a step as
+    well (``.item()``, ``st.step()``, or this forward called again, which syncs what its last call
+    left). Any other graph is ``st.compile`` of the graph (frozen replay of one cached program).
+
+    Example (what ``torch.compile(train_step, backend="shardtensor")`` builds)::
+
+        forward = _DynamoGraph(gm, full_graph=False, name="dynamo_graph_0")
+        loss = forward(x, y)   # pending; runs with the backward and update that follow
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, *, full_graph: bool, name: str) -> None:
+        # gm.forward, not gm: calling the module would run nn.Module hooks machinery on every call
+        self.forward = gm.forward
+        self.name = name
+        self.compiled = CompiledFunction(gm.forward, full_graph=full_graph, name=name)
+        self.defers = _returns_grad(gm)  # (Dynamo guards on grad mode: fixed for this graph)
+
+    def __call__(self, *args):
+        check_execution_allowed(f"compiled graph {self.name} called inside a compiled function")
+        opener = _STEP.opener if has_pending() else None  # the graph that opened a still pending step
+        if opener is None and not self.defers:
+            _STEP.opener = None
+            return self.compiled(*args)
+        if opener is self:  # its last step was never closed (no graph ran after its backward): run it
+            _run_pending()
+            opener = None
+        out = self.forward(*args)  # recorded onto what is pending (the step so far)
+        if self.defers or _requires_grad(out):
+            _STEP.opener = opener or self
+            return out
+        _STEP.opener = None
+        _run_pending()  # the step's forward, backward and update: one program
+        return out
+
+
+def _run_pending() -> None:
+    run_cells(pending_cells())
+    checks.verify()  # a failed on-device check raises on the call that ran it
+
+
+def _returns_grad(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph's outputs require grad (from the example values Dynamo traced with)."""
+    output = gm.graph.output_node()
+    return _requires_grad(
+        [a.meta.get("example_value") for a in pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
+    )
+
+
+def _requires_grad(out) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
 # --- what Dynamo traces with ----------------------------------------------------------------------
@@ -127,7 +208,8 @@ class _TracingShardedTensor(ShardedTensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]  # (see ShardedTensor)
         kwargs = kwargs or {}
         _refuse_aot_autograd()
-        inner_args, inner_kwargs = pytree.tree_map(_to_meta, (args, kwargs))
+        fake_mode = torch._guards.detect_fake_mode()
+        inner_args, inner_kwargs = pytree.tree_map(lambda x: _to_meta(x, fake_mode), (args, kwargs))
         out = func(*inner_args, **inner_kwargs)
         out = pytree.tree_map(_wrap_meta, out)
         # in-place ops return their input, views alias its storage, as torch's own tensors do
@@ -143,11 +225,15 @@ def _st_device():
     return torch_device.device()
 
 
-def _to_meta(x):
+def _to_meta(x, fake_mode=None):
     if isinstance(x, _TracingShardedTensor):
         return x._meta
-    if isinstance(x, ShardedTensor):  # a real one reaching tracing code: its metadata is enough
-        return x._dynamo_meta
+    if isinstance(x, ShardedTensor):
+        # a real one reaching tracing code (torch.tensor(data, device=st.device()) runs its device
+        # kernels for real, outside the fake mode): its metadata is enough, as a fake tensor of the
+        # fake mode the others belong to (fake and plain meta tensors do not mix)
+        meta = x._dynamo_meta
+        return meta if fake_mode is None else fake_mode.from_tensor(meta)
     if isinstance(x, torch.Tensor) and x.device.type == _st_device().type:
         return x.to(_META)  # a fake tensor Dynamo made with a factory (torch.zeros(device=...))
     if isinstance(x, torch.device) and x.type == _st_device().type:
@@ -207,6 +293,37 @@ def _prepare_dynamo():
             _torchdynamo_disable=True, _torchdynamo_disable_msg="shardtensor changes a tensor's sharding between graphs"
         )
         set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    # torch calls back into shardtensor from C++ (an op's __torch_dispatch__, a device factory kernel)
+    # also in the eager code between two graphs, such as `loss.backward()` after a graph break. Dynamo
+    # would compile those frames as user code (tracing shardtensor's engine until its recompile limit):
+    # they and everything they call run untraced, as torch's own subclasses do (DTensor disables
+    # Dynamo on its dispatch)
+    for entry in _engine_entries():
+        set_code_exec_strategy(entry.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP))
+    _register_dynamo_prims()
+
+
+def _register_dynamo_prims() -> None:
+    """Lower the ops Dynamo itself writes into graphs: it rewrites ``addcmul_``/``addcdiv_`` with a
+    ``value`` and ``add_`` with a tensor ``alpha`` (Adam's updates) as inductor's ``prims.fma``
+    (``a * b + c``), an op that exists only once Dynamo imports it, hence registered here."""
+    from torch._inductor import inductor_prims  # noqa: F401  # (defines torch.ops.prims.fma)
+
+    fma = torch.ops.prims.fma.default
+    if ops.lookup(fma) is None:
+        ops.register(fma)(lambda a, b, c: elementwise.addcmul(c, a, b))
+
+
+def _engine_entries():
+    """The Python functions torch calls from C++ on real ShardedTensors (their outermost frames)."""
+    dispatch = ShardedTensor.__dict__["__torch_dispatch__"].__func__
+    # (handle's outermost frame is the engine-lock wrapper, which the factory kernels share)
+    entries = [dispatch, dispatch_entry.handle, factories._copy_from_kernel]
+    # the wrapper around autograd's engine (tensor/backward_errors.py), which `backward()` calls
+    run_backward = torch.autograd.graph._engine_run_backward
+    if run_backward.__code__.co_filename == backward_errors.__file__:  # (wraps copied torch's __module__)
+        entries.append(run_backward)
+    return entries
 
 
 # --- registration ---------------------------------------------------------------------------------

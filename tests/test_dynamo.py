@@ -3,6 +3,7 @@ parameters and inputs without graph breaks, each captured graph runs as one JAX 
 training match eager torch on CPU, graph breaks still give the right answer, and a new input sharding
 (same shape) recompiles."""
 
+import copy
 import subprocess
 import sys
 import textwrap
@@ -123,9 +124,10 @@ def test_transformer_lm_matches_eager():
     for _ in range(2):
         idx = torch.randint(0, 30, (8, 8), generator=g)
         before = n("ExecuteReplicated")
-        out = compiled(st.shard(idx, mesh, ("data", None)))
+        out = compiled(st.shard(idx, mesh, ("data", None)))  # requires grad: pending, for a backward
+        result = out.cpu()
         assert n("ExecuteReplicated") - before == 1
-        torch.testing.assert_close(out.cpu(), ref(idx).detach(), rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(result, ref(idx).detach(), rtol=RTOL, atol=ATOL)
     # embedding, torch.arange(device=...), RMSNorm, SDPA and softmax attention, views: all captured
     assert graph_breaks() == 0
     assert graphs() == 1
@@ -153,16 +155,102 @@ def test_training_through_compiled_model_matches_eager(make_opt):
         ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
-        with st.step():  # forward: its own program; backward + optimizer: one more at the end
-            loss = F.cross_entropy(compiled(st.shard(x, mesh, ("d", None))), st.shard(y, mesh, ("d",)))
+        xs, ys = st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d",))
+        st.sync()
+        before = n("ExecuteReplicated")
+        with st.step():  # the compiled forward stays pending: one program with backward and optimizer
+            loss = F.cross_entropy(compiled(xs), ys)
             loss.backward()
             dev_opt.step()
             dev_opt.zero_grad()
+        assert n("ExecuteReplicated") - before == 1
         torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=RTOL, atol=ATOL)
     for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
         torch.testing.assert_close(q.cpu(), p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
     assert graph_breaks() == 0
     assert graphs() == 1
+
+
+# --- a whole training step under torch.compile ----------------------------------------------------
+def _train_step(model, opt):
+    def step(x, y):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()  # a graph break: the backward records onto the forward's pending program
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.01),  # Dynamo writes its updates with prims.fma
+    ],
+    ids=["sgd", "adamw"],
+)
+def test_compiled_training_step_is_one_program(make_opt):
+    mesh = mesh_8()
+    ref, dev = make_pair(MLP)
+    shard_params(dev, mesh, MLP_SPECS)
+    ref_opt, dev_opt = make_opt(ref.parameters()), make_opt(dev.parameters())
+    ref_step, compiled = _train_step(ref, ref_opt), torch.compile(_train_step(dev, dev_opt), backend="shardtensor")
+    g = torch.Generator().manual_seed(1)
+    for i in range(4):
+        x, y = torch.randn(16, 16, generator=g), torch.randint(0, 5, (16,), generator=g)
+        xs, ys = st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d",))
+        st.sync()  # the inputs' uploads are not part of the count below
+        before = {k: n(k) for k in ("ExecuteReplicated", "UncachedCompile", "DynamoGraph")}
+        loss = compiled(xs, ys)
+        assert n("ExecuteReplicated") - before["ExecuteReplicated"] == 1, "forward, backward and update: one program"
+        if i >= 2:  # (step 0 creates the optimizer state and step 1 starts from parameters XLA laid out)
+            assert n("DynamoGraph") == before["DynamoGraph"], "no Dynamo recompile"
+            assert n("UncachedCompile") == before["UncachedCompile"], "no XLA compile"
+        torch.testing.assert_close(loss.item(), ref_step(x, y).item(), rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
+        torch.testing.assert_close(q.cpu(), p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
+        assert q.grad is None  # zero_grad ran after the update
+    # Dynamo compiled only the step's own frames (forward; the optimizer step, once more when its
+    # state appears), never shardtensor's dispatch running under backward()
+    assert graphs() <= 3
+
+
+# --- Hugging Face models with their default KV cache ----------------------------------------------
+def _hf_model(name):
+    transformers = pytest.importorskip("transformers")
+    tiny = dict(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_embd=32, n_layer=1, n_head=2))
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny, num_key_value_heads=1))
+    if name == "mixtral":
+        # experts as batched matmuls: under torch.compile, float32 experts take transformers'
+        # grouped_mm_fallback custom op, whose histc on int32 ids shardtensor refuses as CPU torch does
+        moe = dict(num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
+        config = transformers.MixtralConfig(**tiny, **moe, num_key_value_heads=1)
+        return transformers.MixtralForCausalLM(config)
+    config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
+    return transformers.T5ForConditionalGeneration(config)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5", "mixtral"])
+def test_hugging_face_inference_with_kv_cache(name):
+    """The default path makes a DynamicCache, whose layers start as ``torch.tensor([], device=...)``
+    inside the traced code: a real device tensor among the tracing ones."""
+    torch.manual_seed(0)
+    ref = _hf_model(name).eval()
+    dev = copy.deepcopy(ref).to(st.device())
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    extra = {"decoder_input_ids": ids[:, :4]} if name == "t5" else {}
+    with torch.no_grad():
+        expected = ref(input_ids=ids, **extra)
+        out = torch.compile(dev, backend="shardtensor")(
+            input_ids=ids.to(st.device()), **{k: v.to(st.device()) for k, v in extra.items()}
+        )
+    assert out.past_key_values is not None and expected.past_key_values is not None
+    torch.testing.assert_close(out.logits.cpu(), expected.logits, rtol=RTOL, atol=ATOL)
 
 
 # --- graph breaks ----------------------------------------------------------------------------------

@@ -1274,3 +1274,25 @@ def test_copy_from_device_tensor_into_cpu_tensor_is_allowed():
     host.copy_(w * 2)
     (host * 3).sum().backward()  # the gradient goes back to the device tensor
     assert_close(w.grad.cpu(), torch.full((5, 3), 6.0))
+
+
+# --- a library's custom op (torch.library) ----------------------------------------------------------
+@torch.library.custom_op("shardtensor_test::scale_add", mutates_args=())
+def _scale_add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x * 2 + y  # (no device_types: torch.library registers it for every device)
+
+
+@torch.library.custom_op("shardtensor_test::cpu_only", mutates_args=(), device_types="cpu")
+def _cpu_only(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+def test_custom_op_with_a_device_independent_kernel_runs_it():
+    """transformers' grouped_mm_fallback is such an op: its kernel's torch ops run one by one."""
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    mesh = st.Mesh(range(8), (8,), ("d",))
+    out = torch.ops.shardtensor_test.scale_add(st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d", None)))
+    assert isinstance(out, st.ShardedTensor)
+    assert_close(out.cpu(), x * 2 + y)
+    with pytest.raises(NotImplementedError, match="no lowering for .*shardtensor_test.cpu_only"):
+        torch.ops.shardtensor_test.cpu_only(st.shard(x, mesh, ("d", None)))

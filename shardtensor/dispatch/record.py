@@ -163,6 +163,7 @@ def record(func, args, kwargs):
 
 
 _DECOMPOSITIONS = None
+_ANY_DEVICE = torch._C.DispatchKey.CompositeExplicitAutograd  # where torch.library puts device-free kernels
 
 
 def _decomposition(func):
@@ -188,6 +189,13 @@ def _fallback(func, args, kwargs):
     if out is not NotImplemented:
         counters.increment(f"Decomposition::{func}")
         return out, None
+    if func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), _ANY_DEVICE
+    ):
+        # a library's custom op with a device-independent implementation in torch ops (e.g.
+        # transformers' grouped_mm_fallback): run it, its ops come back here one by one
+        counters.increment(f"Decomposition::{func}")
+        return func.redispatch(torch._C.DispatchKeySet(_ANY_DEVICE), *args, **kwargs), None
     raise NotImplementedError(
         f"shardtensor has no lowering for the aten op {func} (and torch has no decomposition for it). "
         "Please report it; as a workaround move the tensors to CPU with .cpu() for this op."
