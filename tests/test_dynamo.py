@@ -226,9 +226,9 @@ def _hf_model(name):
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**tiny, num_key_value_heads=1))
     if name == "mixtral":
-        # experts as batched matmuls: under torch.compile, float32 experts take transformers'
-        # grouped_mm_fallback custom op, whose histc on int32 ids shardtensor refuses as CPU torch does
-        moe = dict(num_local_experts=4, num_experts_per_tok=2, experts_implementation="batched_mm")
+        # the default experts: under torch.compile, float32 experts take transformers'
+        # grouped_mm_fallback custom op (histc on int32 expert ids, as on any accelerator)
+        moe = dict(num_local_experts=4, num_experts_per_tok=2)
         config = transformers.MixtralConfig(**tiny, **moe, num_key_value_heads=1)
         return transformers.MixtralForCausalLM(config)
     config = transformers.T5Config(vocab_size=100, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2)
