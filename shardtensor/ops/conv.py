@@ -35,17 +35,20 @@ def _dimension_numbers(nsp):
 
 # XLA's SPMD partitioner (jax 0.10.2) computes wrong values, raises, or aborts the process (a failed
 # CHECK in convolution_handler.cc, or heap corruption) for convolutions whose channels or kernel are
-# sharded (the transposed kernel is regrouped across a sharded dim), and computes wrong kernel
-# gradients when the input is sharded over a spatial dim, or (groups > 1, a conv with
-# batch_group_count) over its batch dim on part of the mesh only, replicated over the rest (batch over
-# 'x' of a (4, 2) mesh). tests/ops/test_conv_partitioning.py sweeps these. It is right when only the
-# batch and spatial dims of the activations are sharded and the kernel is whole, and for the kernel
-# gradient when only the batch is, over the whole mesh if groups > 1: convolutions get that layout
-# (a sharded kernel is gathered, as FSDP does anyway; sharded channels are gathered).
+# sharded (a transposed kernel is regrouped across its sharded dim); and it computes wrong kernel
+# gradients when the input is sharded over a spatial dim while the output gradient is sharded over the
+# batch, or, for groups > 1 (a conv with batch_group_count), when the batch is sharded over part of
+# the mesh only and replicated over the rest (batch over 'x' of a (4, 2) mesh).
+# tests/ops/test_conv_partitioning.py sweeps these. It is right when only the batch and spatial dims
+# of the activations are sharded and the kernel is whole, and for the kernel gradient when only the
+# batch is, split over the whole mesh if groups > 1: convolutions get that layout (a sharded kernel
+# is gathered, as FSDP does anyway; sharded channels are gathered; spatially sharded activations are
+# gathered for the kernel gradient only).
 _ACTIVATION = (FREE, None, FREE)  # batch and spatial dims left to XLA, channels whole
 
 
 def _kernel_grad_layout(groups):
+    """The layout of the input and output gradient in the kernel gradient's convolution."""
     return (MESH if groups > 1 else FREE, None)
 
 

@@ -55,9 +55,13 @@ CONFIGS = {
         2, True, 2, 3, 8, (2, 2), (6, 8), x={1: "x"}, w={1: "y"}, stride=3, dilation=2, output_padding=2
     ),
     "grouped conv3d, k=1, input channels on y (raised)": _config(3, False, 2, 1, 3, (3, 1), 5, x={1: "y"}),
-    # kernel gradient with the input sharded over a spatial dim: wrong
-    "conv1d, input length on y": _config(1, False, 1, 2, 2, (2, 1), 9, x={2: "y"}, bias=False, stride=3, padding=1),
-    "conv_transpose2d, input height on y": _config(2, True, 1, 3, 2, (2, 1), (9, 6), x={2: "y"}, bias=False, padding=1),
+    # kernel gradient with the input sharded over a spatial dim and the output gradient on its batch: wrong
+    "conv_transpose1d, input length on x, grad batch on x": _config(
+        1, True, 1, 2, 4, (2, 1), 8, x={2: "x"}, grad=_B, bias=False, padding=1
+    ),
+    "conv2d, input width on y, grad batch on x": _config(
+        2, False, 1, 2, 4, (2, 1), (7, 4), x={3: "y"}, grad=_B, bias=False, stride=3, padding=1
+    ),
     # neighbours that were right
     "right: grouped dilated conv_transpose2d, batch on x": _config(
         2, True, 2, 3, 8, (2, 2), 6, x=_B, grad=_B, stride=2, padding=1, dilation=2, output_padding=1
@@ -82,6 +86,7 @@ CONFIGS = {
     "right: conv3d, input depth on x, eager": _config(
         3, False, 1, 3, 2, (2, 2), (8, 4, 4), x={2: "x"}, mode="eager", padding=1
     ),
+    "right: conv2d, input width on y": _config(2, False, 1, 2, 4, (2, 1), (7, 4), x={3: "y"}, stride=3, padding=1),
 }
 
 _SWEEP = textwrap.dedent("""
