@@ -1,8 +1,8 @@
 """Sharding facts and hints for lowerings, without knowing the mesh they will run on.
 
 A lowering is a function of jax values; inside a graph the values carry the (abstract) mesh of their
-inputs, so a lowering can still read the mesh size or ask for a dimension to be unsharded. Both serve
-only to avoid places where XLA's SPMD partitioner (jax 0.10.2) gives wrong results, never for speed:
+inputs, so a lowering can still read the mesh size or constrain a value's layout. These serve only
+to avoid places where XLA's SPMD partitioner (jax 0.10.2) gives wrong results, never for speed:
 
 * a scatter whose index dimension is sharded unevenly: the partitioner pads the indices with a valid
   position and keeps the padded updates (garbage, or the broadcast value), so they are combined into
