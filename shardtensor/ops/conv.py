@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from shardtensor.ops._layout import unshard
+from shardtensor.ops._layout import FREE, MESH, constrain
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.pooling import expand_param
 from shardtensor.ops.registry import register
@@ -33,8 +33,28 @@ def _dimension_numbers(nsp):
     return ("NC" + sp, "OI" + sp, "NC" + sp)
 
 
-def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
-    """torch's convolution without bias, on batched input (N, C, *spatial)."""
+# XLA's SPMD partitioner (jax 0.10.2) computes wrong values, raises, or aborts the process (a failed
+# CHECK in convolution_handler.cc, or heap corruption) for convolutions whose channels or kernel are
+# sharded (a transposed kernel is regrouped across its sharded dim); and it computes wrong kernel
+# gradients when the input is sharded over a spatial dim while the output gradient is sharded over the
+# batch, or, for groups > 1 (a conv with batch_group_count), when the batch is sharded over part of
+# the mesh only and replicated over the rest (batch over 'x' of a (4, 2) mesh).
+# tests/ops/test_conv_partitioning.py sweeps these. It is right when only the batch and spatial dims
+# of the activations are sharded and the kernel is whole, and for the kernel gradient when only the
+# batch is, split over the whole mesh if groups > 1: convolutions get that layout (a sharded kernel
+# is gathered, as FSDP does anyway; sharded channels are gathered; spatially sharded activations are
+# gathered for the kernel gradient only).
+_ACTIVATION = (FREE, None, FREE)  # batch and spatial dims left to XLA, channels whole
+
+
+def _kernel_grad_layout(groups):
+    """The layout of the input and output gradient in the kernel gradient's convolution."""
+    return (MESH if groups > 1 else FREE, None)
+
+
+def conv(x, w, stride, padding, dilation, transposed, output_padding, groups, layout=_ACTIVATION):
+    """torch's convolution without bias, on batched input (N, C, *spatial); ``layout`` is the one
+    the input and result are constrained to (see ``ops/_layout.constrain``)."""
     nsp = x.ndim - 2
     stride, padding, dilation = (expand_param(v, nsp) for v in (stride, padding, dilation))
     output_padding = expand_param(output_padding, nsp, 0)
@@ -46,9 +66,7 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
                 f"Given groups={groups}, weight of size {list(w.shape)}, expected input{list(x.shape)} "
                 f"to have {w.shape[1] * groups} channels, but got {x.shape[1]} channels instead"
             )
-        # a kernel sharded over a spatial dim as well as the input makes XLA's windowed partitioning
-        # wrong (dilated or uneven): keep kernels spatially whole (see ops/_layout.py)
-        w = unshard(w, range(2, w.ndim))
+        x, w = constrain(x, layout), constrain(w, (None,))
         y = lax.conv_general_dilated(
             x,
             w,
@@ -60,14 +78,14 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
             precision=HIGHEST,
             preferred_element_type=out_dtype,
         )
-        return y.astype(out_dtype)
+        return constrain(y, layout).astype(out_dtype)
     # transposed: weight is (C_in, C_out / groups, *k); run the adjoint as a dilated conv
+    x, w = constrain(x, layout), constrain(w, (None,))
     cin, cout_g, k = w.shape[0], w.shape[1], w.shape[2:]
     wt = w.reshape((groups, cin // groups, cout_g) + k)
     wt = jnp.swapaxes(wt, 1, 2).reshape((groups * cout_g, cin // groups) + k)
     wt = jnp.flip(wt, axis=tuple(range(2, 2 + nsp)))
     pads = [(d * (kk - 1) - p, d * (kk - 1) - p + op) for kk, d, p, op in zip(k, dilation, padding, output_padding)]
-    wt = unshard(wt, range(2, wt.ndim))
     y = lax.conv_general_dilated(
         x,
         wt,
@@ -80,7 +98,7 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
         precision=HIGHEST,
         preferred_element_type=out_dtype,
     )
-    return y.astype(out_dtype)
+    return constrain(y, layout).astype(out_dtype)
 
 
 def _bias_shape(nsp):
@@ -113,7 +131,9 @@ def convolution_backward(
     if output_mask[0]:
         (gx,) = jax.linear_transpose(lambda v: conv(v, w, *args), jax.ShapeDtypeStruct(x.shape, x.dtype))(grad)
     if output_mask[1]:
-        (gw,) = jax.linear_transpose(lambda v: conv(x, v, *args), jax.ShapeDtypeStruct(w.shape, w.dtype))(grad)
+        layout = _kernel_grad_layout(groups)
+        x, grad = constrain(x, layout), constrain(grad, layout)
+        (gw,) = jax.linear_transpose(lambda v: conv(x, v, *args, layout), jax.ShapeDtypeStruct(w.shape, w.dtype))(grad)
     if output_mask[2]:
         axes = (0,) + tuple(range(2, grad.ndim))
         gb = jnp.sum(grad, axis=axes, dtype=acc_dtype(grad.dtype)).astype(grad.dtype)
