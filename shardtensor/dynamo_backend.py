@@ -69,6 +69,7 @@ from torch.utils import _pytree as pytree
 
 from shardtensor import annotate, ops
 from shardtensor import metrics as counters
+from shardtensor import sharding as sh
 from shardtensor.compiler import CompiledFunction
 from shardtensor.dispatch import entry as dispatch_entry
 from shardtensor.dispatch import factories
@@ -216,6 +217,21 @@ class _TracingShardedTensor(ShardedTensor):
         from torch.utils._python_dispatch import return_and_correct_aliasing
 
         return return_and_correct_aliasing(func, args, kwargs, out)
+
+    # the sharding metadata code under trace reads (FSDPv2's output sharding asks partition_spec):
+    # what the traced input was given, from the context its real tensor reported; nothing for
+    # values computed while tracing, as for a pending ShardedTensor
+    @property
+    def mesh(self):
+        return None
+
+    @property
+    def partition_spec(self) -> sh.PartitionSpec | None:
+        return None if self._ctx is None else sh.PartitionSpec(*self._ctx[1])
+
+    @property
+    def sharding_spec(self) -> str:
+        return ""
 
     def __repr__(self, *, tensor_contents=None):
         return f"_TracingShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, sharding={self._ctx})"
