@@ -110,8 +110,10 @@ def plan_for(func, template, args, kwargs, lowering) -> Plan:
 
 def _make_plan(func, template, args, kwargs, lowering) -> Plan:
     try:
+        if lowering.meta_from_lowering:
+            raise NotImplementedError
         outs, structure = meta_outputs(func, args, kwargs)
-    except NotImplementedError:  # no meta kernel in torch
+    except NotImplementedError:  # no meta kernel in torch (or a wrong one)
         outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
     if lowering.dtypes_from_lowering:
         # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)

@@ -33,6 +33,9 @@ class Lowering:
     random: bool = False  # fn(key, *args, **kwargs): gets a fresh jax PRNG key first
     # torch's CPU kernel gives other result dtypes than its meta kernel: take them from the lowering
     dtypes_from_lowering: bool = False
+    # torch's meta kernel fails on valid inputs (the LSTM cell's, without biases): shapes and dtypes
+    # come from the lowering
+    meta_from_lowering: bool = False
     platforms: tuple = ()  # (platform name, fn) pairs: a variant of fn for that PJRT platform
     checked: bool = False  # fn may declare on-device checks (ops.checks): record the user's line
 
@@ -49,6 +52,7 @@ def register(
     static_scalars: bool = False,
     random: bool = False,
     dtypes_from_lowering: bool = False,
+    meta_from_lowering: bool = False,
     platform: str | None = None,
     checked: bool = False,
 ):
@@ -81,6 +85,7 @@ def register(
                 static_scalars=static_scalars,
                 random=random,
                 dtypes_from_lowering=dtypes_from_lowering,
+                meta_from_lowering=meta_from_lowering,
                 checked=checked,
             )
         return fn
