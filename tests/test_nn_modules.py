@@ -25,8 +25,9 @@ shards. Parameters are copied to ``st.device()`` (replicated). Test ids: ``<modu
 
 Modules that draw random numbers in the forward (dropout, RReLU in training; found by watching for an
 aten op tagged ``nondeterministic_seeded``) can't match torch's generator: their outputs and gradients
-are compared by shape and dtype only; their ``eval`` kind compares values (the identity / a fixed
-slope). Dropout's statistics are tested in tests/test_random.py.
+are compared by shape and dtype, and for nn.Dropout / Dropout1d-3d by their form (each element 0 or
+x / (1 - p), the gradient likewise); their ``eval`` kind compares values (the identity / a fixed
+slope). Dropout's masks are tested in tests/test_random.py.
 
 Expected failures live in nn_modules_expected_failures.txt, as in the OpInfo sweep: listed and failing
 -> xfail; listed and passing -> FAIL (remove the line: the file only shrinks); not listed and failing
@@ -435,6 +436,24 @@ def check(case: Case, kind: str, eager: bool) -> None:
     assert got.buffers.keys() == want.buffers.keys()
     for name, w in want.buffers.items():
         _compare(got.buffers[name], w, f"buffer {name}", values, tol)
+    if not values and isinstance(module, nn.modules.dropout._DropoutNd) and not isinstance(module, ALPHA_DROPOUT):
+        _check_dropout(module.p, args[0], got, weights)
+
+
+ALPHA_DROPOUT = (nn.AlphaDropout, nn.FeatureAlphaDropout)
+
+
+def _check_dropout(p, x, got, weights):
+    """Dropout's random result has a fixed form: each element is dropped (0) or kept and scaled by
+    1 / (1 - p), and its gradient is the output weight scaled the same way where it was kept."""
+    out = got.outputs[0].cpu().detach()
+    kept = out != 0
+    scale = 1 / (1 - p)
+    assert 0 < kept.float().mean() < 1, "dropout kept all or none of the elements"
+    torch.testing.assert_close(out, torch.where(kept, x.detach() * scale, 0), rtol=RTOL, atol=ATOL)
+    if "input 0" in got.grads:
+        grad = got.grads["input 0"].cpu()
+        torch.testing.assert_close(grad, torch.where(kept, weights[0] * scale, 0), rtol=RTOL, atol=ATOL)
 
 
 # ---- expected failures --------------------------------------------------------------------------
