@@ -397,22 +397,16 @@ def _compare(got, want, what, values, tol):
         assert got == want, f"{what}: {got!r} != {want!r}"
 
 
-def _draws_random(module, args, kwargs, kind) -> bool:
+def _random_result(case, kind, probe, outputs) -> bool:
     """Whether the forward's result depends on torch's generator: an op tagged
-    ``nondeterministic_seeded`` runs (dropout, RReLU) and a second run under another seed differs
-    (dropout with p=0, RReLU in eval, run such ops but give the same result). Runs on copies."""
-
-    def forward(seed, probe=None):
-        torch.manual_seed(seed)
-        copies = copy.deepcopy(module), *_map_once(_clone_leaf, (args, kwargs))
-        return _run(*copies, kind, backward=False, probe=probe)[0].outputs
-
-    probe = _RandomProbe()
-    first = forward(SEED + 2, probe)
+    ``nondeterministic_seeded`` ran (dropout, RReLU) and a second run, built afresh, under another
+    seed gives other ``outputs`` (dropout with p=0 and RReLU in eval run such ops, and don't)."""
     if not probe.random:
         return False
-    second = forward(SEED + 3)
-    return any(not torch.equal(a, b) for a, b in zip(first, second) if isinstance(a, torch.Tensor))
+    module, args, kwargs = case.builds[kind](kind == "train")
+    torch.manual_seed(SEED + 3)
+    again = _run(module, args, kwargs, kind, backward=False)[0].outputs
+    return any(not torch.equal(a, b) for a, b in zip(again, outputs) if isinstance(a, torch.Tensor))
 
 
 def check(case: Case, kind: str, eager: bool) -> None:
@@ -420,9 +414,10 @@ def check(case: Case, kind: str, eager: bool) -> None:
     module, args, kwargs = case.builds[kind](kind == "train")
     module_dev = copy.deepcopy(module).to(st.device())
     args_dev, kwargs_dev = _map_once(lambda x: _shard(x, eager), (args, kwargs))
-    values = not _draws_random(module, args, kwargs, kind)
     backward = not kind.startswith("inference") and (not eager or EAGER_BACKWARD)
-    want, weights = _run(module, args, kwargs, kind, backward)
+    probe = _RandomProbe()
+    want, weights = _run(module, args, kwargs, kind, backward, probe=probe)
+    values = not _random_result(case, kind, probe, want.outputs)
     with st.eager_mode(eager):
         got, _ = _run(module_dev, args_dev, kwargs_dev, kind, backward, weights)
     st.sync()
