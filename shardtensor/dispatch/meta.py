@@ -78,7 +78,8 @@ def describe(t):
 
 def outputs_from_lowering(func, lowering, args, kwargs):
     """Output metadata from the lowering itself (``jax.eval_shape``), for the few ops torch has no
-    meta kernel for (geqrf, linalg_lstsq): contiguous results of the shapes and dtypes it returns."""
+    meta kernel for (geqrf, linalg_lstsq): contiguous results of the shapes and dtypes it returns (None
+    for an undefined optional result, as the GRU cell backward's bias gradients without biases)."""
 
     # only tensors are traced: ints, bools and floats stay Python values, as in a real call
     flat, spec = pytree.tree_flatten((args, kwargs))
@@ -95,4 +96,6 @@ def outputs_from_lowering(func, lowering, args, kwargs):
     out = jax.eval_shape(run, *tensors)
     structure = "tuple" if isinstance(out, (tuple, list)) else "one"
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    return tuple((tuple(o.shape), to_torch(o.dtype), contiguous_strides(tuple(o.shape)), 0) for o in outs), structure
+    return tuple(
+        None if o is None else (tuple(o.shape), to_torch(o.dtype), contiguous_strides(tuple(o.shape)), 0) for o in outs
+    ), structure

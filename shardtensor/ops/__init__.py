@@ -27,6 +27,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     random,
     reduction,
     resize,
+    rnn,
     shape,
     sorting,
     special,

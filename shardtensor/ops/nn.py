@@ -12,7 +12,8 @@ imports (and so registers) all of them:
 * ``attention`` — the fused CPU scaled-dot-product attention op and its backward;
 * ``sampling``  — grid_sampler 2d/3d (``F.grid_sample``) and its backward;
 * ``embedding`` — embedding_bag and segment_reduce, with their backward;
-* ``distance``  — cdist and pdist, with their backward.
+* ``distance``  — cdist and pdist, with their backward;
+* ``rnn``       — the fused LSTM and GRU cells (``nn.LSTM``/``nn.GRU`` off CPU) and their backward.
 
 Two small ones live here: ``rrelu_with_noise_functional`` (``F.rrelu``) and ``_trilinear``
 (``F.bilinear``).
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from shardtensor.ops import attention, conv, distance, embedding, loss, norm, pooling, resize, sampling  # noqa: F401
+from shardtensor.ops import attention, conv, distance, embedding, loss, norm, pooling, resize, rnn, sampling  # noqa: F401
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
 from shardtensor.ops.registry import register

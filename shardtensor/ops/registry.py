@@ -33,8 +33,9 @@ class Lowering:
     random: bool = False  # fn(key, *args, **kwargs): gets a fresh jax PRNG key first
     # torch's CPU kernel gives other result dtypes than its meta kernel: take them from the lowering
     dtypes_from_lowering: bool = False
-    # torch's meta kernel refuses inputs its CPU kernel takes (it checks CUDA's rules): take the
-    # result shapes and dtypes from the lowering (jax.eval_shape) instead
+    # torch's meta kernel refuses or crashes on inputs its CPU kernel takes (it checks CUDA's rules,
+    # or the LSTM cell's without biases): take the result shapes and dtypes from the lowering
+    # (jax.eval_shape) instead
     meta_from_lowering: bool = False
     platforms: tuple = ()  # (platform name, fn) pairs: a variant of fn for that PJRT platform
     checked: bool = False  # fn may declare on-device checks (ops.checks): record the user's line
