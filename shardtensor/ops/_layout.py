@@ -16,7 +16,6 @@ Outside a mesh (concrete arrays, a graph on one device) these do nothing.
 Example::
 
     n = mesh_size(index)                   # 8 inside a graph over a (4, 2) mesh, else None
-    w = unshard(w, dims=range(2, w.ndim))  # spatial dims unsharded, O/I left to XLA
     x = constrain(x, (MESH, None, FREE))   # batch over every mesh axis, channels whole, rest free
 """
 
@@ -42,19 +41,6 @@ def mesh_size(*values):
         if mesh is not None:
             return mesh.size
     return None
-
-
-def unshard(x, dims=None):
-    """``x`` constrained to be unsharded along ``dims`` (all dims when None); the other dims are left
-    to XLA's sharding propagation."""
-    if not hasattr(x, "ndim") or x.ndim == 0:
-        return x
-    mesh = _mesh(x)
-    if mesh is None:
-        return x
-    dims = set(range(x.ndim)) if dims is None else {d % x.ndim for d in dims}
-    spec = P(*(None if d in dims else P.UNCONSTRAINED for d in range(x.ndim)))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 FREE = "free"  # ``constrain``: this dim is left to XLA's sharding propagation
