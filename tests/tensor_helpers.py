@@ -1,4 +1,5 @@
-"""Shared helpers for the ShardedTensor tests (test_tensor, test_views, test_properties)."""
+"""Shared helpers for the ShardedTensor tests (test_tensor, test_views, test_properties) and the
+OpInfo and nn-module sweeps (RandomProbe)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import contextlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import shardtensor as st
 from shardtensor.graph import state
@@ -79,3 +81,16 @@ def check_cover(x, t):
             count[tuple(index)] += 1
         assert bool((count == 1).all()), f"replica {r} does not cover the tensor exactly once:\n{count}"
     return shards
+
+
+class RandomProbe(TorchDispatchMode):
+    """Notes whether any aten op that draws from torch's generator runs (``probe.random``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.random = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.random = True
+        return func(*args, **(kwargs or {}))

@@ -51,10 +51,10 @@ import pytest
 import torch
 import torch.nn as nn
 from torch.testing._internal.common_modules import module_db
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import shardtensor as st
+from tensor_helpers import RandomProbe
 
 EXPECTED_FILE = pathlib.Path(__file__).with_name("nn_modules_expected_failures.txt")
 SEED = 0
@@ -316,19 +316,6 @@ def _clone_leaf(x):
     return x
 
 
-class _RandomProbe(TorchDispatchMode):
-    """Notes whether any aten op that draws from torch's generator runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.random = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            self.random = True
-        return func(*args, **(kwargs or {}))
-
-
 def _float_outputs(out):
     return [
         o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad
@@ -416,7 +403,7 @@ def check(case: Case, kind: str, eager: bool) -> None:
     module_dev = copy.deepcopy(module).to(st.device())
     args_dev, kwargs_dev = _map_once(lambda x: _shard(x, eager), (args, kwargs))
     backward = not kind.startswith("inference")
-    probe = _RandomProbe()
+    probe = RandomProbe()
     want, weights = _run(module, args, kwargs, kind, backward, probe=probe)
     values = not _random_result(case, kind, probe, want.outputs)
     with st.eager_mode(eager):

@@ -38,6 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import shardtensor as st
+from tensor_helpers import RandomProbe
 
 SAMPLES = int(os.environ.get("SHARDTENSOR_OPINFO_SAMPLES", "2"))
 # The variant kinds (eager mode, uneven shards, int64/bool/bfloat16) re-check an op that ``forward``
@@ -299,22 +300,9 @@ def _exact_reference(op, sample, dtype):
 UNINITIALISED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
 
-class _RandomProbe(TorchDispatchMode):
-    """Notes whether any aten op that draws from torch's generator runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.random = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            self.random = True
-        return func(*args, **(kwargs or {}))
-
-
 def _eager(fn, sample, seed=0):
     """Run ``fn`` on CPU copies of the sample: (result, whether it drew random numbers)."""
-    probe = _RandomProbe()
+    probe = RandomProbe()
     with torch.random.fork_rng(devices=[]):
         _seed_cpu(seed)
         inp, args, kwargs = _args(sample, _clone_leaf)
@@ -433,7 +421,7 @@ def check_backward(op):
     samples = _samples(op, requires_grad=True)
     checks = []
     for k, sample in enumerate(samples):
-        probe = _RandomProbe()
+        probe = RandomProbe()
         ref = _args(sample, _clone_leaf)
         with torch.random.fork_rng(devices=[]), probe:
             _seed_cpu(0)
@@ -485,7 +473,6 @@ def family(op) -> str:
     """Which shardtensor/ops/<family>.py lowers the first aten op the OpInfo entry hits in eager torch;
     'decomposed' if that op has no lowering but a torch decomposition, 'other' otherwise."""
     import torch._decomp
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from shardtensor.ops.registry import lookup
 
