@@ -48,7 +48,7 @@ from shardtensor.metrics import (  # noqa: F401
 )
 from shardtensor.runtime import initialize_cache  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
-from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
+from shardtensor.nn_utils import clip_grad_norm_, place_optimizer_state  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
@@ -127,6 +127,7 @@ __all__ = [
     # data, utilities, debugging
     "MpDeviceLoader",
     "clip_grad_norm_",
+    "place_optimizer_state",
     "visualize_sharding",
     "visualize_tensor_sharding",
     "explain",

@@ -1,4 +1,5 @@
-"""``clip_grad_norm_`` for sharded gradients, with no host round trip.
+"""``clip_grad_norm_`` for sharded gradients, with no host round trip; ``place_optimizer_state``, which
+loads an optimizer's state with its parameters' sharding.
 
 ``torch.nn.utils.clip_grad_norm_`` works on ShardedTensor gradients as well (its foreach path uses
 ``_foreach_norm``/``_foreach_mul_``, which have lowerings); this one is the same computation written
@@ -11,8 +12,12 @@ one program.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
+
+from shardtensor.annotate import shard
+from shardtensor.tensor import ShardedTensor
 
 
 def clip_grad_norm_(
@@ -53,3 +58,65 @@ def clip_grad_norm_(
         for g in grads:
             g.mul_(coef)  # a 0-d factor keeps each gradient's dtype, as in torch
     return total
+
+
+def place_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    """An ``Optimizer.register_load_state_dict_pre_hook``: state tensors go straight to the devices with
+    their parameter's sharding.
+
+    Without it, ``optimizer.load_state_dict`` of a ``torch.load``-ed (CPU) state dict moves each state
+    tensor with ``value.to(param.device)``, which replicates it on every device (``n`` times the
+    memory) until a step rewrites it. With the hook, each state tensor of a ShardedTensor parameter's
+    shape (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) is cast to the parameter's dtype as
+    torch does and sent sharded like the parameter; a ShardedTensor value laid out differently is
+    resharded. ``step`` and tensors of other shapes are left to torch. The given state dict is not
+    changed, and a state dict torch rejects (another number of groups or parameters) is passed through
+    unchanged so torch raises its own error.
+
+    Why a hook the user registers: torch casts the state in ``Optimizer.load_state_dict`` with
+    ``value.to(dtype=param.dtype, device=param.device)``, and a device carries no sharding; the only
+    automatic alternative would patch ``torch.optim.Optimizer`` for every program.
+
+    Example::
+
+        opt = torch.optim.AdamW(model.parameters())
+        opt.register_load_state_dict_pre_hook(st.place_optimizer_state)
+        opt.load_state_dict(torch.load("opt.pt"))   # exp_avg, exp_avg_sq sharded like their params
+    """
+    saved_groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        return None
+    if len(saved_groups) != len(optimizer.param_groups):
+        return None
+    param_of: dict[Any, torch.Tensor] = {}
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        if len(saved["params"]) != len(group["params"]):
+            return None
+        param_of.update(zip(saved["params"], group["params"]))
+    placed_state = {}
+    for param_id, entries in saved_state.items():
+        param = param_of.get(param_id)
+        if isinstance(param, ShardedTensor) and isinstance(entries, dict):
+            entries = {key: _placed_like(param, key, value) for key, value in entries.items()}
+        placed_state[param_id] = entries
+    return {**state_dict, "state": placed_state}
+
+
+def _placed_like(param: ShardedTensor, key: Any, value: Any) -> Any:
+    """``value`` (one optimizer state entry of ``param``) on the devices with ``param``'s sharding, or
+    ``value`` itself when torch's own cast is right for it."""
+    if key == "step" or not isinstance(value, torch.Tensor) or value.shape != param.shape:
+        return value
+    if isinstance(value, ShardedTensor):
+        if value.sharding_spec and value.sharding_spec == param.sharding_spec:
+            return value
+    elif value.device.type != "cpu":
+        return value
+    mesh, spec = param.mesh, param.partition_spec
+    if mesh is None or spec is None:  # XLA chose the parameter's layout: read it back
+        mesh, spec = param._layout()
+    with torch.no_grad():
+        if param.is_floating_point() and value.dtype != param.dtype:
+            value = value.to(param.dtype)  # as torch's cast, done on the host (or before resharding)
+        return shard(value.detach(), mesh, tuple(spec))

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -36,25 +37,27 @@ def batch_output_sharder(extra_data_axis: str | None = None):
         FSDPv2(model, shard_output=batch_output_sharder("data"))  # same as extra_data_axis="data"
     """
     data_axis = "fsdp" if extra_data_axis is None else (extra_data_axis, "fsdp")
+    # a partial of a module-level function, not a closure: torch.save of a whole FSDPv2 model pickles it
+    return functools.partial(_shard_batch_outputs, data_axis=data_axis)
 
-    def shard_output(output, mesh):
-        if not _is_container(output) and not isinstance(output, torch.Tensor):
-            raise RuntimeError(
-                f"The output type is not supported: {type(output)}. Please provide your own "
-                "shard_output callable (shard_output(output, mesh), which may return a new output)."
-            )
-        batch = _batch_size(output)
-        if batch is None:
-            return output
 
-        def shard(t):  # every leaf: tensors with the batch dimension are sharded
-            if isinstance(t, st.ShardedTensor) and t.dim() > 0 and t.shape[0] == batch:
-                return shard_batch(t, mesh, data_axis)
-            return t
+def _shard_batch_outputs(output, mesh, *, data_axis):
+    """``batch_output_sharder``'s callable: ``output`` with its batch-dim tensors sharded over ``data_axis``."""
+    if not _is_container(output) and not isinstance(output, torch.Tensor):
+        raise RuntimeError(
+            f"The output type is not supported: {type(output)}. Please provide your own "
+            "shard_output callable (shard_output(output, mesh), which may return a new output)."
+        )
+    batch = _batch_size(output)
+    if batch is None:
+        return output
 
-        return map_leaves(shard, output)
+    def shard(t):  # every leaf: tensors with the batch dimension are sharded
+        if isinstance(t, st.ShardedTensor) and t.dim() > 0 and t.shape[0] == batch:
+            return shard_batch(t, mesh, data_axis)
+        return t
 
-    return shard_output
+    return map_leaves(shard, output)
 
 
 def shard_batch(t: torch.Tensor, mesh, data_axis="fsdp") -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import shardtensor as st
 from shardtensor.fsdp.outputs import batch_output_sharder
+from shardtensor.fsdp.state_dict import keep_sharding_on_load
 from shardtensor.fsdp.wrap import recursive_wrap
 
 
@@ -117,6 +118,7 @@ class FSDPv2(nn.Module):
             )
 
         _shard_parameters(module, mesh)
+        module.register_load_state_dict_pre_hook(keep_sharding_on_load)
         self._orig_module = module
         self._mesh = mesh
         self._shard_output = shard_output

@@ -219,8 +219,15 @@ class ShardedTensor(torch.Tensor):
         return f"ShardedTensor({value!r}, sharding={self.sharding_spec!r}{grad}{req})"
 
     def __reduce_ex__(self, protocol):
-        # torch.save of a ShardedTensor writes a plain CPU tensor that loads without shardtensor.
+        # torch.save of a ShardedTensor writes a plain CPU tensor that loads without shardtensor;
+        # an nn.Parameter (a whole pickled module) is rebuilt as a Parameter with its mesh and spec.
         cpu = self.detach().cpu()
+        if getattr(self, "_is_param", False):
+            from shardtensor.tensor.upload import rebuild_sharded_parameter  # (upload imports this module)
+
+            mesh, spec = self._layout()
+            layout = (mesh.device_ids.tolist(), tuple(mesh.mesh_shape), mesh.axis_names, tuple(spec))
+            return (rebuild_sharded_parameter, (cpu, self.requires_grad, *layout))
         if self.requires_grad:
             cpu.requires_grad_(True)
         return cpu.__reduce_ex__(protocol)

@@ -1,0 +1,168 @@
+"""State dicts of sharded modules and optimizers: loading keeps each tensor's sharding (no replicated
+copy), a pickled module keeps its sharded ``nn.Parameter``s, and a load that fails changes nothing."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import shardtensor as st
+from shardtensor.fsdp import FSDPv2
+
+MESH = st.Mesh(range(8), (8,), ("fsdp",))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    return Tiny()
+
+
+def round_trip(obj, **load_kwargs):
+    """``obj`` written with ``torch.save`` and read back with ``torch.load`` (CPU tensors)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, **load_kwargs)
+
+
+def bytes_per_device(t):
+    return [s.data.numel() * s.data.element_size() for s in t.local_shards]
+
+
+def train_step(model, opt, x):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("source", ["sharded", "torch.load"])
+def test_adamw_state_loads_with_its_parameters_sharding_and_the_next_step_matches(source):
+    x = torch.randn(8, 16)
+    eager = tiny()
+    eager_opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    for _ in range(2):
+        train_step(eager, eager_opt, x)
+
+    model = FSDPv2(tiny(), mesh=MESH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    xs = x.to(st.device())
+    train_step(model, opt, xs)
+    saved = opt.state_dict()
+    layout_before = {i: bytes_per_device(opt.state[p]["exp_avg_sq"]) for i, p in enumerate(model.parameters())}
+    values_before = {i: {k: v.cpu() for k, v in s.items()} for i, s in saved["state"].items()}
+    if source == "torch.load":
+        saved = round_trip(saved)
+        assert not isinstance(saved["state"][0]["exp_avg"], st.ShardedTensor)
+    module_state = round_trip(model.module.state_dict())
+
+    fresh = FSDPv2(tiny(seed=1), mesh=MESH)
+    fresh.module.load_state_dict(module_state)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh_opt.register_load_state_dict_pre_hook(st.place_optimizer_state)
+    fresh_opt.load_state_dict(saved)
+    for i, p in enumerate(fresh.parameters()):
+        state = fresh_opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].sharding_spec == p.sharding_spec
+            assert bytes_per_device(state[key]) == layout_before[i]  # one shard per device, not a replica
+            assert torch.equal(state[key].cpu(), values_before[i][key])
+        assert torch.equal(state["step"].cpu(), values_before[i]["step"])
+
+    train_step(fresh, fresh_opt, xs)
+    for p, ref in zip(fresh.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.cpu(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_an_optimizer_state_dict_for_other_parameters_gives_torchs_error_and_loads_nothing():
+    model = FSDPv2(tiny(), mesh=MESH)
+    opt = torch.optim.AdamW(model.parameters())
+    opt.register_load_state_dict_pre_hook(st.place_optimizer_state)
+    other = torch.optim.AdamW(list(tiny().parameters())[:3])  # 3 parameters, not 4
+    with pytest.raises(ValueError, match="doesn't match the size of optimizer's group"):
+        opt.load_state_dict(round_trip(other.state_dict()))
+    assert len(opt.state) == 0
+
+
+def test_torch_save_of_a_whole_sharded_module_keeps_its_sharded_parameters():
+    model = FSDPv2(tiny(), mesh=MESH)
+    model.module.a.weight.requires_grad_(False)
+    loaded = round_trip(model, weights_only=False)
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
+        assert isinstance(q, nn.Parameter) and isinstance(q, st.ShardedTensor), name
+        assert (q.partition_spec, q.requires_grad) == (p.partition_spec, p.requires_grad), name
+        assert torch.equal(q.cpu(), p.cpu()), name
+    x = torch.randn(8, 16).to(st.device())
+    torch.testing.assert_close(loaded(x).cpu(), model(x).cpu(), rtol=0, atol=0)
+    # a state dict still holds plain CPU tensors, loadable without shardtensor (weights_only=True)
+    plain = round_trip(model.module.state_dict(), weights_only=True)
+    assert all(type(v) is torch.Tensor for v in plain.values())
+
+
+def test_a_pickled_sharded_parameter_without_its_devices_loads_as_a_cpu_parameter_with_a_warning(monkeypatch):
+    import shardtensor.tensor.upload as upload
+
+    weight = nn.Parameter(st.shard(torch.randn(16, 4), MESH, ("fsdp", None)))
+    data = io.BytesIO()
+    torch.save(weight, data)
+    monkeypatch.setattr(upload, "jax_devices", lambda: list(range(4)))  # a process with 4 devices
+    data.seek(0)
+    with pytest.warns(UserWarning, match=r"sharded over devices \[0, 1, 2, 3, 4, 5, 6, 7\].*CPU nn.Parameter"):
+        loaded = torch.load(data, weights_only=False)
+    assert type(loaded) is nn.Parameter and loaded.device.type == "cpu" and loaded.requires_grad
+    assert torch.equal(loaded.detach(), weight.cpu())
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_module_load_state_dict_from_cpu_keeps_each_parameters_sharding(assign):
+    source = tiny(seed=1).state_dict()
+    model = FSDPv2(tiny(), mesh=MESH)
+    specs = {name: p.partition_spec for name, p in model.module.named_parameters()}
+    model.module.load_state_dict(source, assign=assign)
+    for name, p in model.module.named_parameters():
+        assert isinstance(p, nn.Parameter) and p.requires_grad
+        assert p.partition_spec == specs[name], name
+        assert bytes_per_device(p) == [p.numel() * 4 // 8] * 8, name
+        assert torch.equal(p.cpu(), source[name]), name
+
+    partial = {k: v + 1 for k, v in source.items() if k != "b.bias"}
+    result = model.module.load_state_dict(partial, strict=False, assign=assign)
+    assert result.missing_keys == ["b.bias"]
+    for name, p in model.module.named_parameters():
+        assert p.partition_spec == specs[name], name
+        assert torch.equal(p.cpu(), partial.get(name, source[name])), name
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_shape_mismatch_gives_torchs_error_and_the_module_is_unchanged(assign):
+    model = FSDPv2(tiny(), mesh=MESH)
+    before = {k: v.cpu() for k, v in model.module.state_dict().items()}
+    bad = {k: v + 1 for k, v in tiny(seed=1).state_dict().items()}
+    bad["b.weight"] = torch.zeros(8, 31)
+    with pytest.raises(RuntimeError, match=r"size mismatch for b.weight: copying a param with shape"):
+        model.module.load_state_dict(bad, assign=assign)
+    for name, p in model.module.named_parameters():
+        assert torch.equal(p.cpu(), before[name]), name
+        assert p.partition_spec is not None, name
+
+
+def test_a_dtype_mismatch_is_cast_as_torch_does_and_keeps_the_sharding():
+    source = {k: v.double() for k, v in tiny(seed=1).state_dict().items()}
+    model = FSDPv2(tiny(), mesh=MESH)
+    reference = copy.deepcopy(tiny())
+    reference.load_state_dict(source)
+    model.module.load_state_dict(source)
+    for (name, p), ref in zip(model.module.named_parameters(), reference.parameters()):
+        assert p.dtype == ref.dtype == torch.float32 and p.partition_spec is not None, name
+        assert torch.equal(p.cpu(), ref.detach()), name
