@@ -3,6 +3,11 @@ copy), a pickled module keeps its sharded ``nn.Parameter``s, and a load that fai
 
 import copy
 import io
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import shardtensor as st
 from shardtensor.fsdp import FSDPv2
 
 MESH = st.Mesh(range(8), (8,), ("fsdp",))
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class Tiny(nn.Module):
@@ -95,33 +101,59 @@ def test_an_optimizer_state_dict_for_other_parameters_gives_torchs_error_and_loa
     assert len(opt.state) == 0
 
 
-def test_torch_save_of_a_whole_sharded_module_keeps_its_sharded_parameters():
+def test_torch_save_of_a_whole_fsdp_model_keeps_its_sharded_parameters():
     model = FSDPv2(tiny(), mesh=MESH)
     model.module.a.weight.requires_grad_(False)
     loaded = round_trip(model, weights_only=False)
     for (name, p), q in zip(model.named_parameters(), loaded.parameters()):
         assert isinstance(q, nn.Parameter) and isinstance(q, st.ShardedTensor), name
         assert (q.partition_spec, q.requires_grad) == (p.partition_spec, p.requires_grad), name
+        assert bytes_per_device(q) == bytes_per_device(p), name
         assert torch.equal(q.cpu(), p.cpu()), name
     x = torch.randn(8, 16).to(st.device())
     torch.testing.assert_close(loaded(x).cpu(), model(x).cpu(), rtol=0, atol=0)
-    # a state dict still holds plain CPU tensors, loadable without shardtensor (weights_only=True)
-    plain = round_trip(model.module.state_dict(), weights_only=True)
+
+
+def test_a_pickled_sharded_parameter_is_a_cpu_parameter_and_a_state_dict_plain_tensors():
+    weight = nn.Parameter(st.shard(torch.randn(16, 4), MESH, ("fsdp", None)), requires_grad=False)
+    back = round_trip({"w": weight}, weights_only=True)["w"]  # loadable without shardtensor
+    assert type(back) is nn.Parameter and not back.requires_grad and torch.equal(back, weight.cpu())
+    plain = round_trip(FSDPv2(tiny(), mesh=MESH).module.state_dict(), weights_only=True)
     assert all(type(v) is torch.Tensor for v in plain.values())
 
 
-def test_a_pickled_sharded_parameter_without_its_devices_loads_as_a_cpu_parameter_with_a_warning(monkeypatch):
-    import shardtensor.tensor.upload as upload
+_LOAD_WITH_4_DEVICES = """
+    import io, sys, warnings, torch, shardtensor as st
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = torch.load(io.BytesIO(sys.stdin.buffer.read()), weights_only=False)
+    params = list(model.parameters())
+    print(st.global_runtime_device_count(), all(type(p) is torch.nn.Parameter for p in params),
+          {p.device.type for p in params}, float(sum(p.detach().sum() for p in params)))
+    print(*[str(w.message) for w in caught])
+"""
 
-    weight = nn.Parameter(st.shard(torch.randn(16, 4), MESH, ("fsdp", None)))
+
+def test_a_pickled_fsdp_model_without_its_mesh_loads_cpu_parameters_with_a_warning():
+    model = FSDPv2(nn.Sequential(nn.Linear(16, 8)), mesh=MESH)
     data = io.BytesIO()
-    torch.save(weight, data)
-    monkeypatch.setattr(upload, "jax_devices", lambda: list(range(4)))  # a process with 4 devices
-    data.seek(0)
-    with pytest.warns(UserWarning, match=r"sharded over devices \[0, 1, 2, 3, 4, 5, 6, 7\].*CPU nn.Parameter"):
-        loaded = torch.load(data, weights_only=False)
-    assert type(loaded) is nn.Parameter and loaded.device.type == "cpu" and loaded.requires_grad
-    assert torch.equal(loaded.detach(), weight.cpu())
+    torch.save(model, data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
+    env.update(SHARDTENSOR_CPU_DEVICES="4", PYTHONPATH=str(ROOT))
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LOAD_WITH_4_DEVICES)],
+        input=data.getvalue(),
+        capture_output=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    counts, warning = result.stdout.decode().splitlines()
+    total = float(sum(p.detach().sum() for p in model.parameters()))
+    assert counts.split()[:3] == ["4", "True", "{'cpu'}"]
+    assert float(counts.split()[3]) == pytest.approx(total, rel=1e-6)
+    assert "of 8 devices" in warning and "loaded as CPU nn.Parameters" in warning
 
 
 @pytest.mark.parametrize("assign", [False, True])

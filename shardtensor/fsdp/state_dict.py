@@ -1,5 +1,9 @@
-"""``load_state_dict`` into an FSDPv2-wrapped module: the parameters stay sharded, and a failed load
-changes nothing.
+"""State dicts and pickles of an FSDPv2-wrapped module keep its parameters sharded; a failed
+``load_state_dict`` changes nothing.
+
+``torch.save`` of a whole FSDPv2 model writes each parameter as a plain CPU ``nn.Parameter`` (so the
+file holds no jax object) and the wrapper's pickled state records their meshes and specs
+(``parameter_layouts``); ``torch.load`` puts them back on the devices (``restore_parameter_layouts``).
 
 FSDPv2 registers ``keep_sharding_on_load`` as a load-state-dict pre-hook of the module it wraps, so
 it runs whether the wrapper or the wrapped module is loaded into. Plain ``load_state_dict``
@@ -16,6 +20,7 @@ things torch does not do for a sharded module:
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -42,7 +47,7 @@ def keep_sharding_on_load(
         net.load_state_dict(torch.load("net.pt"), assign=True)
         net.fc.weight.partition_spec   # still PartitionSpec(None, 'fsdp')
     """
-    targets = {prefix + name: t for name, t in module.named_parameters()}
+    targets: dict[str, torch.Tensor] = {prefix + name: t for name, t in module.named_parameters()}
     targets.update({prefix + name: t for name, t in module.named_buffers()})
     if any(_mismatched(targets[key], value) for key, value in state_dict.items() if key in targets):
         for key, target in targets.items():
@@ -71,3 +76,56 @@ def _mismatched(target: torch.Tensor, value: Any) -> bool:
     if target.dim() == 0 and value.shape == (1,):
         return False
     return value.shape != target.shape
+
+
+def parameter_layouts(module: nn.Module) -> dict[str, tuple]:
+    """Each sharded parameter's mesh and spec as plain data, by name (tied names included), for
+    ``FSDPv2.__getstate__``: a pickled ShardedTensor parameter is a plain CPU ``nn.Parameter``.
+
+    Example::
+
+        parameter_layouts(net)["fc.weight"]   # ([0, ..., 7], (8,), ('fsdp',), (None, 'fsdp'))
+    """
+    layouts = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if isinstance(p, st.ShardedTensor) and p.mesh is not None and p.partition_spec is not None:
+            mesh = p.mesh
+            layouts[name] = (mesh.device_ids.tolist(), tuple(mesh.mesh_shape), mesh.axis_names, tuple(p.partition_spec))
+    return layouts
+
+
+def restore_parameter_layouts(module: nn.Module, layouts: dict[str, tuple]) -> None:
+    """Send the CPU parameters named in ``layouts`` back to the devices with their saved sharding
+    (``FSDPv2.__setstate__``); tied parameters stay tied. When a saved mesh cannot be built here
+    (another number of devices), the parameters stay CPU ``nn.Parameter``s, with a warning.
+
+    Example::
+
+        restore_parameter_layouts(net, parameter_layouts(net))   # a no-op on a sharded module
+    """
+    meshes: dict[tuple, st.Mesh] = {}
+    for device_ids, mesh_shape, axis_names, _ in layouts.values():
+        key = (tuple(device_ids), mesh_shape, axis_names)
+        if key not in meshes:
+            try:
+                meshes[key] = st.Mesh(device_ids, mesh_shape, axis_names)
+            except st.MeshError as e:
+                warnings.warn(
+                    f"FSDPv2: the saved parameters were sharded over a mesh {mesh_shape} {axis_names} of "
+                    f"{len(device_ids)} devices, which this process cannot build ({e}); they are loaded as "
+                    "CPU nn.Parameters. Wrap the module with FSDPv2 again once such a mesh exists.",
+                    stacklevel=3,
+                )
+                return
+    placed: dict[int, nn.Parameter] = {}
+    for module_name, sub in module.named_modules(remove_duplicate=False):
+        for name, p in list(sub.named_parameters(recurse=False)):
+            layout = layouts.get(f"{module_name}.{name}" if module_name else name)
+            if layout is None or isinstance(p, st.ShardedTensor):
+                continue
+            new = placed.get(id(p))
+            if new is None:
+                device_ids, mesh_shape, axis_names, spec = layout
+                mesh = meshes[(tuple(device_ids), mesh_shape, axis_names)]
+                new = placed[id(p)] = nn.Parameter(st.shard(p.detach(), mesh, spec), requires_grad=p.requires_grad)
+            setattr(sub, name, new)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 import shardtensor as st
 from shardtensor.fsdp.outputs import batch_output_sharder
-from shardtensor.fsdp.state_dict import keep_sharding_on_load
+from shardtensor.fsdp.state_dict import keep_sharding_on_load, parameter_layouts, restore_parameter_layouts
 from shardtensor.fsdp.wrap import recursive_wrap
 
 
@@ -137,6 +137,15 @@ class FSDPv2(nn.Module):
         return output if sharded is None else sharded
 
     __signature__ = _ModuleForwardSignature()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # a pickled ShardedTensor parameter is a plain CPU nn.Parameter: keep the shardings beside them
+        return {**super().__getstate__(), "_saved_parameter_layouts": parameter_layouts(self._orig_module)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        layouts = state.pop("_saved_parameter_layouts", {})
+        super().__setstate__(state)
+        restore_parameter_layouts(self._orig_module, layouts)
 
     def __getattr__(self, name: str):
         try:

@@ -7,6 +7,7 @@ op-handler slot (``set_op_handler``) when imported.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import functools
@@ -219,15 +220,11 @@ class ShardedTensor(torch.Tensor):
         return f"ShardedTensor({value!r}, sharding={self.sharding_spec!r}{grad}{req})"
 
     def __reduce_ex__(self, protocol):
-        # torch.save of a ShardedTensor writes a plain CPU tensor that loads without shardtensor;
-        # an nn.Parameter (a whole pickled module) is rebuilt as a Parameter with its mesh and spec.
+        # torch.save of a ShardedTensor writes a plain CPU tensor that loads without shardtensor, an
+        # nn.Parameter a plain CPU Parameter (FSDPv2 records its parameters' sharding beside them).
         cpu = self.detach().cpu()
         if getattr(self, "_is_param", False):
-            from shardtensor.tensor.upload import rebuild_sharded_parameter  # (upload imports this module)
-
-            mesh, spec = self._layout()
-            layout = (mesh.device_ids.tolist(), tuple(mesh.mesh_shape), mesh.axis_names, tuple(spec))
-            return (rebuild_sharded_parameter, (cpu, self.requires_grad, *layout))
+            return (torch._utils._rebuild_parameter, (cpu, self.requires_grad, collections.OrderedDict()))
         if self.requires_grad:
             cpu.requires_grad_(True)
         return cpu.__reduce_ex__(protocol)

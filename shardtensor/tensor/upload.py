@@ -4,8 +4,6 @@ padded where the sharding does not divide), as the storage cells of new ShardedT
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import numpy as np
 import torch
@@ -14,8 +12,8 @@ from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph.ir import Cell
-from shardtensor.mesh import Mesh, default_mesh
-from shardtensor.runtime import check_not_forked, jax_devices, with_x64
+from shardtensor.mesh import default_mesh
+from shardtensor.runtime import check_not_forked, with_x64
 from shardtensor.tensor.sharded import ShardedTensor
 
 
@@ -64,29 +62,3 @@ def wrap_upload(array, shape, dtype, mesh=None, spec=None) -> ShardedTensor:
     counters.increment("TransferToDevice")
     sharding = None if spec is None else sh.ShardingSpec(mesh, spec)
     return ShardedTensor(Cell(array, tuple(shape), dtype, sharding, owned=True))
-
-
-def rebuild_sharded_parameter(
-    value: torch.Tensor, requires_grad: bool, device_ids: list, mesh_shape: tuple, axis_names: tuple | None, spec: tuple
-) -> torch.nn.Parameter:
-    """What ``torch.load`` calls for a pickled ShardedTensor ``nn.Parameter`` (a whole module saved
-    with ``torch.save``): the parameter back on the devices with its saved mesh and spec; a CPU
-    ``nn.Parameter`` with a warning when this process has fewer devices than the mesh named.
-
-    Its arguments are plain data (a CPU tensor, ints, strings), so the saved file holds no jax object.
-
-    Example::
-
-        torch.save(model, "model.pt"); torch.load("model.pt", weights_only=False).fc.weight.partition_spec
-    """
-    if max(device_ids, default=-1) >= len(jax_devices()):
-        warnings.warn(
-            f"a saved parameter was sharded over devices {list(device_ids)}, but this process has "
-            f"{len(jax_devices())}: it is loaded as a CPU nn.Parameter. Shard it with st.shard "
-            "(or wrap the module with FSDPv2) once a mesh of those devices exists.",
-            stacklevel=2,
-        )
-        return torch.nn.Parameter(value, requires_grad=requires_grad)
-    mesh = Mesh(device_ids, mesh_shape, axis_names)
-    sharded = ShardedTensor(cell_from_host(torch_to_numpy(value.contiguous()), mesh, spec, value.dtype))
-    return torch.nn.Parameter(sharded, requires_grad=requires_grad)
