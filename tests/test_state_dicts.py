@@ -21,18 +21,19 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class Tiny(nn.Module):
-    def __init__(self):
+    def __init__(self, norm):
         super().__init__()
         self.a = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32) if norm else nn.Identity()  # buffers
         self.b = nn.Linear(32, 8)
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x)))
+        return self.b(self.norm(torch.relu(self.a(x))))
 
 
-def tiny(seed=0):
+def tiny(seed=0, norm=False):
     torch.manual_seed(seed)
-    return Tiny()
+    return Tiny(norm)
 
 
 def round_trip(obj, **load_kwargs):
@@ -158,8 +159,8 @@ def test_a_pickled_fsdp_model_without_its_mesh_loads_cpu_parameters_with_a_warni
 
 @pytest.mark.parametrize("assign", [False, True])
 def test_module_load_state_dict_from_cpu_keeps_each_parameters_sharding(assign):
-    source = tiny(seed=1).state_dict()
-    model = FSDPv2(tiny(), mesh=MESH)
+    source = tiny(seed=1, norm=True).state_dict()
+    model = FSDPv2(tiny(norm=True), mesh=MESH)
     specs = {name: p.partition_spec for name, p in model.module.named_parameters()}
     model.module.load_state_dict(source, assign=assign)
     for name, p in model.module.named_parameters():
@@ -167,6 +168,9 @@ def test_module_load_state_dict_from_cpu_keeps_each_parameters_sharding(assign):
         assert p.partition_spec == specs[name], name
         assert bytes_per_device(p) == [p.numel() * 4 // 8] * 8, name
         assert torch.equal(p.cpu(), source[name]), name
+
+    for name, buffer in model.module.named_buffers():
+        assert isinstance(buffer, st.ShardedTensor) and torch.equal(buffer.cpu(), source[name]), name
 
     partial = {k: v + 1 for k, v in source.items() if k != "b.bias"}
     result = model.module.load_state_dict(partial, strict=False, assign=assign)

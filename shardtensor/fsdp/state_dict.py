@@ -12,7 +12,8 @@ things torch does not do for a sharded module:
 
 - ``assign=True`` replaces each parameter by the state dict's tensor (torch keeps *its* device and
   dtype). A CPU value would make a sharded parameter a CPU one, which no FSDPv2 user wants: it is
-  sent to the devices with the old parameter's mesh and spec instead (its dtype kept, as torch).
+  sent to the devices with the old parameter's mesh and spec instead (its dtype kept, as torch); a
+  buffer on the devices stays there.
 - torch loads every key it can and reports a shape mismatch only at the end, so a wrong checkpoint
   leaves the module half overwritten. When any value's shape does not match, the hook points every
   other key at the module's current tensor, so torch raises its own error and nothing changes.
@@ -56,16 +57,16 @@ def keep_sharding_on_load(
         return
     if not local_metadata.get("assign_to_params_buffers", False):
         return
-    for name, param in module.named_parameters():
-        value = state_dict.get(prefix + name)
-        if (
-            isinstance(param, st.ShardedTensor)
-            and param.mesh is not None
-            and param.partition_spec is not None
-            and isinstance(value, torch.Tensor)
-            and value.device.type == "cpu"
+    for name, target in targets.items():
+        value = state_dict.get(name)
+        if not (
+            isinstance(target, st.ShardedTensor) and isinstance(value, torch.Tensor) and value.device.type == "cpu"
         ):
-            state_dict[prefix + name] = st.shard(value.detach(), param.mesh, param.partition_spec)
+            continue
+        if target.mesh is not None and target.partition_spec is not None:
+            state_dict[name] = st.shard(value.detach(), target.mesh, target.partition_spec)
+        else:  # a buffer FSDPv2 moved without a sharding (BatchNorm's running stats): to the devices too
+            state_dict[name] = value.detach().to(st.device())
 
 
 def _mismatched(target: torch.Tensor, value: Any) -> bool:
