@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from types import EllipsisType
 from typing import Any, cast
@@ -24,7 +25,7 @@ from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import Mesh, default_mesh
-from shardtensor.tensor import backward_errors, readback
+from shardtensor.tensor import backward_errors, readback, storage
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides, meta_like
 
@@ -181,6 +182,12 @@ class ShardedTensor(torch.Tensor):
         return readback.materialize(self)
 
     # --- conversions ---------------------------------------------------------------------
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # identified by the storage cell, so safetensors and transformers can group tensors by storage
+        cell = self._cell
+        nbytes = math.prod(cell.shape) * cell.dtype.itemsize
+        return storage.storage_of(super().untyped_storage(), id(cell), nbytes)
+
     def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.cpu().numpy()
 
