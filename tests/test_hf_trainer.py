@@ -43,7 +43,7 @@ def _clean():
     reset_state()
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(**options) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=100,
         hidden_size=32,
@@ -52,6 +52,7 @@ def tiny_llama() -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16,
+        **options,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -152,3 +153,27 @@ def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
     assert len(losses) == 2
     torch.testing.assert_close(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
     assert_same_parameters(wrapped.module, reference)
+
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
+    """``save_pretrained`` of the Llama on the shardtensor device writes safetensors that ``from_pretrained``
+    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving").
+    Wrapped whole in FSDPv2, ``model.module.save_pretrained(dir)``; with decoder layers wrapped too, their
+    names carry FSDPv2's ``_orig_module.``, which the recipe drops from the state dict it passes."""
+    reference = tiny_llama(tie_word_embeddings=tied)
+    model = copy.deepcopy(reference).to(st.device())
+    if tied:
+        wrapped = fsdp_wrap(model)
+        state = {k.replace("_orig_module.", ""): v for k, v in wrapped.module.state_dict().items()}
+        wrapped.module.save_pretrained(tmp_path, state_dict=state)
+    else:
+        wrapped = FSDPv2(model)
+        wrapped.module.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+    assert reloaded.state_dict().keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
