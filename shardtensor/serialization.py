@@ -14,6 +14,7 @@ collective); only process 0 writes unless ``master_only=False``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -182,7 +183,9 @@ def save_file(
     offset = 0
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"save_file: {name!r} is a {type(tensor).__name__}, not a tensor (safetensors holds tensors only)")
+            raise ValueError(
+                f"save_file: {name!r} is a {type(tensor).__name__}, not a tensor (safetensors holds tensors only)"
+            )
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"save_file: {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
         size = tensor.numel() * tensor.element_size()
@@ -196,26 +199,25 @@ def save_file(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
-    writes = _writes_here(master_only)
+    if not _writes_here(master_only):
+        for tensor in state_dict.values():
+            _to_host(tensor)  # (reading a sharded tensor is a collective: every process takes part)
+        return
     temporary = os.fspath(path) + ".partial"
-    file = open(temporary, "wb") if writes else None
     try:
-        if file is not None:
+        with open(temporary, "wb") as file:
             file.write(struct.pack("<Q", len(encoded)))
             file.write(encoded)
-        for tensor in state_dict.values():
-            host = _to_host(tensor).detach().contiguous()  # (a collective for a sharded tensor)
-            if file is not None and host.numel():
-                file.write(host.reshape(-1).view(torch.uint8).numpy().data)
-            del host
+            for tensor in state_dict.values():
+                host = _to_host(tensor).detach().contiguous()
+                if host.numel():
+                    file.write(host.reshape(-1).view(torch.uint8).numpy().data)
+                del host
     except BaseException:
-        if file is not None:
-            file.close()
+        with contextlib.suppress(FileNotFoundError):
             os.remove(temporary)
         raise
-    if file is not None:
-        file.close()
-        os.replace(temporary, path)  # a reader never sees a half-written file under the final name
+    os.replace(temporary, path)  # a reader never sees a half-written file under the final name
 
 
 Specs = Mapping[str, tuple[Mesh, Any]] | Callable[[str, torch.Tensor], "tuple[Mesh, Any] | None"]
@@ -235,7 +237,8 @@ def load_file(
     Example::
 
         mesh = st.get_1d_mesh("fsdp")
-        sd = st.load_file("model.safetensors", specs=lambda name, t: (mesh, ("fsdp",) + (None,) * (t.dim() - 1)) if t.dim() else None)
+        rows = lambda name, t: (mesh, ("fsdp",) + (None,) * (t.dim() - 1)) if t.dim() else None
+        sd = st.load_file("model.safetensors", specs=rows)   # dimension 0 of each tensor over 'fsdp'
     """
     from safetensors import safe_open  # (optional dependency: installed with transformers)
 

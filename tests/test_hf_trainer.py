@@ -71,7 +71,7 @@ def fsdp_wrap(model):
 
 def train_with_trainer(model, **options):
     """Trainer with default TrainingArguments apart from the run's length, logging, output and seed
-    (no checkpoint is written: saving from shardtensor is not supported yet, see docs/hf.md).
+    (no checkpoint is written: Trainer saves an FSDPv2 model's weights under FSDPv2's names, see docs/hf.md).
     Returns (losses, grad norms) per step and the Trainer."""
     args = TrainingArguments(
         output_dir="unused",  # nothing is written: save_strategy="no"
@@ -153,7 +153,6 @@ def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
     assert len(losses) == 2
     torch.testing.assert_close(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
     assert_same_parameters(wrapped.module, reference)
-
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])

@@ -93,7 +93,9 @@ def test_st_save_file_and_load_file(mesh, tmp_path):
     assert loaded["bias"].sharding_spec in ("", "{replicated}")
     assert_same_cpu({k: v.cpu() for k, v in loaded.items()}, cpu)
 
-    by_rule = st.load_file(path, specs=lambda name, t: (mesh, ("x",) + (None,) * (t.dim() - 1)) if t.dim() == 2 else None)
+    by_rule = st.load_file(
+        path, specs=lambda name, t: (mesh, ("x",) + (None,) * (t.dim() - 1)) if t.dim() == 2 else None
+    )
     assert by_rule["uneven"].sharding_spec == on_device["uneven"].sharding_spec
     assert_close(by_rule["uneven"].cpu(), cpu["uneven"], rtol=0, atol=0)
     assert_same_cpu(st.load_file(path, device="cpu"), cpu)

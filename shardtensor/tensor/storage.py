@@ -25,10 +25,10 @@ class CellStorage(torch.UntypedStorage):
     _cell_id: int
     _cell_nbytes: int
 
-    def data_ptr(self) -> int:  # type: ignore[override]
+    def data_ptr(self) -> int:
         return self._cell_id
 
-    def nbytes(self) -> int:  # type: ignore[override]
+    def nbytes(self) -> int:
         return self._cell_nbytes
 
 
