@@ -184,7 +184,9 @@ class ShardedTensor(torch.Tensor):
     # --- conversions ---------------------------------------------------------------------
     def untyped_storage(self) -> torch.UntypedStorage:
         # identified by the storage cell, so safetensors and transformers can group tensors by storage
-        cell = self._cell
+        cell = getattr(self, "_cell", None)
+        if cell is None:  # (torch.compile's tracing subclass has no cell: torch's storage)
+            return super().untyped_storage()
         nbytes = math.prod(cell.shape) * cell.dtype.itemsize
         return storage.storage_of(super().untyped_storage(), id(cell), nbytes)
 
