@@ -10,6 +10,7 @@ import copy
 import functools
 
 import pytest
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -164,13 +165,16 @@ def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
     reference = tiny_llama(tie_word_embeddings=tied)
     model = copy.deepcopy(reference).to(st.device())
     if tied:
+        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving")
         wrapped = fsdp_wrap(model)
         state = {k.replace("_orig_module.", ""): v for k, v in wrapped.module.state_dict().items()}
         wrapped.module.save_pretrained(tmp_path, state_dict=state)
     else:
         wrapped = FSDPv2(model)
         wrapped.module.save_pretrained(tmp_path)
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "config.json").exists()
+    assert (tmp_path / "config.json").exists()
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in saved) != tied  # a tied lm_head is found sharing the embedding's storage
     reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
     assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
     assert reloaded.state_dict().keys() == reference.state_dict().keys()
