@@ -180,3 +180,24 @@ def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
     assert reloaded.state_dict().keys() == reference.state_dict().keys()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
+    """``accelerator.save_state(dir)`` of an FSDPv2 model (safetensors' ``save_model``, which keeps tensors
+    that start their storage) and ``load_state`` back into it: the weights and each parameter's sharding."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
+    reference = tiny_llama()
+    accelerator = Accelerator()
+    model = FSDPv2(copy.deepcopy(reference).to(st.device()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    specs = {name: p.sharding_spec for name, p in model.named_parameters()}
+    accelerator.save_state(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(tmp_path)
+    for name, p in model.named_parameters():
+        assert p.sharding_spec == specs[name], name
+    assert_same_parameters(model.module, reference)

@@ -190,6 +190,13 @@ class ShardedTensor(torch.Tensor):
         nbytes = math.prod(cell.shape) * cell.dtype.itemsize
         return storage.storage_of(super().untyped_storage(), id(cell), nbytes)
 
+    def data_ptr(self) -> int:
+        # consistent with untyped_storage(): safetensors' save_model keeps a tensor that starts its storage
+        cell = getattr(self, "_cell", None)
+        if cell is None:
+            return super().data_ptr()
+        return id(cell) + self.storage_offset() * self.element_size()
+
     def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.cpu().numpy()
 
