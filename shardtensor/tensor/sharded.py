@@ -195,7 +195,7 @@ class ShardedTensor(torch.Tensor):
         cell = getattr(self, "_cell", None)
         if cell is None:
             return super().data_ptr()
-        return id(cell) + self.storage_offset() * self.element_size()
+        return id(cell) + int(self.storage_offset()) * self.element_size()
 
     def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.cpu().numpy()
