@@ -170,7 +170,8 @@ def save_file(
 ) -> None:
     """Write ``state_dict`` as a safetensors file, copying one tensor at a time to the host
     (``safetensors.torch.save_file`` copies all of them first). The file loads with
-    ``safetensors.torch.load_file`` without shardtensor, or with ``load_file`` here.
+    ``safetensors.torch.load_file`` without shardtensor, or with ``load_file`` here. Unlike safetensors'
+    ``save_file`` it does not refuse tensors that share storage: each name is written in full.
 
     Every process must call it in a job of several processes; only process 0 writes unless
     ``master_only=False``.
