@@ -51,6 +51,8 @@ from shardtensor.data import MpDeviceLoader  # noqa: F401
 from shardtensor.nn_utils import clip_grad_norm_, place_optimizer_state  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
+from shardtensor import serialization  # noqa: F401
+from shardtensor.serialization import torch_save as save, save_file, load_file  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 # isort: on
 
@@ -132,4 +134,9 @@ __all__ = [
     "visualize_tensor_sharding",
     "explain",
     "Explanation",
+    # saving (checkpoints: shardtensor.checkpoint)
+    "serialization",
+    "save",
+    "save_file",
+    "load_file",
 ]

@@ -10,6 +10,7 @@ import copy
 import functools
 
 import pytest
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
@@ -43,7 +44,7 @@ def _clean():
     reset_state()
 
 
-def tiny_llama() -> LlamaForCausalLM:
+def tiny_llama(**options) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=100,
         hidden_size=32,
@@ -52,6 +53,7 @@ def tiny_llama() -> LlamaForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16,
+        **options,
     )
     torch.manual_seed(0)
     return LlamaForCausalLM(config)
@@ -70,7 +72,7 @@ def fsdp_wrap(model):
 
 def train_with_trainer(model, **options):
     """Trainer with default TrainingArguments apart from the run's length, logging, output and seed
-    (no checkpoint is written: saving from shardtensor is not supported yet, see docs/hf.md).
+    (no checkpoint is written: Trainer saves an FSDPv2 model's weights under FSDPv2's names, see docs/hf.md).
     Returns (losses, grad norms) per step and the Trainer."""
     args = TrainingArguments(
         output_dir="unused",  # nothing is written: save_strategy="no"
@@ -152,3 +154,50 @@ def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
     assert len(losses) == 2
     torch.testing.assert_close(losses, ref_losses, rtol=LOSS_RTOL, atol=0)
     assert_same_parameters(wrapped.module, reference)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
+def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
+    """``save_pretrained`` of the Llama on the shardtensor device writes safetensors that ``from_pretrained``
+    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving").
+    Wrapped whole in FSDPv2, ``model.module.save_pretrained(dir)``; with decoder layers wrapped too, their
+    names carry FSDPv2's ``_orig_module.``, which the recipe drops from the state dict it passes."""
+    reference = tiny_llama(tie_word_embeddings=tied)
+    model = copy.deepcopy(reference).to(st.device())
+    if tied:
+        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving")
+        wrapped = fsdp_wrap(model)
+        state = {k.replace("_orig_module.", ""): v for k, v in wrapped.module.state_dict().items()}
+        wrapped.module.save_pretrained(tmp_path, state_dict=state)
+    else:
+        wrapped = FSDPv2(model)
+        wrapped.module.save_pretrained(tmp_path)
+    assert (tmp_path / "config.json").exists()
+    saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert ("lm_head.weight" in saved) != tied  # a tied lm_head is found sharing the embedding's storage
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    assert (reloaded.lm_head.weight is reloaded.model.embed_tokens.weight) == tied
+    assert reloaded.state_dict().keys() == reference.state_dict().keys()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(reloaded.state_dict()[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
+    """``accelerator.save_state(dir)`` of an FSDPv2 model (safetensors' ``save_model``, which keeps tensors
+    that start their storage) and ``load_state`` back into it: the weights and each parameter's sharding."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
+    reference = tiny_llama()
+    accelerator = Accelerator()
+    model = FSDPv2(copy.deepcopy(reference).to(st.device()))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    specs = {name: p.sharding_spec for name, p in model.named_parameters()}
+    accelerator.save_state(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    accelerator.load_state(tmp_path)
+    for name, p in model.named_parameters():
+        assert p.sharding_spec == specs[name], name
+    assert_same_parameters(model.module, reference)

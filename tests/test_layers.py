@@ -34,6 +34,7 @@ LAYERS = [
             "dynamo_backend",
             "checkpoint",
             "distributed",
+            "serialization",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo"}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 
+import jax
 import numpy as np
 import torch
 
@@ -64,7 +65,12 @@ def to_cpu(t) -> torch.Tensor:
         inflight.settle()  # finished runs let go of the old buffers they kept (aliasing off)
     with counters.timed("TransferFromDeviceTime"):
         if a.is_fully_addressable:
-            host = np.asarray(a)
+            # read through a new array over the same device buffers (no device copy): jax keeps the
+            # host copy it makes on the array read, for that array's life; on the stored array every
+            # tensor read once would hold host memory as large as itself (a state dict saved tensor by
+            # tensor would end up all on the host), where torch's .cpu() keeps nothing
+            shards = [s.data for s in a.addressable_shards]
+            host = np.asarray(jax.make_array_from_single_device_arrays(a.shape, a.sharding, shards))
         else:
             from jax.experimental import multihost_utils  # only multi-process jobs need it
 

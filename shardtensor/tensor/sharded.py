@@ -11,6 +11,7 @@ import collections
 import copy
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from types import EllipsisType
 from typing import Any, cast
@@ -25,7 +26,7 @@ from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import Mesh, default_mesh
-from shardtensor.tensor import backward_errors, readback
+from shardtensor.tensor import backward_errors, readback, storage
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides, meta_like
 
@@ -182,6 +183,21 @@ class ShardedTensor(torch.Tensor):
         return readback.materialize(self)
 
     # --- conversions ---------------------------------------------------------------------
+    def untyped_storage(self) -> torch.UntypedStorage:
+        # identified by the storage cell, so safetensors and transformers can group tensors by storage
+        cell = getattr(self, "_cell", None)
+        if cell is None:  # (torch.compile's tracing subclass has no cell: torch's storage)
+            return super().untyped_storage()
+        nbytes = math.prod(cell.shape) * cell.dtype.itemsize
+        return storage.storage_of(super().untyped_storage(), id(cell), nbytes)
+
+    def data_ptr(self) -> int:
+        # consistent with untyped_storage(): safetensors' save_model keeps a tensor that starts its storage
+        cell = getattr(self, "_cell", None)
+        if cell is None:
+            return super().data_ptr()
+        return id(cell) + int(self.storage_offset()) * self.element_size()
+
     def numpy(self, *, force: bool = False) -> np.ndarray:
         return self.cpu().numpy()
 
