@@ -52,6 +52,7 @@ from shardtensor.nn_utils import clip_grad_norm_  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
+from shardtensor import checkpoint as _checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
 # isort: on
 
 P = PartitionSpec
