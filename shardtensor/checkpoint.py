@@ -20,18 +20,20 @@ from __future__ import annotations
 
 import dataclasses
 from types import EllipsisType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.tensor.sharded import ShardedTensor
+
+if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: it takes ~0.8 s)
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import WriteItem
 
 # DCP asks __get_tensor_shard__ for data both when saving (a host copy of one shard) and when loading
 # (the tensor to copy a stored chunk into); the planning call that came last says which.
@@ -70,6 +72,8 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
 
 
 def _properties(tensor: torch.Tensor) -> TensorProperties:
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
     return TensorProperties(
         dtype=tensor.dtype,
         layout=torch.strided,
@@ -81,6 +85,9 @@ def _properties(tensor: torch.Tensor) -> TensorProperties:
 
 def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
     """One DCP write item per distinct shard this process holds (replicas and padding left out)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
     self.__dict__[_SAVING] = True
     size = torch.Size(self.shape)
     items = []
@@ -99,6 +106,8 @@ def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[Writ
 
 def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
     """What a load fills: the whole logical tensor (DCP then reads each overlapping stored chunk)."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
     self.__dict__[_SAVING] = False
     return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
 

@@ -1,0 +1,233 @@
+"""Issue 14 §1: torch.distributed.checkpoint (DCP) of ShardedTensors, in one process, no process group.
+
+A small MLP with uneven shapes and its AdamW state over a (4, 2) mesh is saved with plain
+``dcp.save`` and loaded back with ``dcp.load`` into the same sharding, another mesh shape and spec,
+plain CPU tensors, and (in a subprocess without shardtensor) plain PyTorch. Values compare exactly.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+import shardtensor as st
+from _training_helpers import reset_state
+
+# DCP warns that it assumes one process when torch.distributed is not initialized: that is the case here
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def shard_mlp(model, mesh, specs):
+    model.to(st.device())
+    for name, spec in specs.items():
+        st.mark_sharding(model.get_parameter(name), mesh, spec)
+    return model
+
+
+# uneven on purpose: 7 rows over 4 devices, 7 columns over 4, 5 over 2; "2.bias" stays replicated
+SPECS_4x2 = {"0.weight": (0, 1), "0.bias": (0,), "2.weight": (None, 0)}
+
+
+def train_one_step(model, optimizer):
+    torch.manual_seed(1)
+    x = torch.randn(6, 5)
+    device = next(model.parameters()).device
+    model(x.to(device)).square().sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def cpu_values(state):
+    """{flat key: CPU copy} of every tensor in a nested state dict."""
+    out = {}
+
+    def walk(prefix, obj):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, torch.Tensor):
+            out[prefix] = obj.detach().cpu().clone()
+
+    walk("", state)
+    return out
+
+
+def part(values, prefix):
+    return {k: v for k, v in values.items() if k.startswith(prefix)}
+
+
+def assert_same(actual, expected):
+    assert actual.keys() == expected.keys()
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of the sharded MLP and its AdamW state after one step, and the saved values."""
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    model = shard_mlp(mlp(), mesh, SPECS_4x2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_one_step(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    path = tmp_path_factory.mktemp("dcp") / "step1"
+    dcp.save(state, checkpoint_id=path)
+    expected = cpu_values(state)
+    yield path, expected, mesh
+    reset_state()
+
+
+def test_save_writes_each_distinct_shard_once_without_padding(saved):
+    path, expected, mesh = saved
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    weight = metadata["model.0.weight"]
+    assert tuple(weight.size) == (7, 5)
+    # 4 row shards (2, 2, 2, 1 real rows) x 2 column shards (3, 2): 8 chunks, no padding in any
+    chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in weight.chunks)
+    assert chunks == sorted(((r, c), (min(2, 7 - r), 3 if c == 0 else 2)) for r in (0, 2, 4, 6) for c in (0, 3))
+    for key in ("model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias", "optim.state.0.weight.exp_avg"):
+        md = metadata[key]
+        # each element written exactly once: replicas (mesh axis 1 for biases, axis 0/1 for 2.*) once
+        assert sum(torch.Size(c.sizes).numel() for c in md.chunks) == torch.Size(md.size).numel(), key
+    assert len(metadata["model.0.bias"].chunks) == 4  # sharded over 4, replicated over 2
+    assert len(metadata["model.2.bias"].chunks) == 1  # replicated over all 8
+
+
+def test_save_copies_shards_not_the_full_tensor(tmp_path):
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    x = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
+    shards = x.__create_write_items__("x", x)
+    pieces = [x.__get_tensor_shard__(item.index) for item in shards]
+    assert [tuple(p.shape) for p in pieces] == [tuple(i.tensor_data.chunk.sizes) for i in shards]
+    assert all(p.device.type == "cpu" and p.numel() <= 10 for p in pieces)  # one shard each, 7x10 in all
+    dcp.save({"x": x}, checkpoint_id=tmp_path)
+    target = {"x": torch.zeros(7, 10)}
+    dcp.load(target, checkpoint_id=tmp_path)
+    torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, specs",
+    [
+        ((4, 2), SPECS_4x2),  # the same mesh and specs
+        ((2, 4), {"0.weight": (1, None), "2.weight": (0, 1), "2.bias": (1,)}),  # another mesh shape and specs
+    ],
+)
+def test_model_and_adamw_load_into_a_sharded_target(saved, mesh_shape, specs):
+    path, expected, _ = saved
+    reset_state()
+    mesh = st.Mesh(range(8), mesh_shape)
+    model = shard_mlp(mlp(), mesh, specs)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    train_one_step(model, optimizer)  # creates the AdamW state that the load overwrites
+    st.sync()
+    before = {name: p.sharding_spec for name, p in model.named_parameters()}
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert_same(cpu_values({"model": model.state_dict()}), part(expected, "model."))
+    assert_same(cpu_values({"optim": get_state_dict(model, optimizer)[1]}), part(expected, "optim."))
+    for name, p in model.named_parameters():  # the target's shardings are kept
+        assert isinstance(p, st.ShardedTensor) and p.sharding_spec == before[name], name
+        assert isinstance(optimizer.state[p]["exp_avg"], st.ShardedTensor), name
+
+
+def test_load_into_plain_cpu_tensors(saved):
+    path, expected, _ = saved
+    cpu_model = mlp()
+    model_sd = {k: torch.zeros_like(v) for k, v in cpu_model.state_dict().items()}
+    dcp.load({"model": model_sd}, checkpoint_id=path)
+    assert_same(cpu_values({"model": model_sd}), part(expected, "model."))
+
+
+def test_plain_pytorch_reads_the_checkpoint_without_shardtensor(saved, tmp_path):
+    path, expected, _ = saved
+    torch.save(expected, tmp_path / "expected.pt")
+    script = textwrap.dedent(
+        """
+        import sys, warnings
+        warnings.simplefilter("ignore")
+        import torch
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        ckpt, out, expected_path = sys.argv[1:]
+        expected = torch.load(expected_path)
+        model = {k[len("model."):]: torch.zeros_like(v) for k, v in expected.items() if k.startswith("model.")}
+        dcp.load({"model": model}, checkpoint_id=ckpt)
+        for k, v in model.items():
+            torch.testing.assert_close(v, expected["model." + k], rtol=0, atol=0)
+        dcp_to_torch_save(ckpt, out)
+        full = torch.load(out, weights_only=False)
+        for k, v in full["model"].items():
+            torch.testing.assert_close(v, expected["model." + k], rtol=0, atol=0)
+        exp_avg = full["optim"]["state"]["0.weight"]["exp_avg"]
+        torch.testing.assert_close(exp_avg, expected["optim.state.0.weight.exp_avg"], rtol=0, atol=0)
+        assert "shardtensor" not in sys.modules and "jax" not in sys.modules
+        print("read", len(full["model"]), "tensors")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path), str(tmp_path / "full.pt"), str(tmp_path / "expected.pt")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=pathlib.Path(tmp_path),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "read 4 tensors" in result.stdout
+
+
+def sharded_target(mesh):
+    model = shard_mlp(mlp(), mesh, SPECS_4x2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    return model
+
+
+def test_a_target_key_missing_from_the_checkpoint_raises_and_changes_nothing(saved):
+    path, _, mesh = saved
+    reset_state()
+    model = sharded_target(mesh)
+    target = {f"model.{k}": v for k, v in model.state_dict().items()} | {"model.3.weight": torch.zeros(2)}
+    before = cpu_values(target)
+    with pytest.raises(CheckpointException, match=r"model\.3\.weight"):
+        dcp.load(target, checkpoint_id=path)
+    assert_same(cpu_values(target), before)
+
+
+def test_a_shape_mismatch_raises_and_changes_nothing(saved):
+    path, _, _ = saved
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    model = shard_mlp(nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 4)), mesh, SPECS_4x2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    target = {"model": model.state_dict()}
+    before = cpu_values(target)
+    with warnings.catch_warnings(), pytest.raises(CheckpointException, match=r"Size mismatch.*2\.weight"):
+        dcp.load(target, checkpoint_id=path)
+    assert_same(cpu_values(target), before)
