@@ -128,3 +128,78 @@ def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor
 ShardedTensor.__create_write_items__ = _create_write_items  # type: ignore[attr-defined]
 ShardedTensor.__create_chunk_list__ = _create_chunk_list  # type: ignore[attr-defined]
 ShardedTensor.__get_tensor_shard__ = _get_tensor_shard  # type: ignore[attr-defined]
+
+
+def _staged_load_planner_class() -> type:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from shardtensor.annotate import mark_sharding
+
+    class StagedLoadPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, all or nothing: reads into new tensors with the targets' shardings
+        and copies them into the targets only once every read succeeded, so a failed load (a truncated
+        or missing file, a read error) leaves the target state dict unchanged. Costs one extra copy of
+        the loaded tensors (on their devices) while loading.
+
+        Example::
+
+            dcp.load(model.state_dict(), checkpoint_id="ckpt", planner=StagedLoadPlanner())
+        """
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+            super().set_up_planner(state_dict, metadata, is_coordinator)
+            self.state_dict = dict(self.state_dict)  # (unflattened, it is the caller's dict)
+            self._targets: dict[str, torch.Tensor] = {}
+            self._loaded_bytes: list = []
+            for fqn, target in self.state_dict.items():
+                if isinstance(target, torch.Tensor):
+                    self._targets[fqn] = target
+                    self.state_dict[fqn] = _staging_like(target, mark_sharding)
+
+        def finish_plan(self, new_plan):
+            plan = super().finish_plan(new_plan)
+            self._reads_left = len(plan.items)
+            if not self._reads_left:
+                self._commit()
+            return plan
+
+        def load_bytes(self, read_item, value) -> None:
+            self._loaded_bytes.append((read_item, value))
+            self._one_read_done()
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            super().commit_tensor(read_item, tensor)
+            self._one_read_done()
+
+        def _one_read_done(self) -> None:
+            self._reads_left -= 1
+            if self._reads_left == 0:
+                self._commit()
+
+        def _commit(self) -> None:
+            with torch.no_grad():
+                for fqn, target in self._targets.items():
+                    target.detach().copy_(self.state_dict[fqn])
+                    self.state_dict[fqn] = target
+            for read_item, value in self._loaded_bytes:
+                super().load_bytes(read_item, value)
+            self._loaded_bytes.clear()
+
+    StagedLoadPlanner.__module__ = __name__
+    return StagedLoadPlanner
+
+
+def _staging_like(target: torch.Tensor, mark_sharding) -> torch.Tensor:
+    """A new uninitialised tensor shaped, typed and sharded like ``target``."""
+    staging = torch.empty_like(target, requires_grad=False)
+    if isinstance(target, ShardedTensor) and target.mesh is not None and target.partition_spec is not None:
+        mark_sharding(staging, target.mesh, target.partition_spec)
+    return staging
+
+
+def __getattr__(name: str) -> Any:
+    # the planner subclasses DCP's, which is imported only when asked for (it takes ~0.8 s)
+    if name == "StagedLoadPlanner":
+        cls = globals()["StagedLoadPlanner"] = _staged_load_planner_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

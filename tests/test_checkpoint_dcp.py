@@ -7,6 +7,7 @@ plain CPU tensors, and (in a subprocess without shardtensor) plain PyTorch. Valu
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -231,3 +232,25 @@ def test_a_shape_mismatch_raises_and_changes_nothing(saved):
     with warnings.catch_warnings(), pytest.raises(CheckpointException, match=r"Size mismatch.*2\.weight"):
         dcp.load(target, checkpoint_id=path)
     assert_same(cpu_values(target), before)
+
+
+def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved, tmp_path):
+    from shardtensor.checkpoint import StagedLoadPlanner
+
+    path, expected, mesh = saved
+    reset_state()
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    data_file = next(broken.glob("*.distcp"))
+    with open(data_file, "r+b") as f:
+        f.truncate(data_file.stat().st_size // 2)
+    model = sharded_target(mesh)
+    target = {"model": model.state_dict()}
+    before = cpu_values(target)
+    with pytest.raises(CheckpointException, match="EOFError|corrupted"):  # (DCP's own error)
+        dcp.load(target, checkpoint_id=broken, planner=StagedLoadPlanner())
+    assert_same(cpu_values(target), before)
+    # the same planner on the intact checkpoint loads everything, into the target's shardings
+    dcp.load(target, checkpoint_id=path, planner=StagedLoadPlanner())
+    assert_same(cpu_values(target), part(expected, "model."))
+    assert model[0].weight.partition_spec == st.PartitionSpec(0, 1)
