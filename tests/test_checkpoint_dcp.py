@@ -254,3 +254,26 @@ def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved,
     dcp.load(target, checkpoint_id=path, planner=StagedLoadPlanner())
     assert_same(cpu_values(target), part(expected, "model."))
     assert model[0].weight.partition_spec == st.PartitionSpec(0, 1)
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise RuntimeError("boom while writing")
+
+
+def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_path):
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    path = tmp_path / "latest"
+    first = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
+    st.checkpoint.save({"x": first}, path)
+    with pytest.raises(CheckpointException, match="boom while writing"):
+        st.checkpoint.save({"x": first * 2, "extra": _Unpicklable()}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary directory left
+    target = {"x": torch.zeros(7, 10)}
+    dcp.load(target, checkpoint_id=path)
+    torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10), rtol=0, atol=0)
+    st.checkpoint.save({"x": first * 2}, path)  # replaces the previous one
+    dcp.load(target, checkpoint_id=path)
+    torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10) * 2, rtol=0, atol=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
