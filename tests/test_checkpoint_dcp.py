@@ -277,3 +277,32 @@ def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_pat
     dcp.load(target, checkpoint_id=path)
     torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10) * 2, rtol=0, atol=0)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]
+
+
+def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    torch.manual_seed(2)
+    values = {
+        "bf16": torch.randn(5, 3).bfloat16(),  # rows 2, 2, 1 and a shard of padding only
+        "scalar": torch.tensor(3.5),
+        "int64": torch.arange(9),
+        "view": torch.arange(40.0).reshape(8, 5)[1:6, ::2],
+    }
+    state = {
+        "bf16": st.shard(values["bf16"], mesh, (0, None)),
+        "scalar": values["scalar"].to(st.device()),
+        "int64": st.shard(values["int64"], mesh, (1,)),
+        "view": st.shard(torch.arange(40.0).reshape(8, 5), mesh, (0, 1))[1:6, ::2],
+    }
+    dcp.save(state, checkpoint_id=tmp_path)
+    metadata = dcp.FileSystemReader(tmp_path).read_metadata().state_dict_metadata
+    assert metadata["bf16"].properties.dtype == torch.bfloat16 and len(metadata["bf16"].chunks) == 3
+    assert len(metadata["int64"].chunks) == 2
+    cpu = {k: torch.zeros_like(v) for k, v in values.items()}
+    dcp.load(cpu, checkpoint_id=tmp_path)
+    assert_same(cpu, values)
+    sharded = {"int64": st.shard(torch.zeros(9, dtype=torch.long), mesh, (0,)), "scalar": torch.tensor(0.0).to(st.device())}
+    dcp.load(sharded, checkpoint_id=tmp_path)
+    assert_same(cpu_values(sharded), {"int64": values["int64"], "scalar": values["scalar"]})
+    assert sharded["int64"].partition_spec == st.PartitionSpec(0)
