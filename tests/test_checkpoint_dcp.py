@@ -302,7 +302,10 @@ def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
     cpu = {k: torch.zeros_like(v) for k, v in values.items()}
     dcp.load(cpu, checkpoint_id=tmp_path)
     assert_same(cpu, values)
-    sharded = {"int64": st.shard(torch.zeros(9, dtype=torch.long), mesh, (0,)), "scalar": torch.tensor(0.0).to(st.device())}
+    sharded = {
+        "int64": st.shard(torch.zeros(9, dtype=torch.long), mesh, (0,)),
+        "scalar": torch.tensor(0.0).to(st.device()),
+    }
     dcp.load(sharded, checkpoint_id=tmp_path)
     assert_same(cpu_values(sharded), {"int64": values["int64"], "scalar": values["scalar"]})
     assert sharded["int64"].partition_spec == st.PartitionSpec(0)
