@@ -309,3 +309,46 @@ def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
     dcp.load(sharded, checkpoint_id=tmp_path)
     assert_same(cpu_values(sharded), {"int64": values["int64"], "scalar": values["scalar"]})
     assert sharded["int64"].partition_spec == st.PartitionSpec(0)
+
+
+def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    """A process killed while writing (os._exit at its second shard) leaves ``latest`` as it was."""
+    script = textwrap.dedent(
+        """
+        import os, sys, warnings
+        warnings.simplefilter("ignore")
+        import torch
+        import shardtensor as st
+        from shardtensor.tensor import ShardedTensor
+        path = sys.argv[1]
+        mesh = st.Mesh(range(8), (4, 2))
+        x = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
+        st.checkpoint.save({"x": x}, path)
+        get_shard, calls = ShardedTensor.__get_tensor_shard__, []
+
+        def dying(self, index):
+            calls.append(index)
+            if len(calls) == 2:
+                os._exit(17)  # killed in the middle of writing the second checkpoint
+            return get_shard(self, index)
+
+        ShardedTensor.__get_tensor_shard__ = dying
+        st.checkpoint.save({"x": x * 2}, path)
+        """
+    )
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    path = tmp_path / "latest"
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 17, result.stderr[-3000:]
+    target = {"x": torch.zeros(7, 10)}
+    dcp.load(target, checkpoint_id=path)
+    torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10), rtol=0, atol=0)
+    # what the killed save left is a hidden temporary directory without metadata, not a checkpoint
+    leftovers = [p for p in tmp_path.iterdir() if p.name != "latest"]
+    assert [p.name.startswith(".latest.tmp-") for p in leftovers] == [True]
+    assert not (leftovers[0] / ".metadata").exists()
