@@ -23,7 +23,7 @@ import os
 import pathlib
 import shutil
 from types import EllipsisType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -31,8 +31,9 @@ import torch
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
-from shardtensor.dtypes import numpy_to_torch
+from shardtensor.dtypes import numpy_to_torch, torch_to_numpy
 from shardtensor.tensor.sharded import ShardedTensor
+from shardtensor.tensor.upload import wrap_upload
 
 if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: it takes ~0.8 s)
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -41,6 +42,8 @@ if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: 
 # DCP asks __get_tensor_shard__ for data both when saving (a host copy of one shard) and when loading
 # (the tensor to copy a stored chunk into); the planning call that came last says which.
 _SAVING = "_dcp_saving"
+# StagedLoadPlanner's staging tensors: {offsets: host buffer} of each distinct shard to read into
+_HOST_BUFFERS = "_dcp_host_buffers"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,14 +115,19 @@ def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
     self.__dict__[_SAVING] = False
+    buffers = self.__dict__.get(_HOST_BUFFERS)
+    if buffers is not None:  # StagedLoadPlanner: one host buffer per distinct shard
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=b.shape) for o, b in buffers.items()]
     return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
 
 
 def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
-    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: ``self``."""
-    if not self.__dict__.get(_SAVING, False):
-        return self
+    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: ``self``
+    (or, for StagedLoadPlanner, the host buffer of that shard)."""
     offsets = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
+    if not self.__dict__.get(_SAVING, False):
+        buffers = self.__dict__.get(_HOST_BUFFERS)
+        return self if buffers is None else buffers[offsets]
     for piece in _pieces(self):
         if piece.offsets == offsets:
             data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
@@ -162,6 +170,10 @@ def _staged_load_planner_class() -> type:
         def finish_plan(self, new_plan):
             plan = super().finish_plan(new_plan)
             self._reads_left = len(plan.items)
+            self._reads_left_per_fqn: dict[str, int] = {}
+            for item in plan.items:
+                fqn = item.dest_index.fqn
+                self._reads_left_per_fqn[fqn] = self._reads_left_per_fqn.get(fqn, 0) + 1
             if not self._reads_left:
                 self._commit()
             return plan
@@ -172,6 +184,12 @@ def _staged_load_planner_class() -> type:
 
         def commit_tensor(self, read_item, tensor) -> None:
             super().commit_tensor(read_item, tensor)
+            fqn = read_item.dest_index.fqn
+            self._reads_left_per_fqn[fqn] -= 1
+            staging = self.state_dict[fqn]
+            if not self._reads_left_per_fqn[fqn] and _HOST_BUFFERS in staging.__dict__:
+                # all of this tensor's shards are on the host: upload them (each device its own)
+                self.state_dict[fqn] = _upload_shards(staging)
             self._one_read_done()
 
         def _one_read_done(self) -> None:
@@ -193,11 +211,54 @@ def _staged_load_planner_class() -> type:
 
 
 def _staging_like(target: torch.Tensor, mark_sharding) -> torch.Tensor:
-    """A new uninitialised tensor shaped, typed and sharded like ``target``."""
-    staging = torch.empty_like(target, requires_grad=False)
+    """A new tensor shaped, typed and sharded like ``target`` to load into: for a ShardedTensor with
+    a spec, host buffers of its distinct shards only (uploaded when they are filled); otherwise an
+    uninitialised tensor."""
     if isinstance(target, ShardedTensor) and target.mesh is not None and target.partition_spec is not None:
+        staging = cast(ShardedTensor, torch.empty_like(target, requires_grad=False))
         mark_sharding(staging, target.mesh, target.partition_spec)
-    return staging
+        shape = tuple(target.shape)
+        by_offsets: dict[tuple[int, ...], torch.Tensor] = {}
+        for p in sh.placements(shape, target.mesh, tuple(staging._cell.spec)):
+            offsets, sizes = _extent(p.indices, shape)
+            if offsets not in by_offsets and _is_addressable(p.device_id):
+                by_offsets[offsets] = torch.empty(sizes, dtype=target.dtype)
+        staging.__dict__[_HOST_BUFFERS] = by_offsets
+        return staging
+    return torch.empty_like(target, requires_grad=False)
+
+
+def _is_addressable(device_id: int) -> bool:
+    return runtime.jax_devices()[device_id].process_index == runtime.process_index()
+
+
+def _extent(indices, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, sizes) of a placement's indices in a tensor of ``shape``."""
+    if isinstance(indices, EllipsisType):
+        return (0,) * len(shape), tuple(shape)
+    return tuple(i.start for i in indices), tuple(i.stop - i.start for i in indices)
+
+
+def _upload_shards(staging: ShardedTensor) -> ShardedTensor:
+    """A ShardedTensor laid out as ``staging`` whose devices each receive their filled host buffer."""
+    import jax
+
+    buffers = staging.__dict__.pop(_HOST_BUFFERS)
+    cell = staging._cell
+    mesh, spec, shape = cell.mesh, tuple(cell.spec), tuple(staging.shape)
+    sharding = sh.named_sharding(mesh, spec, len(shape))
+    device_arrays = []
+    for p in sh.placements(shape, mesh, spec):
+        if not _is_addressable(p.device_id):
+            continue
+        host = torch_to_numpy(buffers[_extent(p.indices, shape)[0]])
+        padded = tuple(p.padded_shape)
+        if host.shape != padded:
+            host = np.pad(host, [(0, n - m) for m, n in zip(host.shape, padded)])
+        device_arrays.append(jax.device_put(host, runtime.jax_devices()[p.device_id]))
+    array = jax.make_array_from_single_device_arrays(sh.padded_shape(shape, mesh, spec), sharding, device_arrays)
+    counters.increment("TransferToDevice")
+    return wrap_upload(array, shape, staging.dtype, mesh, spec)
 
 
 def save(state_dict: dict, checkpoint_id: str | os.PathLike, **kwargs: Any) -> None:

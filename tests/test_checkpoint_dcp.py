@@ -125,13 +125,14 @@ def test_save_copies_shards_not_the_full_tensor(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape, specs",
+    "mesh_shape, specs, staged",
     [
-        ((4, 2), SPECS_4x2),  # the same mesh and specs
-        ((2, 4), {"0.weight": (1, None), "2.weight": (0, 1), "2.bias": (1,)}),  # another mesh shape and specs
+        ((4, 2), SPECS_4x2, False),  # the same mesh and specs, DCP's default planner
+        # another mesh shape and specs, all or nothing, each shard read into a host buffer of its own
+        ((2, 4), {"0.weight": (1, None), "2.weight": (0, 1), "2.bias": (1,)}, True),
     ],
 )
-def test_model_and_adamw_load_into_a_sharded_target(saved, mesh_shape, specs):
+def test_model_and_adamw_load_into_a_sharded_target(saved, mesh_shape, specs, staged):
     path, expected, _ = saved
     reset_state()
     mesh = st.Mesh(range(8), mesh_shape)
@@ -144,7 +145,8 @@ def test_model_and_adamw_load_into_a_sharded_target(saved, mesh_shape, specs):
     st.sync()
     before = {name: p.sharding_spec for name, p in model.named_parameters()}
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    planner = st.checkpoint.StagedLoadPlanner() if staged else None
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, planner=planner)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     assert_same(cpu_values({"model": model.state_dict()}), part(expected, "model."))
     assert_same(cpu_values({"optim": get_state_dict(model, optimizer)[1]}), part(expected, "optim."))
@@ -234,7 +236,7 @@ def test_a_shape_mismatch_raises_and_changes_nothing(saved):
     assert_same(cpu_values(target), before)
 
 
-def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved, tmp_path):
+def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved, tmp_path, monkeypatch):
     from shardtensor.checkpoint import StagedLoadPlanner
 
     path, expected, mesh = saved
@@ -250,8 +252,13 @@ def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved,
     with pytest.raises(CheckpointException, match="EOFError|corrupted"):  # (DCP's own error)
         dcp.load(target, checkpoint_id=broken, planner=StagedLoadPlanner())
     assert_same(cpu_values(target), before)
-    # the same planner on the intact checkpoint loads everything, into the target's shardings
+    # the same planner on the intact checkpoint loads everything, into the target's shardings, each
+    # tensor with a spec through host buffers of its own shards, uploaded device by device
+    uploaded = []
+    upload_shards = st.checkpoint._upload_shards
+    monkeypatch.setattr(st.checkpoint, "_upload_shards", lambda t: uploaded.append(tuple(t.shape)) or upload_shards(t))
     dcp.load(target, checkpoint_id=path, planner=StagedLoadPlanner())
+    assert sorted(uploaded) == [(3, 7), (7,), (7, 5)]
     assert_same(cpu_values(target), part(expected, "model."))
     assert model[0].weight.partition_spec == st.PartitionSpec(0, 1)
 
