@@ -88,5 +88,9 @@ report["dcp_written"] = sorted(
 target = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (2, 4)), (1, 0)), "bias": torch.zeros(7)}
 dcp.load(target, checkpoint_id=checkpoint_dir)
 report["dcp_loaded"] = [target["z"].cpu().tolist(), target["bias"].tolist(), target["z"].sharding_spec]
+# all or nothing, each process reading only the shards of its own devices into host buffers
+staged = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (None, 0))}
+dcp.load(staged, checkpoint_id=checkpoint_dir, planner=st.checkpoint.StagedLoadPlanner())
+report["dcp_staged"] = [staged["z"].cpu().tolist(), staged["z"].sharding_spec]
 dist.destroy_process_group()
 print("REPORT", json.dumps(report))

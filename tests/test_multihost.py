@@ -122,3 +122,6 @@ def test_dcp_each_process_writes_its_own_shards_once_and_loads_into_another_mesh
         torch.testing.assert_close(torch.tensor(loaded_z), Z, rtol=0, atol=0)
         torch.testing.assert_close(torch.tensor(loaded_bias), Z[0, :7], rtol=0, atol=0)
         assert spec == "{devices=[4,2]0,4,1,5,2,6,3,7}"
+        staged_z, staged_spec = r["dcp_staged"]
+        torch.testing.assert_close(torch.tensor(staged_z), Z, rtol=0, atol=0)
+        assert staged_spec == "{devices=[1,8]0,1,2,3,4,5,6,7}"
