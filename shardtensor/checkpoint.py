@@ -200,7 +200,8 @@ def _staged_load_planner_class() -> type:
         def _commit(self) -> None:
             with torch.no_grad():
                 for fqn, target in self._targets.items():
-                    target.detach().copy_(self.state_dict[fqn])
+                    if fqn in self._reads_left_per_fqn:  # (allow_partial_load skips the others)
+                        target.detach().copy_(self.state_dict[fqn])
                     self.state_dict[fqn] = target
             for read_item, value in self._loaded_bytes:
                 super().load_bytes(read_item, value)

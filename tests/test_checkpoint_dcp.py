@@ -219,6 +219,9 @@ def test_a_target_key_missing_from_the_checkpoint_raises_and_changes_nothing(sav
     with pytest.raises(CheckpointException, match=r"model\.3\.weight"):
         dcp.load(target, checkpoint_id=path)
     assert_same(cpu_values(target), before)
+    # allow_partial_load: the keys found load, the missing one keeps its value (staged too)
+    dcp.load(target, checkpoint_id=path, planner=st.checkpoint.StagedLoadPlanner(allow_partial_load=True))
+    assert_same(cpu_values(target), part(saved[1], "model.") | {"model.3.weight": torch.zeros(2)})
 
 
 def test_a_shape_mismatch_raises_and_changes_nothing(saved):
