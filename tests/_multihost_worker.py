@@ -1,13 +1,14 @@
 """One process of the two-process job of tests/test_multihost.py: ``python _multihost_worker.py PORT
-PROCESS_ID``, with SHARDTENSOR_CPU_DEVICES=4. Prints one line ``REPORT <json>`` of what it saw; the test
-compares it with eager torch (computed there from the same seeds)."""
+PROCESS_ID TORCH_PORT CHECKPOINT_DIR``, with SHARDTENSOR_CPU_DEVICES=4. Prints one line
+``REPORT <json>`` of what it saw; the test compares it with eager torch (computed there from the
+same seeds)."""
 
 import json
 import sys
 
 import shardtensor.runtime as rt
 
-port, pid = sys.argv[1], int(sys.argv[2])
+port, pid, torch_port, checkpoint_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 rt.initialize_distributed(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 
 import torch  # noqa: E402
@@ -68,4 +69,28 @@ def compiled_step(x, y):
 st.clear_counters()
 report["compiled_losses"] = [compiled_step(xs, st.shard(Y, mesh, ("fsdp",))).item() for _ in range(4)]
 report["replays"] = st.counter_value("CompileReplay")
+
+# torch.distributed.checkpoint over a gloo process group: each process writes the shards it owns
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=pid, world_size=2)
+mesh42 = st.Mesh(range(8), (4, 2))
+Z = torch.arange(70.0).reshape(7, 10)
+dcp.save({"z": st.shard(Z, mesh42, (0, 1)), "bias": st.shard(Z[0, :7], mesh42, (0,))}, checkpoint_id=checkpoint_dir)
+dist.barrier()
+metadata = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+report["dcp_written"] = sorted(
+    [index.fqn, list(index.offset)]
+    for index, info in metadata.storage_data.items()
+    if info.relative_path.startswith(f"__{pid}_")
+)
+target = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (2, 4)), (1, 0)), "bias": torch.zeros(7)}
+dcp.load(target, checkpoint_id=checkpoint_dir)
+report["dcp_loaded"] = [target["z"].cpu().tolist(), target["bias"].tolist(), target["z"].sharding_spec]
+# all or nothing, each process reading only the shards of its own devices into host buffers
+staged = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (None, 0))}
+dcp.load(staged, checkpoint_id=checkpoint_dir, planner=st.checkpoint.StagedLoadPlanner())
+report["dcp_staged"] = [staged["z"].cpu().tolist(), staged["z"].sharding_spec]
+dist.destroy_process_group()
 print("REPORT", json.dumps(report))

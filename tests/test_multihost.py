@@ -24,8 +24,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reports():
-    port = _free_port()
+def reports(tmp_path_factory):
+    port, torch_port = _free_port(), _free_port()
+    checkpoint_dir = tmp_path_factory.mktemp("dcp")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
     env.update(
         SHARDTENSOR_CPU_DEVICES="4",
@@ -34,7 +35,8 @@ def reports():
     )
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "_multihost_worker.py"), str(port), str(pid)],
+            [sys.executable, str(HERE / "_multihost_worker.py")]
+            + [str(port), str(pid), str(torch_port), str(checkpoint_dir)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -105,3 +107,21 @@ def test_fsdp_training_matches_eager(reports):
         # then 4 steps through st.compile: the last ones replay the frozen program
         assert r["compiled_losses"] == pytest.approx(want[3:], rel=1e-5)
         assert r["replays"] >= 1
+
+
+def test_dcp_each_process_writes_its_own_shards_once_and_loads_into_another_mesh(reports):
+    Z = torch.arange(70.0).reshape(7, 10)
+    # mesh (4, 2): process 0's devices 0-3 hold rows 0-3 (both column halves), process 1's rows 4-6
+    z_rows = [[0, 2], [4, 6]]
+    for pid, r in enumerate(reports):
+        z = [offset for fqn, offset in r["dcp_written"] if fqn == "z"]
+        assert z == sorted([row, col] for row in z_rows[pid] for col in (0, 5))
+        bias = [offset for fqn, offset in r["dcp_written"] if fqn == "bias"]
+        assert bias == [[row] for row in z_rows[pid]]  # replicated over mesh axis 1: written once
+        loaded_z, loaded_bias, spec = r["dcp_loaded"]
+        torch.testing.assert_close(torch.tensor(loaded_z), Z, rtol=0, atol=0)
+        torch.testing.assert_close(torch.tensor(loaded_bias), Z[0, :7], rtol=0, atol=0)
+        assert spec == "{devices=[4,2]0,4,1,5,2,6,3,7}"
+        staged_z, staged_spec = r["dcp_staged"]
+        torch.testing.assert_close(torch.tensor(staged_z), Z, rtol=0, atol=0)
+        assert staged_spec == "{devices=[1,8]0,1,2,3,4,5,6,7}"
