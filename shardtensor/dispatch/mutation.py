@@ -40,10 +40,11 @@ def mutating_op(func, f: OpFacts, args, kwargs):
         t = bound[name]
         items = t if isinstance(t, (list, tuple)) else [t]
         flat_targets.extend(items if write else [None] * len(items))
-    for x in flat_targets:
+    written_targets = [x for x in flat_targets if x is not None]
+    for x in written_targets:
         if isinstance(x, torch.Tensor) and not isinstance(x, ShardedTensor):
             raise device_mismatch(x)
-    _check_one_mesh(func, [x for x in flat_targets if x is not None], args, kwargs)
+    _check_one_mesh(func, written_targets, args, kwargs)
     args = _with_defaults(func, args, kwargs)  # torch drops trailing arguments equal to their default
     fargs = [a for name, a in zip(f.arg_names, args) if name not in f.out_names]
     fkw = {k: v for k, v in kwargs.items() if k not in f.out_names}
@@ -54,7 +55,7 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     refs, plan = record(f.functional, fargs, fkw)
     if plan is not None:
         metas = plan.outs
-        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in flat_targets if x is not None))
+        checked = (func, plan.key, tuple((x.shape, x.dtype) for x in written_targets))
         meta_ran = checked not in _CHECKED
         if meta_ran:  # torch's own checks (broadcast into self, casts), once
             meta_outputs(func, args, kwargs)
