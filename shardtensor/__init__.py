@@ -54,7 +54,7 @@ from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import serialization  # noqa: F401
 from shardtensor.serialization import torch_save as save, save_file, load_file  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
-from shardtensor import checkpoint as _checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
+from shardtensor import checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
 # isort: on
 
 P = PartitionSpec

@@ -258,8 +258,10 @@ def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved,
     # the same planner on the intact checkpoint loads everything, into the target's shardings, each
     # tensor with a spec through host buffers of its own shards, uploaded device by device
     uploaded = []
-    upload_shards = st.checkpoint._upload_shards
-    monkeypatch.setattr(st.checkpoint, "_upload_shards", lambda t: uploaded.append(tuple(t.shape)) or upload_shards(t))
+    from shardtensor.checkpoint import planner as planner_module
+
+    upload_shards = planner_module._upload_shards
+    monkeypatch.setattr(planner_module, "_upload_shards", lambda t: uploaded.append(tuple(t.shape)) or upload_shards(t))
     dcp.load(target, checkpoint_id=path, planner=StagedLoadPlanner())
     assert sorted(uploaded) == [(3, 7), (7,), (7, 5)]
     assert_same(cpu_values(target), part(expected, "model."))

@@ -1,0 +1,33 @@
+"""torch.distributed.checkpoint (DCP) support for ShardedTensor, and checkpoints of training jobs.
+
+Importing this package installs DCP's tensor-subclass protocol on ShardedTensor (``import
+shardtensor`` does), so plain ``dcp.save`` / ``dcp.load`` and
+``torch.distributed.checkpoint.state_dict.get_state_dict`` / ``set_state_dict`` work without a
+process group: each process writes only its distinct shards, and a load reads into the target's
+mesh and spec (any mesh, any spec, or plain CPU tensors)::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save(model.state_dict(), checkpoint_id="ckpt")
+    dcp.load(other_model.state_dict(), checkpoint_id="ckpt")
+
+``save`` is the same save made atomic; ``StagedLoadPlanner`` makes a load all or nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardtensor.checkpoint import protocol as _protocol  # noqa: F401  (installs the protocol)
+from shardtensor.checkpoint.atomic import save
+
+__all__ = ["save", "StagedLoadPlanner"]
+
+
+def __getattr__(name: str) -> Any:
+    # the planner subclasses DCP's, which is imported only when asked for (it takes ~0.8 s)
+    if name == "StagedLoadPlanner":
+        from shardtensor.checkpoint import planner
+
+        cls = globals()["StagedLoadPlanner"] = planner.staged_load_planner_class()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
