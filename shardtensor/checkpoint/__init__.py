@@ -10,7 +10,9 @@ mesh and spec (any mesh, any spec, or plain CPU tensors)::
     dcp.save(model.state_dict(), checkpoint_id="ckpt")
     dcp.load(other_model.state_dict(), checkpoint_id="ckpt")
 
-``save`` is the same save made atomic; ``StagedLoadPlanner`` makes a load all or nothing.
+``save`` is the same save made atomic; ``StagedLoadPlanner`` makes a load all or nothing;
+``CheckpointManager`` keeps a training job's checkpoints (one directory per step, saved in the
+background if asked, the newest few kept) and resumes from them.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 
 from shardtensor.checkpoint import protocol as _protocol  # noqa: F401  (installs the protocol)
 from shardtensor.checkpoint.atomic import save
+from shardtensor.checkpoint.manager import CheckpointManager  # (light: DCP is imported by its calls)
 
-__all__ = ["save", "StagedLoadPlanner"]
+__all__ = ["save", "StagedLoadPlanner", "CheckpointManager"]
 
 
 def __getattr__(name: str) -> Any:
