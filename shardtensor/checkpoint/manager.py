@@ -115,6 +115,7 @@ class CheckpointManager:
         if not (force or self.should_save(step)):
             return False
         self._wait_pending()
+        self._raise_background_error()
         sync()
         self._write(step, state_dict)
         return True
@@ -146,7 +147,7 @@ class CheckpointManager:
             self._slots.release()
             raise
         with self._lock:
-            self._pending.append(future)
+            self._pending = [f for f in self._pending if not f.done()] + [future]
         return True
 
     def load(self, step: int, state_dict: dict) -> None:
