@@ -4,6 +4,7 @@ PROCESS_ID TORCH_PORT CHECKPOINT_DIR``, with SHARDTENSOR_CPU_DEVICES=4. Prints o
 same seeds)."""
 
 import json
+import os
 import sys
 
 import shardtensor.runtime as rt
@@ -92,5 +93,15 @@ report["dcp_loaded"] = [target["z"].cpu().tolist(), target["bias"].tolist(), tar
 staged = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (None, 0))}
 dcp.load(staged, checkpoint_id=checkpoint_dir, planner=st.checkpoint.StagedLoadPlanner())
 report["dcp_staged"] = [staged["z"].cpu().tolist(), staged["z"].sharding_spec]
+# CheckpointManager over the same group: rank 0 renames and prunes, every process writes its shards
+manager = st.checkpoint.CheckpointManager(f"{checkpoint_dir}/manager", save_interval=1, max_to_keep=1)
+manager.save(1, {"z": st.shard(Z, mesh42, (0, 1))})
+manager.save_async(2, {"z": st.shard(Z * 2, mesh42, (0, 1))})
+manager.join()
+resumed = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (0, None))}
+manager.load(max(manager.all_steps()), resumed)
+fresh = st.checkpoint.CheckpointManager(f"{checkpoint_dir}/manager", save_interval=1, max_to_keep=1)
+report["manager"] = [manager.all_steps(), fresh.all_steps(), resumed["z"].cpu().tolist()]
+report["manager"].append(sorted(os.listdir(f"{checkpoint_dir}/manager")))  # no temporary directory left
 dist.destroy_process_group()
 print("REPORT", json.dumps(report))

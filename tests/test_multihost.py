@@ -125,3 +125,11 @@ def test_dcp_each_process_writes_its_own_shards_once_and_loads_into_another_mesh
         staged_z, staged_spec = r["dcp_staged"]
         torch.testing.assert_close(torch.tensor(staged_z), Z, rtol=0, atol=0)
         assert staged_spec == "{devices=[1,8]0,1,2,3,4,5,6,7}"
+
+
+def test_checkpoint_manager_saves_prunes_and_loads_with_two_processes(reports):
+    for r in reports:
+        steps, fresh_steps, loaded, listing = r["manager"]
+        assert listing == ["2"]
+        assert steps == fresh_steps == [2]  # max_to_keep=1: step 1 deleted (by rank 0)
+        torch.testing.assert_close(torch.tensor(loaded), torch.arange(70.0).reshape(7, 10) * 2, rtol=0, atol=0)
