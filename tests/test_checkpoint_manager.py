@@ -233,11 +233,13 @@ def test_a_killed_job_resumes_with_identical_losses(tmp_path):
         text=True,
         env=env,
     )
-    # meanwhile, the uninterrupted run
-    reset_state()
-    model, opt = make_job(seed=0)
-    losses = train(model, opt, job_batches(), F.cross_entropy, mode="lazy")
-    out, err = killed.communicate(timeout=300)
+    try:  # meanwhile, the uninterrupted run
+        reset_state()
+        model, opt = make_job(seed=0)
+        losses = train(model, opt, job_batches(), F.cross_entropy, mode="lazy")
+        out, err = killed.communicate(timeout=300)
+    finally:
+        killed.kill()  # (a no-op once it is gone)
     assert killed.returncode == -signal.SIGKILL, err[-3000:]
     killed_losses = [float.fromhex(line.split()[2]) for line in out.splitlines() if line.startswith("loss")]
     assert killed_losses == losses[:SAVE_AT]
