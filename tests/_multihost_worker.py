@@ -93,4 +93,13 @@ staged = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (None, 0))}
 dcp.load(staged, checkpoint_id=checkpoint_dir, planner=st.checkpoint.StagedLoadPlanner())
 report["dcp_staged"] = [staged["z"].cpu().tolist(), staged["z"].sharding_spec]
 dist.destroy_process_group()
+
+# st.save (xr.save): every process calls it (the readback is collective); with master_only=True only
+# process 0 writes. Each process names its own file, so the test sees who wrote.
+import os  # noqa: E402
+
+saved = {"z": st.shard(Z, mesh42, (0, 1)), "step": 3}
+report["st_save_paths"] = [os.path.join(checkpoint_dir, f"{kind}_{pid}.pt") for kind in ("master_only", "every")]
+st.save(saved, report["st_save_paths"][0])
+st.save(saved, report["st_save_paths"][1], master_only=False)
 print("REPORT", json.dumps(report))

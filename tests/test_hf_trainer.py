@@ -15,7 +15,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardtensor as st
@@ -44,7 +44,7 @@ def _clean():
     reset_state()
 
 
-def tiny_llama(**options) -> LlamaForCausalLM:
+def tiny_llama(seed=0, **options) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=100,
         hidden_size=32,
@@ -55,7 +55,7 @@ def tiny_llama(**options) -> LlamaForCausalLM:
         max_position_embeddings=16,
         **options,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
@@ -70,22 +70,21 @@ def fsdp_wrap(model):
     return FSDPv2(model, auto_wrap_policy=policy)
 
 
-def train_with_trainer(model, **options):
+def train_with_trainer(model, trainer_cls=Trainer, callbacks=None, resume_from_checkpoint=None, **options):
     """Trainer with default TrainingArguments apart from the run's length, logging, output and seed
-    (no checkpoint is written: Trainer saves an FSDPv2 model's weights under FSDPv2's names, see docs/hf.md).
-    Returns (losses, grad norms) per step and the Trainer."""
-    args = TrainingArguments(
-        output_dir="unused",  # nothing is written: save_strategy="no"
+    (no checkpoint unless ``options`` ask for one). Returns (losses, grad norms) per step and the Trainer."""
+    arguments = dict(
+        output_dir="unused",  # nothing is written with save_strategy="no"
         max_steps=STEPS,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         seed=0,
-        **options,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
-    trainer.train()
+    args = TrainingArguments(**{**arguments, **options})
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_dataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS
     return [e["loss"] for e in logs], [e["grad_norm"] for e in logs], trainer
@@ -201,3 +200,79 @@ def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     for name, p in model.named_parameters():
         assert p.sharding_spec == specs[name], name
     assert_same_parameters(model.module, reference)
+
+
+class ShardedStateTrainer(Trainer):
+    """docs/hf.md's recipe: the optimizer Trainer creates loads a checkpoint's state sharded like the
+    parameters (``st.keep_optimizer_state_sharded``), not replicated on every device."""
+
+    def create_optimizer(self, model=None):
+        return st.keep_optimizer_state_sharded(super().create_optimizer(model))
+
+
+class OptimizerStateBytes(TrainerCallback):
+    """Bytes each device holds of the optimizer state: at the first checkpoint written, and when training
+    begins (after a resume has loaded the state, before any step)."""
+
+    def __init__(self):
+        self.at_save = self.at_begin = None
+
+    @staticmethod
+    def measure(optimizer):
+        per_device = [0] * 8
+        for state in optimizer.state.values():
+            for value in state.values():
+                for i, shard in enumerate(value.local_shards):
+                    per_device[i] += shard.data.numel() * shard.data.element_size()
+        return per_device
+
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
+        self.at_save = self.at_save or self.measure(optimizer)
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.at_begin = self.measure(optimizer)
+
+
+def test_trainer_checkpoints_are_plain_llama_checkpoints_and_a_resumed_run_continues_exactly(tmp_path, monkeypatch):
+    """Issue 14 §3: ``save_strategy="steps"`` on the FSDPv2 Llama writes checkpoints under the plain model's
+    names; ``train(resume_from_checkpoint=...)`` from the step-2 checkpoint gives the uninterrupted run's
+    losses and gradient norms exactly, the optimizer state reloads sharded as it was saved (bytes per
+    device), and the resumed run's ``save_model`` reloads with ``from_pretrained`` on CPU as the trained
+    weights. The resumed run gives Trainer the Hugging Face model inside the wrapper (docs/hf.md: then
+    Trainer writes complete ``from_pretrained`` directories, config.json included)."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
+    saving = dict(save_strategy="steps", save_steps=2)
+    recorder = OptimizerStateBytes()
+    wrapped = fsdp_wrap(tiny_llama())
+    losses, norms, _ = train_with_trainer(wrapped, callbacks=[recorder], output_dir=str(tmp_path / "run"), **saving)
+    trained = {k: v.cpu() for k, v in wrapped.state_dict().items()}
+
+    plain = tiny_llama()
+    for step in (2, 4):
+        saved = safetensors.torch.load_file(tmp_path / f"run/checkpoint-{step}/model.safetensors")
+        assert saved.keys() == plain.state_dict().keys()  # no "_orig_module." anywhere
+    plain.load_state_dict(saved)  # the last checkpoint: the trained weights, into a plain CPU Llama
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
+
+    resumed_recorder = OptimizerStateBytes()
+    other_init = fsdp_wrap(tiny_llama(seed=1)).module  # weights and optimizer state come from the checkpoint
+    resumed_losses, resumed_norms, trainer = train_with_trainer(
+        other_init,
+        trainer_cls=ShardedStateTrainer,
+        callbacks=[resumed_recorder],
+        resume_from_checkpoint=str(tmp_path / "run/checkpoint-2"),
+        output_dir=str(tmp_path / "resumed"),
+        **saving,
+    )
+    assert trainer.state.global_step == STEPS
+    assert (resumed_losses, resumed_norms) == (losses, norms)  # steps 1-2 from the checkpoint, 3-4 computed
+    one_copy = sum(4 * 2 * p.numel() + 4 for p in plain.parameters())  # exp_avg, exp_avg_sq (float32), step
+    assert resumed_recorder.at_begin == recorder.at_save  # as saved: sharded, where a replica holds one_copy each
+    assert sum(recorder.at_save) < 2 * one_copy
+
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "final")
+    assert reloaded.state_dict().keys() == trained.keys()
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)

@@ -125,3 +125,13 @@ def test_dcp_each_process_writes_its_own_shards_once_and_loads_into_another_mesh
         staged_z, staged_spec = r["dcp_staged"]
         torch.testing.assert_close(torch.tensor(staged_z), Z, rtol=0, atol=0)
         assert staged_spec == "{devices=[1,8]0,1,2,3,4,5,6,7}"
+
+
+def test_st_save_writes_from_process_0_only_unless_master_only_is_false(reports):
+    Z = torch.arange(70.0).reshape(7, 10)
+    for pid, r in enumerate(reports):
+        master_only, every = r["st_save_paths"]
+        assert os.path.exists(master_only) == (pid == 0)
+        for path in [every] + [master_only] * (pid == 0):
+            loaded = torch.load(path, weights_only=True)
+            assert loaded["step"] == 3 and torch.equal(loaded["z"], Z)
