@@ -3,7 +3,8 @@
 
 Each run is compared with the same run of the same library on CPU: per-step losses and gradient norms,
 and the parameters after training. The model is random-init (no download), the dataset 16 sequences
-of 16 tokens.
+of 16 tokens. Issue 14 §3: saving (``save_pretrained``, Trainer's checkpoints, ``accelerator.save_state``)
+and resuming a Trainer run.
 """
 
 import copy
@@ -158,19 +159,17 @@ def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
 def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
     """``save_pretrained`` of the Llama on the shardtensor device writes safetensors that ``from_pretrained``
-    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving").
-    Wrapped whole in FSDPv2, ``model.module.save_pretrained(dir)``; with decoder layers wrapped too, their
-    names carry FSDPv2's ``_orig_module.``, which the recipe drops from the state dict it passes."""
+    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving and resuming").
+    ``model.module.save_pretrained(dir)``, FSDPv2 over the whole model (and over each decoder layer: their
+    state dicts name the keys without FSDPv2's ``_orig_module.``)."""
     reference = tiny_llama(tie_word_embeddings=tied)
     model = copy.deepcopy(reference).to(st.device())
     if tied:
-        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving")
+        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving and resuming")
         wrapped = fsdp_wrap(model)
-        state = {k.replace("_orig_module.", ""): v for k, v in wrapped.module.state_dict().items()}
-        wrapped.module.save_pretrained(tmp_path, state_dict=state)
     else:
         wrapped = FSDPv2(model)
-        wrapped.module.save_pretrained(tmp_path)
+    wrapped.module.save_pretrained(tmp_path)
     assert (tmp_path / "config.json").exists()
     saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
     assert ("lm_head.weight" in saved) != tied  # a tied lm_head is found sharing the embedding's storage
@@ -183,7 +182,8 @@ def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
 
 def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     """``accelerator.save_state(dir)`` of an FSDPv2 model (safetensors' ``save_model``, which keeps tensors
-    that start their storage) and ``load_state`` back into it: the weights and each parameter's sharding."""
+    that start their storage) under the plain model's names, and ``load_state`` back into it: the weights
+    and each parameter's sharding."""
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
     reference = tiny_llama()
     accelerator = Accelerator()
@@ -192,7 +192,7 @@ def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     model, optimizer = accelerator.prepare(model, optimizer)
     specs = {name: p.sharding_spec for name, p in model.named_parameters()}
     accelerator.save_state(tmp_path)
-    assert (tmp_path / "model.safetensors").exists()
+    assert safetensors.torch.load_file(tmp_path / "model.safetensors").keys() == reference.state_dict().keys()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()

@@ -2,14 +2,13 @@
 copy), a pickled module keeps its sharded ``nn.Parameter``s, and a load that fails changes nothing."""
 
 import copy
+import functools
 import io
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-
-import functools
 
 import pytest
 import torch

@@ -37,7 +37,6 @@ import torch.nn as nn
 
 import shardtensor as st
 
-
 WRAPPED = "_orig_module"  # the attribute FSDPv2 keeps the wrapped module in: a segment of real names
 
 
