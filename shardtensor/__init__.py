@@ -48,7 +48,7 @@ from shardtensor.metrics import (  # noqa: F401
 )
 from shardtensor.runtime import initialize_cache  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
-from shardtensor.nn_utils import clip_grad_norm_, place_optimizer_state  # noqa: F401
+from shardtensor.nn_utils import clip_grad_norm_, keep_optimizer_state_sharded, place_optimizer_state  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import serialization  # noqa: F401
@@ -131,6 +131,7 @@ __all__ = [
     "MpDeviceLoader",
     "clip_grad_norm_",
     "place_optimizer_state",
+    "keep_optimizer_state_sharded",
     "visualize_sharding",
     "visualize_tensor_sharding",
     "explain",

@@ -1,5 +1,5 @@
-"""``clip_grad_norm_`` for sharded gradients, with no host round trip; ``place_optimizer_state``, which
-loads an optimizer's state with its parameters' sharding.
+"""``clip_grad_norm_`` for sharded gradients, with no host round trip; ``place_optimizer_state`` and
+``keep_optimizer_state_sharded``, which make an optimizer load its state with its parameters' sharding.
 
 ``torch.nn.utils.clip_grad_norm_`` works on ShardedTensor gradients as well (its foreach path uses
 ``_foreach_norm``/``_foreach_mul_``, which have lowerings); this one is the same computation written
@@ -11,8 +11,9 @@ one program.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -75,7 +76,8 @@ def place_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str
 
     Why a hook the user registers: torch casts the state in ``Optimizer.load_state_dict`` with
     ``value.to(dtype=param.dtype, device=param.device)``, and a device carries no sharding; the only
-    automatic alternative would patch ``torch.optim.Optimizer`` for every program.
+    automatic alternative would patch ``torch.optim.Optimizer`` for every program (docs/fsdp.md,
+    "Optimizer state"). ``keep_optimizer_state_sharded(optimizer)`` registers it once.
 
     Example::
 
@@ -101,6 +103,39 @@ def place_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict[str
             entries = {key: _placed_like(param, key, value) for key, value in entries.items()}
         placed_state[param_id] = entries
     return {**state_dict, "state": placed_state}
+
+
+_Optimizer = TypeVar("_Optimizer")
+_KEEPING: weakref.WeakSet = weakref.WeakSet()  # optimizers that have place_optimizer_state registered here
+
+
+def keep_optimizer_state_sharded(optimizer: _Optimizer) -> _Optimizer:
+    """Make ``optimizer.load_state_dict`` send each state tensor sharded like its parameter; returns
+    ``optimizer``.
+
+    Registers ``place_optimizer_state`` as the optimizer's load-state-dict pre-hook (once: calling it
+    again does nothing). A wrapper that keeps the real optimizer as ``.optimizer`` and loads through
+    it (accelerate's ``AcceleratedOptimizer``) gets the hook on the optimizer it wraps. Register it
+    before loading; a state dict loaded before stays as torch placed it (replicated) until a step
+    rewrites it.
+
+    Example::
+
+        opt = st.keep_optimizer_state_sharded(torch.optim.AdamW(model.parameters()))
+        opt.load_state_dict(torch.load("opt.pt"))   # exp_avg, exp_avg_sq sharded like their params
+    """
+    target: Any = optimizer
+    while isinstance(getattr(target, "optimizer", None), torch.optim.Optimizer):
+        target = target.optimizer  # a wrapper that loads through the optimizer it holds
+    if not isinstance(target, torch.optim.Optimizer):
+        raise TypeError(
+            "keep_optimizer_state_sharded expects a torch.optim.Optimizer (or a wrapper holding one as "
+            f".optimizer), got {type(optimizer).__name__}."
+        )
+    if target not in _KEEPING:
+        target.register_load_state_dict_pre_hook(place_optimizer_state)
+        _KEEPING.add(target)
+    return optimizer
 
 
 def _placed_like(param: ShardedTensor, key: Any, value: Any) -> Any:

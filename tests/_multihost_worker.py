@@ -104,4 +104,13 @@ fresh = st.checkpoint.CheckpointManager(f"{checkpoint_dir}/manager", save_interv
 report["manager"] = [manager.all_steps(), fresh.all_steps(), resumed["z"].cpu().tolist()]
 report["manager"].append(sorted(os.listdir(f"{checkpoint_dir}/manager")))  # no temporary directory left
 dist.destroy_process_group()
+
+# st.save (xr.save): every process calls it (the readback is collective); with master_only=True only
+# process 0 writes. Each process names its own file, so the test sees who wrote.
+import os  # noqa: E402
+
+saved = {"z": st.shard(Z, mesh42, (0, 1)), "step": 3}
+report["st_save_paths"] = [os.path.join(checkpoint_dir, f"{kind}_{pid}.pt") for kind in ("master_only", "every")]
+st.save(saved, report["st_save_paths"][0])
+st.save(saved, report["st_save_paths"][1], master_only=False)
 print("REPORT", json.dumps(report))

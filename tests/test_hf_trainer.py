@@ -3,7 +3,8 @@
 
 Each run is compared with the same run of the same library on CPU: per-step losses and gradient norms,
 and the parameters after training. The model is random-init (no download), the dataset 16 sequences
-of 16 tokens.
+of 16 tokens. Issue 14 §3: saving (``save_pretrained``, Trainer's checkpoints, ``accelerator.save_state``)
+and resuming a Trainer run.
 """
 
 import copy
@@ -15,7 +16,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 from torch.utils.data import DataLoader
-from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import shardtensor as st
@@ -44,7 +45,7 @@ def _clean():
     reset_state()
 
 
-def tiny_llama(**options) -> LlamaForCausalLM:
+def tiny_llama(seed=0, **options) -> LlamaForCausalLM:
     config = LlamaConfig(
         vocab_size=100,
         hidden_size=32,
@@ -55,7 +56,7 @@ def tiny_llama(**options) -> LlamaForCausalLM:
         max_position_embeddings=16,
         **options,
     )
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LlamaForCausalLM(config)
 
 
@@ -70,22 +71,21 @@ def fsdp_wrap(model):
     return FSDPv2(model, auto_wrap_policy=policy)
 
 
-def train_with_trainer(model, **options):
+def train_with_trainer(model, trainer_cls=Trainer, callbacks=None, resume_from_checkpoint=None, **options):
     """Trainer with default TrainingArguments apart from the run's length, logging, output and seed
-    (no checkpoint is written: Trainer saves an FSDPv2 model's weights under FSDPv2's names, see docs/hf.md).
-    Returns (losses, grad norms) per step and the Trainer."""
-    args = TrainingArguments(
-        output_dir="unused",  # nothing is written: save_strategy="no"
+    (no checkpoint unless ``options`` ask for one). Returns (losses, grad norms) per step and the Trainer."""
+    arguments = dict(
+        output_dir="unused",  # nothing is written with save_strategy="no"
         max_steps=STEPS,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         disable_tqdm=True,
         seed=0,
-        **options,
     )
-    trainer = Trainer(model=model, args=args, train_dataset=token_dataset())
-    trainer.train()
+    args = TrainingArguments(**{**arguments, **options})
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_dataset(), callbacks=callbacks)
+    trainer.train(resume_from_checkpoint=resume_from_checkpoint)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == STEPS
     return [e["loss"] for e in logs], [e["grad_norm"] for e in logs], trainer
@@ -159,19 +159,17 @@ def test_accelerator_prepare_trains_fsdp_llama_like_cpu(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied_embeddings"])
 def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
     """``save_pretrained`` of the Llama on the shardtensor device writes safetensors that ``from_pretrained``
-    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving").
-    Wrapped whole in FSDPv2, ``model.module.save_pretrained(dir)``; with decoder layers wrapped too, their
-    names carry FSDPv2's ``_orig_module.``, which the recipe drops from the state dict it passes."""
+    reloads on CPU with identical weights, tied embeddings saved once as on CPU (docs/hf.md, "Saving and resuming").
+    ``model.module.save_pretrained(dir)``, FSDPv2 over the whole model (and over each decoder layer: their
+    state dicts name the keys without FSDPv2's ``_orig_module.``)."""
     reference = tiny_llama(tie_word_embeddings=tied)
     model = copy.deepcopy(reference).to(st.device())
     if tied:
-        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving")
+        model.tie_weights()  # (.to(st.device()) gives each module its own Parameter: docs/hf.md, "Saving and resuming")
         wrapped = fsdp_wrap(model)
-        state = {k.replace("_orig_module.", ""): v for k, v in wrapped.module.state_dict().items()}
-        wrapped.module.save_pretrained(tmp_path, state_dict=state)
     else:
         wrapped = FSDPv2(model)
-        wrapped.module.save_pretrained(tmp_path)
+    wrapped.module.save_pretrained(tmp_path)
     assert (tmp_path / "config.json").exists()
     saved = safetensors.torch.load_file(tmp_path / "model.safetensors")
     assert ("lm_head.weight" in saved) != tied  # a tied lm_head is found sharing the embedding's storage
@@ -184,7 +182,8 @@ def test_save_pretrained_of_fsdp_llama_reloads_on_cpu(tmp_path, tied):
 
 def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     """``accelerator.save_state(dir)`` of an FSDPv2 model (safetensors' ``save_model``, which keeps tensors
-    that start their storage) and ``load_state`` back into it: the weights and each parameter's sharding."""
+    that start their storage) under the plain model's names, and ``load_state`` back into it: the weights
+    and each parameter's sharding."""
     monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
     reference = tiny_llama()
     accelerator = Accelerator()
@@ -193,7 +192,7 @@ def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     model, optimizer = accelerator.prepare(model, optimizer)
     specs = {name: p.sharding_spec for name, p in model.named_parameters()}
     accelerator.save_state(tmp_path)
-    assert (tmp_path / "model.safetensors").exists()
+    assert safetensors.torch.load_file(tmp_path / "model.safetensors").keys() == reference.state_dict().keys()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -201,3 +200,79 @@ def test_accelerate_save_state_and_load_state(tmp_path, monkeypatch):
     for name, p in model.named_parameters():
         assert p.sharding_spec == specs[name], name
     assert_same_parameters(model.module, reference)
+
+
+class ShardedStateTrainer(Trainer):
+    """docs/hf.md's recipe: the optimizer Trainer creates loads a checkpoint's state sharded like the
+    parameters (``st.keep_optimizer_state_sharded``), not replicated on every device."""
+
+    def create_optimizer(self, model=None):
+        return st.keep_optimizer_state_sharded(super().create_optimizer(model))
+
+
+class OptimizerStateBytes(TrainerCallback):
+    """Bytes each device holds of the optimizer state: at the first checkpoint written, and when training
+    begins (after a resume has loaded the state, before any step)."""
+
+    def __init__(self):
+        self.at_save = self.at_begin = None
+
+    @staticmethod
+    def measure(optimizer):
+        per_device = [0] * 8
+        for state in optimizer.state.values():
+            for value in state.values():
+                for i, shard in enumerate(value.local_shards):
+                    per_device[i] += shard.data.numel() * shard.data.element_size()
+        return per_device
+
+    def on_save(self, args, state, control, optimizer=None, **kwargs):
+        self.at_save = self.at_save or self.measure(optimizer)
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.at_begin = self.measure(optimizer)
+
+
+def test_trainer_checkpoints_are_plain_llama_checkpoints_and_a_resumed_run_continues_exactly(tmp_path, monkeypatch):
+    """Issue 14 §3: ``save_strategy="steps"`` on the FSDPv2 Llama writes checkpoints under the plain model's
+    names; ``train(resume_from_checkpoint=...)`` from the step-2 checkpoint gives the uninterrupted run's
+    losses and gradient norms exactly, the optimizer state reloads sharded as it was saved (bytes per
+    device), and the resumed run's ``save_model`` reloads with ``from_pretrained`` on CPU as the trained
+    weights. The resumed run gives Trainer the Hugging Face model inside the wrapper (docs/hf.md: then
+    Trainer writes complete ``from_pretrained`` directories, config.json included)."""
+    monkeypatch.setenv("ACCELERATE_TORCH_DEVICE", "shardtensor")
+    saving = dict(save_strategy="steps", save_steps=2)
+    recorder = OptimizerStateBytes()
+    wrapped = fsdp_wrap(tiny_llama())
+    losses, norms, _ = train_with_trainer(wrapped, callbacks=[recorder], output_dir=str(tmp_path / "run"), **saving)
+    trained = {k: v.cpu() for k, v in wrapped.state_dict().items()}
+
+    plain = tiny_llama()
+    for step in (2, 4):
+        saved = safetensors.torch.load_file(tmp_path / f"run/checkpoint-{step}/model.safetensors")
+        assert saved.keys() == plain.state_dict().keys()  # no "_orig_module." anywhere
+    plain.load_state_dict(saved)  # the last checkpoint: the trained weights, into a plain CPU Llama
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)
+
+    resumed_recorder = OptimizerStateBytes()
+    other_init = fsdp_wrap(tiny_llama(seed=1)).module  # weights and optimizer state come from the checkpoint
+    resumed_losses, resumed_norms, trainer = train_with_trainer(
+        other_init,
+        trainer_cls=ShardedStateTrainer,
+        callbacks=[resumed_recorder],
+        resume_from_checkpoint=str(tmp_path / "run/checkpoint-2"),
+        output_dir=str(tmp_path / "resumed"),
+        **saving,
+    )
+    assert trainer.state.global_step == STEPS
+    assert (resumed_losses, resumed_norms) == (losses, norms)  # steps 1-2 from the checkpoint, 3-4 computed
+    one_copy = sum(4 * 2 * p.numel() + 4 for p in plain.parameters())  # exp_avg, exp_avg_sq (float32), step
+    assert resumed_recorder.at_begin == recorder.at_save  # as saved: sharded, where a replica holds one_copy each
+    assert sum(recorder.at_save) < 2 * one_copy
+
+    trainer.save_model(str(tmp_path / "final"))
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "final")
+    assert reloaded.state_dict().keys() == trained.keys()
+    for name, value in reloaded.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=0, msg=name)

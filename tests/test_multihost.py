@@ -133,3 +133,13 @@ def test_checkpoint_manager_saves_prunes_and_loads_with_two_processes(reports):
         assert listing == ["2"]
         assert steps == fresh_steps == [2]  # max_to_keep=1: step 1 deleted (by rank 0)
         torch.testing.assert_close(torch.tensor(loaded), torch.arange(70.0).reshape(7, 10) * 2, rtol=0, atol=0)
+
+
+def test_st_save_writes_from_process_0_only_unless_master_only_is_false(reports):
+    Z = torch.arange(70.0).reshape(7, 10)
+    for pid, r in enumerate(reports):
+        master_only, every = r["st_save_paths"]
+        assert os.path.exists(master_only) == (pid == 0)
+        for path in [every] + [master_only] * (pid == 0):
+            loaded = torch.load(path, weights_only=True)
+            assert loaded["step"] == 3 and torch.equal(loaded["z"], Z)

@@ -2,6 +2,7 @@
 copy), a pickled module keeps its sharded ``nn.Parameter``s, and a load that fails changes nothing."""
 
 import copy
+import functools
 import io
 import os
 import subprocess
@@ -11,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import shardtensor as st
-from shardtensor.fsdp import FSDPv2
+from shardtensor.fsdp import FSDPv2, transformer_auto_wrap_policy
 
 MESH = st.Mesh(range(8), (8,), ("fsdp",))
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,8 +79,7 @@ def test_adamw_state_loads_with_its_parameters_sharding_and_the_next_step_matche
 
     fresh = FSDPv2(tiny(seed=1), mesh=MESH)
     fresh.module.load_state_dict(module_state)
-    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-    fresh_opt.register_load_state_dict_pre_hook(st.place_optimizer_state)
+    fresh_opt = st.keep_optimizer_state_sharded(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
     fresh_opt.load_state_dict(saved)
     for i, p in enumerate(fresh.parameters()):
         state = fresh_opt.state[p]
@@ -202,3 +204,141 @@ def test_a_dtype_mismatch_is_cast_as_torch_does_and_keeps_the_sharding():
     for (name, p), ref in zip(model.module.named_parameters(), reference.parameters()):
         assert p.dtype == ref.dtype == torch.float32 and p.partition_spec is not None, name
         assert torch.equal(p.cpu(), ref.detach()), name
+
+
+def _adamw_after_one_step(seed=0):
+    model = FSDPv2(tiny(seed), mesh=MESH)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train_step(model, opt, torch.randn(8, 16, generator=torch.Generator().manual_seed(2)).to(st.device()))
+    return model, opt
+
+
+def _state_layout_and_values(model, opt):
+    return {
+        (i, key): (bytes_per_device(opt.state[p][key]), opt.state[p][key].cpu())
+        for i, p in enumerate(model.parameters())
+        for key in ("exp_avg", "exp_avg_sq")
+    }
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # DCP without a process group
+@pytest.mark.parametrize("path", ["torch.load", "dcp.load+set_state_dict", "cpu+set_state_dict"])
+def test_adamw_state_keeps_each_devices_bytes_through_a_save_and_load(path, tmp_path):
+    """Issue 14 §4: bytes per device of the AdamW state after loading == before saving, by
+    ``opt.load_state_dict(torch.load(...))`` (with ``keep_optimizer_state_sharded``), by DCP's
+    ``dcp.load`` + ``set_state_dict`` (no hook needed: DCP loads into the sharded state in place), and by
+    ``set_state_dict`` of CPU tensors (with the hook)."""
+    model, opt = _adamw_after_one_step()
+    before = _state_layout_and_values(model, opt)
+    fresh, fresh_opt = FSDPv2(tiny(seed=1), mesh=MESH), None
+    if path == "torch.load":
+        fresh.load_state_dict(round_trip(model.state_dict()))
+        fresh_opt = st.keep_optimizer_state_sharded(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        fresh_opt.load_state_dict(round_trip(opt.state_dict()))
+    elif path == "dcp.load+set_state_dict":
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp_path)
+        set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    else:
+        model_sd, optim_sd = round_trip(get_state_dict(model, opt))
+        fresh_opt = st.keep_optimizer_state_sharded(torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    after = _state_layout_and_values(fresh, fresh_opt)
+    for key, (layout, value) in before.items():
+        assert after[key][0] == layout, key  # one shard per device, not a replica
+        assert torch.equal(after[key][1], value), key
+    for p, q in zip(fresh.parameters(), model.parameters()):
+        assert p.sharding_spec == q.sharding_spec and torch.equal(p.cpu(), q.cpu())
+
+
+def test_keep_optimizer_state_sharded_registers_once_and_reaches_a_wrapped_optimizer():
+    model, opt = _adamw_after_one_step()
+    saved = round_trip(opt.state_dict())
+
+    class Wrapper:  # as accelerate's AcceleratedOptimizer: loads through the optimizer it holds
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+    inner = torch.optim.AdamW(FSDPv2(tiny(seed=1), mesh=MESH).parameters(), lr=1e-2)
+    wrapper = Wrapper(inner)
+    assert st.keep_optimizer_state_sharded(wrapper) is wrapper
+    calls = []
+    inner.register_load_state_dict_pre_hook(lambda o, sd: calls.append(sd["state"][0]["exp_avg"]))
+    st.keep_optimizer_state_sharded(inner)  # a second time: no second hook
+    inner.load_state_dict(saved)
+    assert len(calls) == 1 and isinstance(calls[0], st.ShardedTensor)  # placed by the one earlier hook
+    with pytest.raises(TypeError, match="expects a torch.optim.Optimizer"):
+        st.keep_optimizer_state_sharded(model)
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.norm = nn.BatchNorm1d(32)
+
+    def forward(self, x):
+        return self.norm(self.fc(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = Block()
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(self.block(x))
+
+
+def net(seed):
+    torch.manual_seed(seed)
+    return Net()
+
+
+def wrapped_net(seed=0):
+    """FSDPv2 over the whole Net and over its Block: real names carry ``_orig_module.`` twice."""
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    return FSDPv2(net(seed), mesh=MESH, auto_wrap_policy=policy)
+
+
+def test_an_fsdp_state_dict_has_the_plain_modules_keys_both_ways():
+    """``Trainer.save_model``/``save_pretrained``/``accelerator.save_state`` write ``state_dict()``: an
+    FSDPv2 model's has the plain model's keys, in its order, and each loads into the other."""
+    model, plain = wrapped_net(), net(1)
+    assert "_orig_module.block._orig_module.fc.weight" in dict(model.named_parameters())  # names keep it
+    state = model.state_dict()
+    assert list(state) == list(plain.state_dict())
+    plain.load_state_dict(state)  # strict: the wrapped model's checkpoint loads into the plain one
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, state[key].cpu()), key
+    specs = {name: p.partition_spec for name, p in model.named_parameters()}
+    for assign in (False, True):
+        source = {k: v + 1 if v.is_floating_point() else v for k, v in net(2 + assign).state_dict().items()}
+        assert model.load_state_dict(source, assign=assign) is not None  # strict: every key matched
+        for (name, p), expected in zip(model.named_parameters(), net(2 + assign).parameters()):
+            assert p.partition_spec == specs[name] and isinstance(p, nn.Parameter), name
+            assert torch.equal(p.cpu(), expected.detach() + 1), name
+    # an old checkpoint with FSDPv2's real names still loads
+    old = {name: t.detach().cpu() * 3 for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    model.load_state_dict(old)
+    assert torch.equal(model.state_dict()["block.fc.weight"].cpu(), old["_orig_module.block._orig_module.fc.weight"])
+    # keys are reported as the state dict names them
+    partial = {k: v for k, v in plain.state_dict().items() if k != "block.fc.bias"}
+    assert model.load_state_dict(partial, strict=False).missing_keys == ["block.fc.bias"]
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "block.fc.bias"'):
+        model.load_state_dict(partial)
+
+
+def test_a_shape_mismatch_inside_a_nested_wrapper_changes_nothing():
+    model = wrapped_net()
+    before = {k: v.cpu() for k, v in model.state_dict().items()}
+    bad = {k: v + 1 if v.is_floating_point() else v for k, v in net(1).state_dict().items()}
+    bad["block.fc.weight"] = torch.zeros(32, 15)
+    with pytest.raises(RuntimeError, match="size mismatch for"):
+        model.load_state_dict(bad)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), before[key]), key

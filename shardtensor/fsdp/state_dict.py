@@ -1,5 +1,13 @@
-"""State dicts and pickles of an FSDPv2-wrapped module keep its parameters sharded; a failed
-``load_state_dict`` changes nothing.
+"""State dicts and pickles of an FSDPv2-wrapped module keep its parameters sharded and its names;
+a failed ``load_state_dict`` changes nothing.
+
+The state dict of an FSDPv2 wrapper has the wrapped module's keys (``fc.weight``, not
+``_orig_module.fc.weight``), as ``torch.distributed.fsdp``'s full state dict does, so a checkpoint of a
+wrapped model — ``Trainer.save_model``, ``save_pretrained``, ``accelerator.save_state`` — loads into the
+plain model and the plain model's checkpoint loads into the wrapper. ``drop_wrapper_prefix`` (a
+state-dict post-hook of the wrapper) drops the prefix; ``add_wrapper_prefix`` (a load pre-hook) puts it
+back for torch's loading, which walks the real module tree, and accepts keys that already carry it.
+Parameter names (``named_parameters``) keep the prefix.
 
 ``torch.save`` of a whole FSDPv2 model writes each parameter as a plain CPU ``nn.Parameter`` (so the
 file holds no jax object) and the wrapper's pickled state records their meshes and specs
@@ -29,6 +37,72 @@ import torch.nn as nn
 
 import shardtensor as st
 
+WRAPPED = "_orig_module"  # the attribute FSDPv2 keeps the wrapped module in: a segment of real names
+
+
+def state_dict_name(name: str) -> str:
+    """``name`` (a parameter or module name inside FSDPv2 wrappers) as it appears in state dicts.
+
+    Example::
+
+        state_dict_name("_orig_module.layers.0._orig_module.fc.weight")   # 'layers.0.fc.weight'
+    """
+    return ".".join(part for part in name.split(".") if part != WRAPPED)
+
+
+def drop_wrapper_prefix(wrapper: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
+    """``nn.Module.register_state_dict_post_hook`` of an FSDPv2 wrapper: its keys without ``_orig_module.``.
+
+    The wrapper holds nothing but the wrapped module, so its keys are the last ones in ``state_dict``
+    and renaming them in order keeps the order. The module versions in ``state_dict._metadata`` are
+    copied under the names without the prefix too (the old names stay, for loading into a wrapper).
+
+    Example::
+
+        FSDPv2(nn.Linear(4, 4)).state_dict().keys()   # odict_keys(['weight', 'bias'])
+    """
+    inner = f"{prefix}{WRAPPED}."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        for key in [k for k in metadata if k == inner[:-1] or k.startswith(inner)]:
+            metadata[(prefix + key[len(inner) :]).rstrip(".")] = metadata[key]
+
+
+def add_wrapper_prefix(
+    wrapper: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """``nn.Module.register_load_state_dict_pre_hook`` of an FSDPv2 wrapper: its keys get ``_orig_module.``
+    back, so torch finds them in the wrapped module (a key that already has it is left as is).
+
+    Example::
+
+        FSDPv2(net).load_state_dict(net_cpu.state_dict())   # the plain module's keys load
+    """
+    inner = f"{prefix}{WRAPPED}."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def name_keys_as_state_dict(wrapper: nn.Module, incompatible_keys) -> None:
+    """``nn.Module.register_load_state_dict_post_hook`` of an FSDPv2 wrapper: missing and unexpected keys
+    are reported as the state dict names them (without ``_orig_module.``).
+
+    Example::
+
+        FSDPv2(net).load_state_dict({}, strict=False).missing_keys   # ['fc.weight', 'fc.bias']
+    """
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [state_dict_name(k) for k in keys]
+
 
 def keep_sharding_on_load(
     module: nn.Module,
@@ -50,6 +124,12 @@ def keep_sharding_on_load(
     """
     targets: dict[str, torch.Tensor] = {prefix + name: t for name, t in module.named_parameters()}
     targets.update({prefix + name: t for name, t in module.named_buffers()})
+    # keys of FSDPv2 wrappers nested inside: their own pre-hooks rename them only when torch reaches
+    # them, after this module's other keys are loaded; renamed here so the checks below see them
+    for name in targets:
+        short = prefix + state_dict_name(name[len(prefix) :])
+        if short != name and short in state_dict and name not in state_dict:
+            state_dict[name] = state_dict.pop(short)
     if any(_mismatched(targets[key], value) for key, value in state_dict.items() if key in targets):
         for key, target in targets.items():
             if key in state_dict and not _mismatched(target, state_dict[key]):

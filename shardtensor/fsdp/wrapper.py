@@ -16,7 +16,14 @@ import torch.nn as nn
 
 import shardtensor as st
 from shardtensor.fsdp.outputs import batch_output_sharder
-from shardtensor.fsdp.state_dict import keep_sharding_on_load, parameter_layouts, restore_parameter_layouts
+from shardtensor.fsdp.state_dict import (
+    add_wrapper_prefix,
+    drop_wrapper_prefix,
+    keep_sharding_on_load,
+    name_keys_as_state_dict,
+    parameter_layouts,
+    restore_parameter_layouts,
+)
 from shardtensor.fsdp.wrap import recursive_wrap
 
 
@@ -123,6 +130,10 @@ class FSDPv2(nn.Module):
         self._mesh = mesh
         self._shard_output = shard_output
         self.forward = _ForwardShowingModuleSignature(self)  # type: ignore[method-assign]
+        # state dicts name the wrapped module's keys without "_orig_module." (see fsdp/state_dict.py)
+        self.register_state_dict_post_hook(drop_wrapper_prefix)
+        self.register_load_state_dict_pre_hook(add_wrapper_prefix)
+        self.register_load_state_dict_post_hook(name_keys_as_state_dict)
 
     @property
     def module(self) -> nn.Module:
