@@ -4,6 +4,7 @@ PROCESS_ID TORCH_PORT CHECKPOINT_DIR``, with SHARDTENSOR_CPU_DEVICES=4. Prints o
 same seeds)."""
 
 import json
+import os
 import sys
 
 import shardtensor.runtime as rt
@@ -92,5 +93,17 @@ report["dcp_loaded"] = [target["z"].cpu().tolist(), target["bias"].tolist(), tar
 staged = {"z": st.shard(torch.zeros(7, 10), st.Mesh(range(8), (8,)), (None, 0))}
 dcp.load(staged, checkpoint_id=checkpoint_dir, planner=st.checkpoint.StagedLoadPlanner())
 report["dcp_staged"] = [staged["z"].cpu().tolist(), staged["z"].sharding_spec]
+# issue 14: an atomic save by both processes (the test loads it in one process), and a checkpoint the
+# test wrote from one process loaded into another mesh and spec, each process reading only its shards
+W = torch.arange(30.0).reshape(5, 6)
+atomic_state = {"z": st.shard(Z, mesh42, (0, 1)), "w": st.shard(W, mesh42, (1, 0)), "step": 7}
+st.checkpoint.save(atomic_state, f"{checkpoint_dir}/atomic")
+report["atomic_listing"] = sorted(os.listdir(checkpoint_dir))
+from_one = {"a": st.shard(torch.zeros(9, 6), st.Mesh(range(8), (2, 4)), (0, 1)), "b": torch.zeros(3)}
+report["from_one_chunks"] = sorted(
+    [list(c.offsets), list(c.sizes)] for c in from_one["a"].__create_chunk_list__()
+)  # (what a load of "a" reads in this process)
+st.checkpoint.load(from_one, f"{checkpoint_dir}/from_one")
+report["from_one"] = [from_one["a"].cpu().tolist(), from_one["b"].tolist(), from_one["a"].sharding_spec]
 dist.destroy_process_group()
 print("REPORT", json.dumps(report))

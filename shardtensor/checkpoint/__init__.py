@@ -10,7 +10,12 @@ mesh and spec (any mesh, any spec, or plain CPU tensors)::
     dcp.save(model.state_dict(), checkpoint_id="ckpt")
     dcp.load(other_model.state_dict(), checkpoint_id="ckpt")
 
-``save`` is the same save made atomic; ``StagedLoadPlanner`` makes a load all or nothing.
+``save`` is the same save made atomic; ``load`` its counterpart, which checks the checkpoint
+against the target first and changes nothing unless all of it loads (``StagedLoadPlanner`` is that
+load as a DCP planner)::
+
+    st.checkpoint.save({"model": model.state_dict()}, "ckpt/step_100")
+    st.checkpoint.load({"model": model.state_dict()}, "ckpt/step_100")
 """
 
 from __future__ import annotations
@@ -19,8 +24,17 @@ from typing import Any
 
 from shardtensor.checkpoint import protocol as _protocol  # noqa: F401  (installs the protocol)
 from shardtensor.checkpoint.atomic import save
+from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from shardtensor.checkpoint.loading import load
 
-__all__ = ["save", "StagedLoadPlanner"]
+__all__ = [
+    "save",
+    "load",
+    "StagedLoadPlanner",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -2,10 +2,18 @@
 
 DCP asks a tensor subclass three questions (the protocol DTensor implements):
 ``__create_write_items__`` (what to write: here one item per distinct shard, replicas once, padding
-never), ``__create_chunk_list__`` (what a load needs: here the whole logical tensor, so a checkpoint of
-any sharding reads into any other) and ``__get_tensor_shard__`` (the data of one item). Saving copies
-each shard from its device buffer to the host alone, never the full tensor; loading reads one stored
-chunk at a time and writes it into the target in place, which keeps the target's mesh and spec.
+never), ``__create_chunk_list__`` (what a load needs: here this process's distinct shards, so each
+process reads only the byte ranges its devices hold, from a checkpoint of any sharding) and
+``__get_tensor_shard__`` (the data of one item). Saving copies each shard from its device buffer to
+the host alone, never the full tensor. Loading reads each shard into a host buffer of its own and,
+once the tensor's buffers are full, uploads them device by device into the tensor's storage, which
+keeps the target's mesh and spec (``shard_load``).
+
+DCP asks ``__get_tensor_shard__`` both when saving and when loading. A load is what
+``__create_chunk_list__`` starts (it attaches a ``ShardLoad`` to the tensor); a save is what
+``__create_write_items__`` starts (it drops any load left by a failed one). DCP always plans before
+it reads or writes, locally in each process, so the question is answered by the tensor's own state,
+not by which call came last: a tensor with a load in progress is being loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
+from shardtensor.checkpoint.shard_load import ShardLoad
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.tensor.sharded import ShardedTensor
 
@@ -27,11 +36,9 @@ if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import WriteItem
 
-# DCP asks __get_tensor_shard__ for data both when saving (a host copy of one shard) and when loading
-# (the tensor to copy a stored chunk into); the planning call that came last says which.
-SAVING = "_dcp_saving"
-# StagedLoadPlanner's staging tensors: {offsets: host buffer} of each distinct shard to read into
-HOST_BUFFERS = "_dcp_host_buffers"
+# the load in progress of a tensor (a ShardLoad, or WHOLE for a view: DCP copies into ``self``)
+LOADING = "_dcp_loading"
+WHOLE = "whole tensor"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +89,7 @@ def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[Writ
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    self.__dict__[SAVING] = True
+    self.__dict__.pop(LOADING, None)  # a save starts: a load left unfinished (it failed) is over
     size = torch.Size(self.shape)
     items = []
     for piece in _pieces(self):
@@ -99,23 +106,27 @@ def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[Writ
 
 
 def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
-    """What a load fills: the whole logical tensor (DCP then reads each overlapping stored chunk)."""
+    """What a load fills: this process's distinct shards (a view, or an empty tensor: all of it)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    self.__dict__[SAVING] = False
-    buffers = self.__dict__.get(HOST_BUFFERS)
-    if buffers is not None:  # StagedLoadPlanner: one host buffer per distinct shard
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=b.shape) for o, b in buffers.items()]
-    return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
+    if self._chain or self.numel() == 0:
+        # a view writes back through its chain: DCP copies each stored chunk into ``self``, every
+        # process all of them in the same order (the copies are operations on the global tensor)
+        self.__dict__[LOADING] = WHOLE
+        return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
+    load = self.__dict__[LOADING] = ShardLoad(self)
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in load.regions.items()]
 
 
 def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
-    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: ``self``
-    (or, for StagedLoadPlanner, the host buffer of that shard)."""
+    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: the host
+    buffer of that shard (``self`` for a view)."""
     offsets = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
-    if not self.__dict__.get(SAVING, False):
-        buffers = self.__dict__.get(HOST_BUFFERS)
-        return self if buffers is None else buffers[offsets]
+    load = self.__dict__.get(LOADING)
+    if load is WHOLE:
+        return self
+    if load is not None:
+        return load.buffer(index.fqn, offsets)
     for piece in _pieces(self):
         if piece.offsets == offsets:
             data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
