@@ -24,9 +24,10 @@ from shardtensor.tensor.sharded import ShardedTensor
 class ShardLoad:
     """The pending load of one ShardedTensor: host buffers of its distinct addressable shards.
 
-    The buffers are allocated when DCP first reads into them. ``install=True`` puts the uploaded array into the tensor's storage as soon as the buffers are
-    full (DCP's default planner has no later hook); ``install=False`` keeps it in ``array`` for a
-    planner that installs every tensor at once.
+    The buffers are allocated when DCP first reads into them. ``install=True`` puts the uploaded
+    array into the tensor's storage as soon as the buffers are full (DCP's default planner has no
+    later hook); ``install=False`` keeps it in ``array`` for a planner that installs every tensor at
+    once.
 
     Example::
 
