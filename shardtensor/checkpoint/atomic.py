@@ -47,9 +47,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
         shutil.rmtree(tmp, ignore_errors=True)
     if ranks > 1:  # everyone writes into the coordinator's temporary directory
         names = [tmp.name]
-        dist.broadcast_object_list(
-            names, src=dist.get_global_rank(process_group or dist.group.WORLD, 0), group=process_group
-        )
+        dist.broadcast_object_list(names, src=_first_rank(process_group), group=process_group)
         tmp = path.with_name(names[0])
     try:
         dcp.save(state_dict, checkpoint_id=tmp, process_group=process_group, **kwargs)
@@ -65,9 +63,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
             error = f"shardtensor.checkpoint.save could not rename {tmp} to {path}: {e}"
     if ranks > 1:  # every process returns once the checkpoint is in place (or raises the same error)
         outcome = [error]
-        dist.broadcast_object_list(
-            outcome, src=dist.get_global_rank(process_group or dist.group.WORLD, 0), group=process_group
-        )
+        dist.broadcast_object_list(outcome, src=_first_rank(process_group), group=process_group)
         error = outcome[0]
     if error is not None:
         raise OSError(error)
@@ -80,3 +76,12 @@ def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
         os.replace(path, old)  # (a directory cannot be renamed over a non-empty one)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _first_rank(process_group: Any) -> int:
+    """The global rank of the group's rank 0 (the one that renames)."""
+    import torch.distributed as dist
+
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None  # (the default group exists: the caller checked dist.is_initialized())
+    return dist.get_global_rank(group, 0)

@@ -42,7 +42,7 @@ def load(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from shardtensor.checkpoint import StagedLoadPlanner
+    from shardtensor.checkpoint.planner import staged_load_planner_class
 
     problem = None
     if kwargs.get("storage_reader") is None and "://" not in str(checkpoint_id):
@@ -54,7 +54,7 @@ def load(
         problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise problem
-    planner = StagedLoadPlanner(
+    planner = staged_load_planner_class()(
         allow_partial_load=not strict, allow_unexpected_keys=not strict, cast_dtypes=cast_dtypes, defer_commit=True
     )
     try:

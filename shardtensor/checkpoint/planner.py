@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from shardtensor.tensor.sharded import ShardedTensor
 _LISTED = 8  # keys named per kind of problem in an error (then "and N more")
 
 
+@functools.cache  # (one class: st.checkpoint.StagedLoadPlanner and the one load uses)
 def staged_load_planner_class() -> type:
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
