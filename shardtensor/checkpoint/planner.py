@@ -72,6 +72,11 @@ def staged_load_planner_class() -> type:
             # (before DCP's own checks, which name only the first problem)
             _check_fits(self.state_dict, stored, missing, unexpected, self.cast_dtypes, only_keys=False)
             plan = super().create_local_plan()
+            for fqn in dict.fromkeys(item.dest_index.fqn for item in plan.items):
+                # now, in the same order in every process: a pending target is computed (a program
+                # every process runs), which the reads, in each process's own order, must not do
+                if _reads_by_shard(self.state_dict[fqn]):
+                    self._loads[fqn] = ShardLoad(self.state_dict[fqn], install=False)
             if unexpected:  # DCP renames the keys of a checkpoint from torch < 2.4: look again
                 unexpected = [k for k in stored if k not in self.state_dict]
                 _check_fits(self.state_dict, stored, [], unexpected, self.cast_dtypes, only_keys=True)
@@ -89,9 +94,7 @@ def staged_load_planner_class() -> type:
             fqn = index.fqn
             target = self.state_dict[fqn]
             whole = index.offset is None or not any(index.offset)
-            if isinstance(target, ShardedTensor) and not target._chain and target.numel():
-                if fqn not in self._loads:
-                    self._loads[fqn] = ShardLoad(target, install=False)
+            if fqn in self._loads:
                 return self._loads[fqn].buffer(fqn, tuple(index.offset or ()))
             if isinstance(target, torch.Tensor) and whole:
                 if fqn not in self._staging:
@@ -138,6 +141,11 @@ def staged_load_planner_class() -> type:
 
     StagedLoadPlanner.__module__ = "shardtensor.checkpoint"
     return StagedLoadPlanner
+
+
+def _reads_by_shard(target: Any) -> bool:
+    """Whether DCP reads ``target`` shard by shard (a ShardedTensor that is not a view, nor empty)."""
+    return isinstance(target, ShardedTensor) and not target._chain and target.numel() > 0
 
 
 def _check_fits(targets: dict[str, Any], stored: dict, missing, unexpected, cast_dtypes: bool, only_keys: bool) -> None:
