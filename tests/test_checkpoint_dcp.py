@@ -412,3 +412,29 @@ def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert [p.name for p in leftovers[0].iterdir()] == ["__0_0.distcp"]  # (data, no .metadata)
     with pytest.raises(st.checkpoint.CheckpointNotFoundError, match="has no .metadata"):
         st.checkpoint.load(target, leftovers[0])
+
+
+def test_async_save_with_the_host_stager_writes_the_values_staged(tmp_path):
+    """dcp.async_save's default stager cannot copy a ShardedTensor; HostStager copies each distinct
+    shard to the host on the caller, and the background save writes those, as dcp.save would."""
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    Z = torch.arange(70.0).reshape(7, 10)
+    x = st.shard(Z.clone(), mesh, (0, 1))
+    with pytest.raises(RuntimeError, match="invalid python storage"):  # (DCP's own stager)
+        dcp.async_save({"x": x}, checkpoint_id=tmp_path / "default").result()
+    stager = st.checkpoint.HostStager()
+    staged = stager.stage({"x": x})["x"]
+    assert sorted(staged.copies) == sorted((r, c) for r in (0, 2, 4, 6) for c in (0, 5))
+    with pytest.raises(TypeError, match="StagedShards holds host copies"):
+        staged.sum()
+    future = dcp.async_save({"x": x, "step": 3}, checkpoint_id=tmp_path / "async", async_stager=stager)
+    with torch.no_grad():
+        x.mul_(0)  # training goes on: the checkpoint has the staged values
+    future.result()
+    metadata = dcp.FileSystemReader(tmp_path / "async").read_metadata().state_dict_metadata
+    assert len(metadata["x"].chunks) == 8
+    target = {"x": st.shard(torch.zeros(7, 10), mesh, (1, None)), "step": 0}
+    st.checkpoint.load(target, tmp_path / "async")
+    torch.testing.assert_close(target["x"].cpu(), Z, rtol=0, atol=0)
+    assert target["step"] == 3

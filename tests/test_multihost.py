@@ -144,8 +144,9 @@ def test_dcp_each_process_writes_its_own_shards_once_and_loads_into_another_mesh
 
 
 def test_checkpoints_move_between_one_and_two_processes(workers):
-    """Written atomically by 2 processes, loaded in 1 (sharded, CPU, dcp_to_torch_save); written by 1,
-    loaded in 2 into another mesh and spec, each process reading only its own devices' shards."""
+    """Written atomically by 2 processes, loaded in 1 (sharded, CPU, dcp_to_torch_save); written by
+    dcp.async_save in 2; written by 1, loaded in 2 into another mesh and spec, each process reading
+    only its own devices' shards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -171,6 +172,9 @@ def test_checkpoints_move_between_one_and_two_processes(workers):
     full = torch.load(checkpoint_dir / "full.pt", weights_only=False)
     torch.testing.assert_close(full["w"], W, rtol=0, atol=0)
     assert full["step"] == 7
+    async_saved = {"z": torch.zeros(7, 10)}
+    dcp.load(async_saved, checkpoint_id=checkpoint_dir / "async")  # (dcp.async_save with HostStager)
+    torch.testing.assert_close(async_saved["z"], Z, rtol=0, atol=0)
     A = torch.arange(54.0).reshape(9, 6)
     for pid, r in enumerate(reports):
         a, b, spec = r["from_one"]

@@ -26,11 +26,13 @@ from shardtensor.checkpoint import protocol as _protocol  # noqa: F401  (install
 from shardtensor.checkpoint.atomic import save
 from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from shardtensor.checkpoint.loading import load
+from shardtensor.checkpoint.staging import HostStager
 
 __all__ = [
     "save",
     "load",
     "StagedLoadPlanner",
+    "HostStager",
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",

@@ -84,25 +84,43 @@ def _properties(tensor: torch.Tensor) -> TensorProperties:
     )
 
 
-def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
-    """One DCP write item per distinct shard this process holds (replicas and padding left out)."""
+def write_items(
+    fqn: str, tensor: torch.Tensor, extents: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> list[WriteItem]:
+    """DCP write items of ``tensor``'s pieces at (offsets, sizes) ``extents``."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    self.__dict__.pop(LOADING, None)  # a save starts: a load left unfinished (it failed) is over
-    size = torch.Size(self.shape)
+    size = torch.Size(tensor.shape)
     items = []
-    for piece in _pieces(self):
-        offsets = torch.Size(piece.offsets)
-        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece.sizes))
+    for offsets, sizes in extents:
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items.append(
             WriteItem(
-                index=MetadataIndex(fqn, offsets),
+                index=MetadataIndex(fqn, torch.Size(offsets)),
                 type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=_properties(self), size=size),
+                tensor_data=TensorWriteData(chunk=chunk, properties=_properties(tensor), size=size),
             )
         )
     return items
+
+
+def host_copies(tensor: ShardedTensor) -> dict[tuple[int, ...], torch.Tensor]:
+    """{offsets: a host copy of the real data} of each distinct shard this process holds."""
+    return {piece.offsets: _host_copy(piece) for piece in _pieces(tensor)}
+
+
+def _host_copy(piece: _Piece) -> torch.Tensor:
+    """A host copy of the real data of one shard, from its device buffer alone (a contiguous copy)."""
+    data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
+    counters.increment("TransferFromDevice")
+    return numpy_to_torch(data)
+
+
+def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
+    """One DCP write item per distinct shard this process holds (replicas and padding left out)."""
+    self.__dict__.pop(LOADING, None)  # a save starts: a load left unfinished (it failed) is over
+    return write_items(fqn, self, [(piece.offsets, piece.sizes) for piece in _pieces(self)])
 
 
 def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
@@ -129,9 +147,7 @@ def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor
         return load.buffer(index.fqn, offsets)
     for piece in _pieces(self):
         if piece.offsets == offsets:
-            data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
-            counters.increment("TransferFromDevice")
-            return numpy_to_torch(data)  # (a contiguous copy)
+            return _host_copy(piece)
     raise ValueError(f"{index.fqn}: this process holds no shard at offsets {offsets} (shape {tuple(self.shape)})")
 
 
