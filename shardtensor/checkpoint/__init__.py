@@ -16,6 +16,8 @@ load as a DCP planner)::
 
     st.checkpoint.save({"model": model.state_dict()}, "ckpt/step_100")
     st.checkpoint.load({"model": model.state_dict()}, "ckpt/step_100")
+
+``HostStager`` is the stager ``dcp.async_save`` needs for ShardedTensors. See docs/dcp.md.
 """
 
 from __future__ import annotations

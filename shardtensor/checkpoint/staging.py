@@ -71,7 +71,7 @@ class StagedShards(torch.Tensor):
     @staticmethod
     def __new__(cls, tensor: ShardedTensor) -> StagedShards:
         r = torch.Tensor._make_wrapper_subclass(
-            cls, tuple(tensor.shape), dtype=tensor.dtype, device=torch.device("cpu")
+            cls, tuple(tensor.shape), dtype=tensor.dtype, device=torch.device("cpu"), requires_grad=tensor.requires_grad
         )
         r.copies = host_copies(tensor)
         return r
