@@ -72,14 +72,14 @@ def staged_load_planner_class() -> type:
             # (before DCP's own checks, which name only the first problem)
             _check_fits(self.state_dict, stored, missing, unexpected, self.cast_dtypes, only_keys=False)
             plan = super().create_local_plan()
+            if unexpected:  # DCP renames the keys of a checkpoint from torch < 2.4: look again
+                unexpected = [k for k in stored if k not in self.state_dict]
+                _check_fits(self.state_dict, stored, [], unexpected, self.cast_dtypes, only_keys=True)
             for fqn in dict.fromkeys(item.dest_index.fqn for item in plan.items):
                 # now, in the same order in every process: a pending target is computed (a program
                 # every process runs), which the reads, in each process's own order, must not do
                 if _reads_by_shard(self.state_dict[fqn]):
                     self._loads[fqn] = ShardLoad(self.state_dict[fqn], install=False)
-            if unexpected:  # DCP renames the keys of a checkpoint from torch < 2.4: look again
-                unexpected = [k for k in stored if k not in self.state_dict]
-                _check_fits(self.state_dict, stored, [], unexpected, self.cast_dtypes, only_keys=True)
             return plan
 
         def finish_plan(self, new_plan):

@@ -10,10 +10,11 @@ once the tensor's buffers are full, uploads them device by device into the tenso
 keeps the target's mesh and spec (``shard_load``).
 
 DCP asks ``__get_tensor_shard__`` both when saving and when loading. A load is what
-``__create_chunk_list__`` starts (it attaches a ``ShardLoad`` to the tensor); a save is what
-``__create_write_items__`` starts (it drops any load left by a failed one). DCP always plans before
-it reads or writes, locally in each process, so the question is answered by the tensor's own state,
-not by which call came last: a tensor with a load in progress is being loaded.
+``__create_chunk_list__`` starts (it attaches a fresh ``ShardLoad`` to the tensor, which stays there
+once done); a save is what ``__create_write_items__`` starts (it drops any load, finished or left
+by a failed one). DCP plans each save and each load (those calls) before it writes or reads, in
+every process, so a tensor with a load attached is being loaded: the answer comes from the tensor's
+own state, set by the planning of the operation in progress.
 """
 
 from __future__ import annotations
