@@ -103,6 +103,28 @@ manager.load(max(manager.all_steps()), resumed)
 fresh = st.checkpoint.CheckpointManager(f"{checkpoint_dir}/manager", save_interval=1, max_to_keep=1)
 report["manager"] = [manager.all_steps(), fresh.all_steps(), resumed["z"].cpu().tolist()]
 report["manager"].append(sorted(os.listdir(f"{checkpoint_dir}/manager")))  # no temporary directory left
+# issue 14: an atomic save by both processes (the test loads it in one process), and a checkpoint the
+# test wrote from one process loaded into another mesh and spec, each process reading only its shards
+W = torch.arange(30.0).reshape(5, 6)
+atomic_state = {"z": st.shard(Z, mesh42, (0, 1)), "w": st.shard(W, mesh42, (1, 0)), "step": 7}
+st.checkpoint.save(atomic_state, f"{checkpoint_dir}/atomic")  # (the default process group)
+report["atomic_listing"] = sorted(os.listdir(checkpoint_dir))
+# dcp.async_save: the shards copied to the host here, written in DCP's thread over a group of its own
+async_group = dist.new_group([0, 1], backend="gloo")
+async_z = st.shard(Z, mesh42, (0, 1))
+stager = st.checkpoint.HostStager()
+future = dcp.async_save(
+    {"z": async_z}, checkpoint_id=f"{checkpoint_dir}/async", process_group=async_group, async_stager=stager
+)
+with torch.no_grad():
+    async_z.mul_(0)  # (training goes on: the checkpoint has the values staged)
+future.result()
+from_one = {"a": st.shard(torch.zeros(9, 6), st.Mesh(range(8), (2, 4)), (0, 1)), "b": torch.zeros(3)}
+report["from_one_chunks"] = sorted(
+    [list(c.offsets), list(c.sizes)] for c in from_one["a"].__create_chunk_list__()
+)  # (what a load of "a" reads in this process)
+st.checkpoint.load(from_one, f"{checkpoint_dir}/from_one", process_group=dist.new_group([0, 1]))
+report["from_one"] = [from_one["a"].cpu().tolist(), from_one["b"].tolist(), from_one["a"].sharding_spec]
 dist.destroy_process_group()
 
 # st.save (xr.save): every process calls it (the readback is collective); with master_only=True only

@@ -8,6 +8,7 @@ plain CPU tensors, and (in a subprocess without shardtensor) plain PyTorch. Valu
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -256,16 +257,48 @@ def test_staged_load_leaves_the_target_unchanged_when_a_file_is_truncated(saved,
         dcp.load(target, checkpoint_id=broken, planner=StagedLoadPlanner())
     assert_same(cpu_values(target), before)
     # the same planner on the intact checkpoint loads everything, into the target's shardings, each
-    # tensor with a spec through host buffers of its own shards, uploaded device by device
+    # sharded tensor through host buffers of its own distinct shards, uploaded device by device
     uploaded = []
-    from shardtensor.checkpoint import planner as planner_module
+    from shardtensor.checkpoint.shard_load import ShardLoad
 
-    upload_shards = planner_module._upload_shards
-    monkeypatch.setattr(planner_module, "_upload_shards", lambda t: uploaded.append(tuple(t.shape)) or upload_shards(t))
+    upload = ShardLoad.upload
+    monkeypatch.setattr(ShardLoad, "upload", lambda load: uploaded.append(load.shape) or upload(load))
     dcp.load(target, checkpoint_id=path, planner=StagedLoadPlanner())
-    assert sorted(uploaded) == [(3, 7), (7,), (7, 5)]
+    assert sorted(uploaded) == [(3,), (3, 7), (7,), (7, 5)]
     assert_same(cpu_values(target), part(expected, "model."))
     assert model[0].weight.partition_spec == st.PartitionSpec(0, 1)
+
+
+def test_a_load_reads_each_distinct_shard_once_into_the_targets_storage(tmp_path):
+    """DCP's default planner: the chunks a load asks for are the target's distinct shards (replicas
+    once, padding never), and the loaded shards become the target's storage without a program."""
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    Z = torch.arange(70.0).reshape(7, 10)
+    saved = st.shard(Z, mesh, (1, None))
+    dcp.save({"z": saved, "tied": saved}, checkpoint_id=tmp_path)
+    x = st.shard(torch.zeros(7, 10), mesh, (0, None))  # 7 rows over 4: 2, 2, 2, 1; replicated over 2
+    chunks = sorted((tuple(c.offsets), tuple(c.sizes)) for c in x.__create_chunk_list__())
+    assert chunks == [((0, 0), (2, 10)), ((2, 0), (2, 10)), ((4, 0), (2, 10)), ((6, 0), (1, 10))]
+    st.clear_counters()
+    tied = x.detach()  # (shares the storage, as a parameter and its state-dict entry do)
+    dcp.load({"z": x, "tied": x}, checkpoint_id=tmp_path)  # (one tensor under two keys)
+    assert not st.counter_value("UncachedCompile") and not st.counter_value("CachedCompile")
+    torch.testing.assert_close(tied.cpu(), Z, rtol=0, atol=0)
+    assert x.partition_spec == st.PartitionSpec(0, None)
+    # a load that fails half-way leaves no trace that would confuse a later save of the tensor
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tmp_path.iterdir():
+        if f.is_file():
+            shutil.copy(f, broken / f.name)
+    next(broken.glob("*.distcp")).write_bytes(b"")
+    with pytest.raises(CheckpointException):
+        dcp.load({"z": x}, checkpoint_id=broken)
+    dcp.save({"z": x}, checkpoint_id=tmp_path / "same")
+    cpu = {"z": torch.zeros(7, 10)}
+    dcp.load(cpu, checkpoint_id=tmp_path / "same")
+    torch.testing.assert_close(cpu["z"], Z, rtol=0, atol=0)
 
 
 class _Unpicklable:
@@ -318,34 +351,39 @@ def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
         "int64": st.shard(torch.zeros(9, dtype=torch.long), mesh, (0,)),
         "scalar": torch.tensor(0.0).to(st.device()),
     }
+    base = st.shard(torch.zeros(8, 5), mesh, (0, 1))
+    sharded["view"] = base[1:6, ::2]  # (a view: read whole, written back through its chain)
     dcp.load(sharded, checkpoint_id=tmp_path)
-    assert_same(cpu_values(sharded), {"int64": values["int64"], "scalar": values["scalar"]})
+    assert_same(cpu_values(sharded), {"int64": values["int64"], "scalar": values["scalar"], "view": values["view"]})
+    assert torch.equal(base.cpu()[1:6, ::2], values["view"]) and base.cpu().sum() == values["view"].sum()
     assert sharded["int64"].partition_spec == st.PartitionSpec(0)
 
 
 def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
-    """A process killed while writing (os._exit at its second shard) leaves ``latest`` as it was."""
+    """A process SIGKILLed while it writes a larger checkpoint (a slow writer: it says when it is in
+    the middle, then waits) leaves ``latest`` as it was, and no other directory that looks complete."""
     script = textwrap.dedent(
         """
-        import os, sys, warnings
+        import sys, time, warnings
         warnings.simplefilter("ignore")
         import torch
+        import torch.distributed.checkpoint.filesystem as dcp_files
         import shardtensor as st
-        from shardtensor.tensor import ShardedTensor
         path = sys.argv[1]
         mesh = st.Mesh(range(8), (4, 2))
         x = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
         st.checkpoint.save({"x": x}, path)
-        get_shard, calls = ShardedTensor.__get_tensor_shard__, []
+        write_item, calls = dcp_files._write_item, []
 
-        def dying(self, index):
-            calls.append(index)
-            if len(calls) == 2:
-                os._exit(17)  # killed in the middle of writing the second checkpoint
-            return get_shard(self, index)
+        def slow(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 20:  # in the middle of the third of six tensors
+                print("WRITING", flush=True)
+                time.sleep(300)
+            return write_item(*args, **kwargs)
 
-        ShardedTensor.__get_tensor_shard__ = dying
-        st.checkpoint.save({"x": x * 2}, path)
+        dcp_files._write_item = slow
+        st.checkpoint.save({f"x{i}": st.shard(torch.full((7, 10), i), mesh, (0, 1)) for i in range(6)}, path)
         """
     )
     env = dict(
@@ -353,14 +391,50 @@ def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
         PYTHONPATH=os.pathsep.join([str(pathlib.Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     )
     path = tmp_path / "latest"
-    result = subprocess.run(
-        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, env=env, timeout=300
+    child = subprocess.Popen(
+        [sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
     )
-    assert result.returncode == 17, result.stderr[-3000:]
+    try:
+        line = child.stdout.readline()
+        assert line == "WRITING\n", child.stderr.read()[-3000:]
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+        child.communicate()
+    assert child.returncode == -signal.SIGKILL
     target = {"x": torch.zeros(7, 10)}
-    dcp.load(target, checkpoint_id=path)
+    st.checkpoint.load(target, path)
     torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10), rtol=0, atol=0)
-    # what the killed save left is a hidden temporary directory without metadata, not a checkpoint
+    # what the killed save left is a hidden temporary directory with data, no metadata: not a checkpoint
     leftovers = [p for p in tmp_path.iterdir() if p.name != "latest"]
     assert [p.name.startswith(".latest.tmp-") for p in leftovers] == [True]
-    assert not (leftovers[0] / ".metadata").exists()
+    assert [p.name for p in leftovers[0].iterdir()] == ["__0_0.distcp"]  # (data, no .metadata)
+    with pytest.raises(st.checkpoint.CheckpointNotFoundError, match="has no .metadata"):
+        st.checkpoint.load(target, leftovers[0])
+
+
+def test_async_save_with_the_host_stager_writes_the_values_staged(tmp_path):
+    """dcp.async_save's default stager cannot copy a ShardedTensor; HostStager copies each distinct
+    shard to the host on the caller, and the background save writes those, as dcp.save would."""
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    Z = torch.arange(70.0).reshape(7, 10)
+    x = st.shard(Z.clone(), mesh, (0, 1))
+    with pytest.raises(RuntimeError, match="invalid python storage"):  # (DCP's own stager)
+        dcp.async_save({"x": x}, checkpoint_id=tmp_path / "default").result()
+    stager = st.checkpoint.HostStager()
+    staged = stager.stage({"x": x})["x"]
+    assert sorted(staged.copies) == sorted((r, c) for r in (0, 2, 4, 6) for c in (0, 5))
+    with pytest.raises(TypeError, match="StagedShards holds host copies"):
+        staged.sum()
+    future = dcp.async_save({"x": x, "step": 3}, checkpoint_id=tmp_path / "async", async_stager=stager)
+    with torch.no_grad():
+        x.mul_(0)  # training goes on: the checkpoint has the staged values
+    future.result()
+    metadata = dcp.FileSystemReader(tmp_path / "async").read_metadata().state_dict_metadata
+    assert len(metadata["x"].chunks) == 8
+    target = {"x": st.shard(torch.zeros(7, 10), mesh, (1, None)), "step": 0}
+    st.checkpoint.load(target, tmp_path / "async")
+    torch.testing.assert_close(target["x"].cpu(), Z, rtol=0, atol=0)
+    assert target["step"] == 3

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import shardtensor as st
@@ -40,7 +39,7 @@ def sharded_grid(scale=1.0):
 
 def loaded_grid(manager, step):
     target = {"x": torch.zeros(7, 10)}
-    manager.load(step, target)
+    manager.load(step, target, strict=False)  # (x alone, whatever else the step saved)
     return target["x"]
 
 
@@ -85,7 +84,7 @@ def test_save_and_load_into_another_mesh_and_spec(tmp_path):
 
     # all or nothing: a shape mismatch leaves the target as it was; a missing step names what exists
     wrong = {"model": {"0.weight": torch.full((7, 5), 3.0), "2.weight": torch.full((4, 7), 3.0)}}
-    with pytest.raises(CheckpointException, match=r"Size mismatch.*model\.2\.weight"):
+    with pytest.raises(st.checkpoint.CheckpointMismatchError, match=r"model\.2\.weight"):
         manager.load(10, wrong)
     assert torch.equal(wrong["model"]["0.weight"], torch.full((7, 5), 3.0))
     with pytest.raises(ValueError, match=r"step 20 .*available are \[10, 15\]"):
@@ -151,7 +150,7 @@ def test_save_async_writes_a_host_copy_in_the_background(tmp_path, monkeypatch):
     assert torch.equal(loaded_grid(manager, 10), grid())
     assert torch.equal(loaded_grid(manager, 20), torch.ones(7, 10))
     meta = {"meta": {"lr": 0.0}}
-    manager.load(10, meta)
+    manager.load(10, meta, strict=False)
     assert meta == {"meta": {"lr": 0.5}}
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 HERE = pathlib.Path(__file__).parent
+# DCP warns that it assumes one process when torch.distributed is not initialized: that is the case here
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 
 
 def _free_port() -> int:
@@ -24,9 +26,10 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory):
+def workers(tmp_path_factory):
     port, torch_port = _free_port(), _free_port()
     checkpoint_dir = tmp_path_factory.mktemp("dcp")
+    _write_from_one_process(checkpoint_dir / "from_one")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
     env.update(
         SHARDTENSOR_CPU_DEVICES="4",
@@ -53,7 +56,20 @@ def reports(tmp_path_factory):
     for p, (stdout, stderr) in zip(procs, outputs):
         assert p.returncode == 0, stderr[-3000:]
         out.append(json.loads(next(line for line in stdout.splitlines() if line.startswith("REPORT"))[7:]))
-    return out
+    return out, checkpoint_dir
+
+
+def _write_from_one_process(path):
+    """A checkpoint written by this one process (8 devices), for the two processes to load."""
+    import shardtensor as st
+
+    mesh = st.Mesh(range(8), (4, 2))
+    st.checkpoint.save({"a": st.shard(torch.arange(54.0).reshape(9, 6), mesh, (0, 1)), "b": torch.ones(3)}, path)
+
+
+@pytest.fixture(scope="module")
+def reports(workers):
+    return workers[0]
 
 
 def _reference():
@@ -143,3 +159,46 @@ def test_st_save_writes_from_process_0_only_unless_master_only_is_false(reports)
         for path in [every] + [master_only] * (pid == 0):
             loaded = torch.load(path, weights_only=True)
             assert loaded["step"] == 3 and torch.equal(loaded["z"], Z)
+
+
+def test_checkpoints_move_between_one_and_two_processes(workers):
+    """Written atomically by 2 processes, loaded in 1 (sharded, CPU, dcp_to_torch_save); written by
+    dcp.async_save in 2; written by 1, loaded in 2 into another mesh and spec, each process reading
+    only its own devices' shards."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    import shardtensor as st
+
+    reports, checkpoint_dir = workers
+    Z, W = torch.arange(70.0).reshape(7, 10), torch.arange(30.0).reshape(5, 6)
+    path = checkpoint_dir / "atomic"
+    for r in reports:  # in place, and no temporary directory left
+        assert [n for n in r["atomic_listing"] if n.startswith((".atomic", "atomic"))] == ["atomic"]
+    assert {p.name.split("_")[2] for p in path.glob("*.distcp")} == {"0", "1"}  # both processes wrote
+    mesh = st.Mesh(range(8), (2, 4))
+    sharded = {"z": st.shard(torch.zeros(7, 10), mesh, (None, 1)), "w": st.shard(torch.zeros(5, 6), mesh, (0, 1))}
+    sharded["step"] = 0
+    st.checkpoint.load(sharded, path)
+    torch.testing.assert_close(sharded["z"].cpu(), Z, rtol=0, atol=0)
+    torch.testing.assert_close(sharded["w"].cpu(), W, rtol=0, atol=0)
+    assert sharded["step"] == 7 and sharded["w"].partition_spec == st.PartitionSpec(0, 1)
+    cpu = {"z": torch.zeros(7, 10), "w": torch.zeros(5, 6)}
+    dcp.load(cpu, checkpoint_id=path)
+    torch.testing.assert_close(cpu["z"], Z, rtol=0, atol=0)
+    dcp_to_torch_save(path, checkpoint_dir / "full.pt")
+    full = torch.load(checkpoint_dir / "full.pt", weights_only=False)
+    torch.testing.assert_close(full["w"], W, rtol=0, atol=0)
+    assert full["step"] == 7
+    async_saved = {"z": torch.zeros(7, 10)}
+    dcp.load(async_saved, checkpoint_id=checkpoint_dir / "async")  # (dcp.async_save with HostStager)
+    torch.testing.assert_close(async_saved["z"], Z, rtol=0, atol=0)
+    A = torch.arange(54.0).reshape(9, 6)
+    for pid, r in enumerate(reports):
+        a, b, spec = r["from_one"]
+        torch.testing.assert_close(torch.tensor(a), A, rtol=0, atol=0)
+        assert b == [1.0, 1.0, 1.0] and spec == "{devices=[2,4]0,1,2,3,4,5,6,7}"
+        # mesh (2, 4), spec (0, 1): process 0's devices 0-3 hold rows 0-4, process 1's rows 5-8;
+        # 6 columns over 4 devices: 2, 2, 2 and one of padding only (no read)
+        rows, n = (0, 5) if pid == 0 else (5, 4)
+        assert r["from_one_chunks"] == [[[rows, col], [n, 2]] for col in (0, 2, 4)]

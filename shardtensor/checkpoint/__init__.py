@@ -10,9 +10,16 @@ mesh and spec (any mesh, any spec, or plain CPU tensors)::
     dcp.save(model.state_dict(), checkpoint_id="ckpt")
     dcp.load(other_model.state_dict(), checkpoint_id="ckpt")
 
-``save`` is the same save made atomic; ``StagedLoadPlanner`` makes a load all or nothing;
+``save`` is the same save made atomic; ``load`` its counterpart, which checks the checkpoint
+against the target first and changes nothing unless all of it loads (``StagedLoadPlanner`` is that
+load as a DCP planner)::
+
+    st.checkpoint.save({"model": model.state_dict()}, "ckpt/step_100")
+    st.checkpoint.load({"model": model.state_dict()}, "ckpt/step_100")
+
 ``CheckpointManager`` keeps a training job's checkpoints (one directory per step, saved in the
-background if asked, the newest few kept) and resumes from them.
+background if asked, the newest few kept) and resumes from them. ``HostStager`` is the stager
+``dcp.async_save`` needs for ShardedTensors. See docs/dcp.md.
 """
 
 from __future__ import annotations
@@ -21,9 +28,21 @@ from typing import Any
 
 from shardtensor.checkpoint import protocol as _protocol  # noqa: F401  (installs the protocol)
 from shardtensor.checkpoint.atomic import save
+from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from shardtensor.checkpoint.loading import load
 from shardtensor.checkpoint.manager import CheckpointManager  # (light: DCP is imported by its calls)
+from shardtensor.checkpoint.staging import HostStager
 
-__all__ = ["save", "StagedLoadPlanner", "CheckpointManager"]
+__all__ = [
+    "save",
+    "load",
+    "StagedLoadPlanner",
+    "HostStager",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+]
 
 
 def __getattr__(name: str) -> Any:

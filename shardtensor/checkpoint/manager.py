@@ -11,8 +11,6 @@ fsspec URL DCP can write to (``memory://``, ``file://``, ``gs://``...).
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import dataclasses
 import json
 import os
 import posixpath
@@ -21,11 +19,9 @@ import time
 import warnings
 from typing import Any
 
-import torch
-
 from shardtensor import runtime
+from shardtensor.checkpoint.staging import host_state_dict
 from shardtensor.graph import sync
-from shardtensor.tensor.sharded import ShardedTensor
 
 METADATA_NAME = ".manager_metadata"
 
@@ -139,7 +135,7 @@ class CheckpointManager:
         try:
             self._raise_background_error()
             sync()
-            host_copy = host_state_dict(state_dict)
+            host_copy = host_state_dict(state_dict)  # (this process's distinct shards, on the host)
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardtensor-checkpoint")
             future = self._writer.submit(self._write_in_background, step, host_copy)
@@ -150,10 +146,12 @@ class CheckpointManager:
             self._pending = [f for f in self._pending if not f.done()] + [future]
         return True
 
-    def load(self, step: int, state_dict: dict) -> None:
-        """Read checkpoint ``step`` into ``state_dict`` in place: each tensor keeps its own mesh and
-        spec (any sharding, or CPU tensors); all or nothing — after a failed load (a missing key,
-        a shape mismatch, a truncated file) the targets are unchanged. Waits for pending saves.
+    def load(self, step: int, state_dict: dict, *, strict: bool = True, **kwargs: Any) -> None:
+        """Read checkpoint ``step`` into ``state_dict`` in place with ``st.checkpoint.load``: each
+        tensor keeps its own mesh and spec (any sharding, or CPU tensors); checked first (missing or
+        unexpected keys — ``strict=False`` loads the keys both have —, shapes, dtypes, files) and all
+        or nothing: after a failed load the targets are unchanged. Waits for pending saves.
+        ``kwargs`` go to ``st.checkpoint.load``.
 
         Example::
 
@@ -161,9 +159,7 @@ class CheckpointManager:
             manager.load(max(manager.all_steps()), {"model": model_sd, "optim": optim_sd})
             set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         """
-        import torch.distributed.checkpoint as dcp
-
-        from shardtensor.checkpoint.planner import staged_load_planner_class
+        from shardtensor.checkpoint.loading import load
 
         self._wait_pending()
         self._raise_background_error()
@@ -173,12 +169,7 @@ class CheckpointManager:
                 f"no checkpoint of step {step} in {self.path}: the steps available are {steps}"
                 + ("" if steps else " (none yet)")
             )
-        dcp.load(
-            state_dict,
-            checkpoint_id=self._url(str(step)),
-            planner=staged_load_planner_class()(),
-            process_group=self.process_group,
-        )
+        load(state_dict, self._url(str(step)), strict=strict, process_group=self.process_group, **kwargs)
 
     restore = load  # (PyTorch/XLA's name)
 
@@ -216,11 +207,11 @@ class CheckpointManager:
     def _write(self, step: int, state_dict: dict) -> None:
         """Write ``path/<step>`` (DCP's files, then the manager's metadata), track it, prune."""
         name = str(step)
-        if not self._is_url and _world_size(self.process_group) == 1:
+        if not self._is_url:
             from shardtensor.checkpoint.atomic import save as atomic_save
 
             self._fs.makedirs(self._root, exist_ok=True)
-            atomic_save(state_dict, os.path.join(self.path, name))
+            atomic_save(state_dict, os.path.join(self.path, name), process_group=self.process_group)
         else:
             self._write_through_fsspec(name, state_dict)
         with self._lock:
@@ -367,65 +358,3 @@ def _rank(process_group: Any) -> int:
             "pass process_group="
         )
     return 0
-
-
-# --- the host copy of save_async --------------------------------------------------------------------
-class HostShards(torch.Tensor):
-    """A host copy of this process's distinct shards of a ShardedTensor, that DCP saves exactly as it
-    saves the ShardedTensor (same items, same chunks). For saving only: it supports no torch op.
-
-    Example::
-
-        copy = HostShards.of(sharded_tensor)    # device-to-host now
-        dcp.save({"w": copy}, checkpoint_id="ckpt")
-    """
-
-    _items: list
-    _data: dict
-
-    @staticmethod
-    def __new__(cls, like: torch.Tensor, items: list, data: dict) -> HostShards:
-        self = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=torch.device("cpu"))
-        self._items, self._data = items, data
-        return self
-
-    @classmethod
-    def of(cls, tensor: ShardedTensor) -> HostShards:
-        """Copy ``tensor``'s distinct shards held by this process to the host (DCP's write items)."""
-        items = tensor.__create_write_items__("", tensor)  # type: ignore[attr-defined]
-        data = {tuple(item.index.offset): tensor.__get_tensor_shard__(item.index) for item in items}  # type: ignore[attr-defined]
-        return cls(tensor, items, data)
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        raise TypeError(f"{func}: a checkpoint's host copy (HostShards) is only for saving")
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"HostShards(shape={tuple(self.shape)}, dtype={self.dtype}, shards={len(self._data)})"
-
-    def __create_write_items__(self, fqn: str, object: Any) -> list:
-        from torch.distributed.checkpoint.metadata import MetadataIndex
-
-        return [dataclasses.replace(item, index=MetadataIndex(fqn, item.index.offset)) for item in self._items]
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        return self._data[tuple(index.offset)]
-
-
-def host_state_dict(state_dict: Any) -> Any:
-    """A copy of ``state_dict`` that training cannot change: ShardedTensors become ``HostShards``
-    (this process's distinct shards, on the host), other tensors CPU copies, other values deep copies.
-
-    Example::
-
-        frozen = host_state_dict({"model": model.state_dict()})
-    """
-    if isinstance(state_dict, dict):
-        return type(state_dict)((k, host_state_dict(v)) for k, v in state_dict.items())
-    if isinstance(state_dict, (list, tuple)):
-        return type(state_dict)(host_state_dict(v) for v in state_dict)
-    if isinstance(state_dict, ShardedTensor):
-        return HostShards.of(state_dict)
-    if isinstance(state_dict, torch.Tensor):
-        return state_dict.detach().to("cpu", copy=True)
-    return copy.deepcopy(state_dict)

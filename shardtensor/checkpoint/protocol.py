@@ -2,10 +2,19 @@
 
 DCP asks a tensor subclass three questions (the protocol DTensor implements):
 ``__create_write_items__`` (what to write: here one item per distinct shard, replicas once, padding
-never), ``__create_chunk_list__`` (what a load needs: here the whole logical tensor, so a checkpoint of
-any sharding reads into any other) and ``__get_tensor_shard__`` (the data of one item). Saving copies
-each shard from its device buffer to the host alone, never the full tensor; loading reads one stored
-chunk at a time and writes it into the target in place, which keeps the target's mesh and spec.
+never), ``__create_chunk_list__`` (what a load needs: here this process's distinct shards, so each
+process reads only the byte ranges its devices hold, from a checkpoint of any sharding) and
+``__get_tensor_shard__`` (the data of one item). Saving copies each shard from its device buffer to
+the host alone, never the full tensor. Loading reads each shard into a host buffer of its own and,
+once the tensor's buffers are full, uploads them device by device into the tensor's storage, which
+keeps the target's mesh and spec (``shard_load``).
+
+DCP asks ``__get_tensor_shard__`` both when saving and when loading. A load is what
+``__create_chunk_list__`` starts (it attaches a fresh ``ShardLoad`` to the tensor, which stays there
+once done); a save is what ``__create_write_items__`` starts (it drops any load, finished or left
+by a failed one). DCP plans each save and each load (those calls) before it writes or reads, in
+every process, so a tensor with a load attached is being loaded: the answer comes from the tensor's
+own state, set by the planning of the operation in progress.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import torch
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
+from shardtensor.checkpoint.shard_load import ShardLoad
 from shardtensor.dtypes import numpy_to_torch
 from shardtensor.tensor.sharded import ShardedTensor
 
@@ -27,11 +37,9 @@ if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: 
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import WriteItem
 
-# DCP asks __get_tensor_shard__ for data both when saving (a host copy of one shard) and when loading
-# (the tensor to copy a stored chunk into); the planning call that came last says which.
-SAVING = "_dcp_saving"
-# StagedLoadPlanner's staging tensors: {offsets: host buffer} of each distinct shard to read into
-HOST_BUFFERS = "_dcp_host_buffers"
+# the load in progress of a tensor (a ShardLoad, or WHOLE for a view: DCP copies into ``self``)
+LOADING = "_dcp_loading"
+WHOLE = "whole tensor"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,50 +85,70 @@ def _properties(tensor: torch.Tensor) -> TensorProperties:
     )
 
 
-def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
-    """One DCP write item per distinct shard this process holds (replicas and padding left out)."""
+def write_items(
+    fqn: str, tensor: torch.Tensor, extents: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> list[WriteItem]:
+    """DCP write items of ``tensor``'s pieces at (offsets, sizes) ``extents``."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    self.__dict__[SAVING] = True
-    size = torch.Size(self.shape)
+    size = torch.Size(tensor.shape)
     items = []
-    for piece in _pieces(self):
-        offsets = torch.Size(piece.offsets)
-        chunk = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size(piece.sizes))
+    for offsets, sizes in extents:
+        chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
         items.append(
             WriteItem(
-                index=MetadataIndex(fqn, offsets),
+                index=MetadataIndex(fqn, torch.Size(offsets)),
                 type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(chunk=chunk, properties=_properties(self), size=size),
+                tensor_data=TensorWriteData(chunk=chunk, properties=_properties(tensor), size=size),
             )
         )
     return items
 
 
+def host_copies(tensor: ShardedTensor) -> dict[tuple[int, ...], torch.Tensor]:
+    """{offsets: a host copy of the real data} of each distinct shard this process holds."""
+    return {piece.offsets: _host_copy(piece) for piece in _pieces(tensor)}
+
+
+def _host_copy(piece: _Piece) -> torch.Tensor:
+    """A host copy of the real data of one shard, from its device buffer alone (a contiguous copy)."""
+    data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
+    counters.increment("TransferFromDevice")
+    return numpy_to_torch(data)
+
+
+def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
+    """One DCP write item per distinct shard this process holds (replicas and padding left out)."""
+    self.__dict__.pop(LOADING, None)  # a save starts: a load left unfinished (it failed) is over
+    return write_items(fqn, self, [(piece.offsets, piece.sizes) for piece in _pieces(self)])
+
+
 def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
-    """What a load fills: the whole logical tensor (DCP then reads each overlapping stored chunk)."""
+    """What a load fills: this process's distinct shards (a view, or an empty tensor: all of it)."""
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
-    self.__dict__[SAVING] = False
-    buffers = self.__dict__.get(HOST_BUFFERS)
-    if buffers is not None:  # StagedLoadPlanner: one host buffer per distinct shard
-        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=b.shape) for o, b in buffers.items()]
-    return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
+    if self._chain or self.numel() == 0:
+        # a view writes back through its chain: DCP copies each stored chunk into ``self``, every
+        # process all of them in the same order (the copies are operations on the global tensor)
+        self.__dict__[LOADING] = WHOLE
+        return [ChunkStorageMetadata(offsets=torch.Size([0] * self.dim()), sizes=torch.Size(self.shape))]
+    load = self.__dict__[LOADING] = ShardLoad(self)
+    return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in load.regions.items()]
 
 
 def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
-    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: ``self``
-    (or, for StagedLoadPlanner, the host buffer of that shard)."""
+    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: the host
+    buffer of that shard (``self`` for a view)."""
     offsets = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
-    if not self.__dict__.get(SAVING, False):
-        buffers = self.__dict__.get(HOST_BUFFERS)
-        return self if buffers is None else buffers[offsets]
+    load = self.__dict__.get(LOADING)
+    if load is WHOLE:
+        return self
+    if load is not None:
+        return load.buffer(index.fqn, offsets)
     for piece in _pieces(self):
         if piece.offsets == offsets:
-            data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
-            counters.increment("TransferFromDevice")
-            return numpy_to_torch(data)  # (a contiguous copy)
+            return _host_copy(piece)
     raise ValueError(f"{index.fqn}: this process holds no shard at offsets {offsets} (shape {tuple(self.shape)})")
 
 
