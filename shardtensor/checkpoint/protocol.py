@@ -11,6 +11,7 @@ chunk at a time and writes it into the target in place, which keeps the target's
 from __future__ import annotations
 
 import dataclasses
+import functools
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ import torch
 from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
-from shardtensor.dtypes import numpy_to_torch
+from shardtensor.dtypes import numpy_to_torch, to_torch
 from shardtensor.tensor.sharded import ShardedTensor
 
 if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: it takes ~0.8 s)
@@ -47,11 +48,22 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
     """This process's distinct non-empty shards (replica 0 of each), in device order."""
     array = tensor._concrete_array()
     mesh, spec = tensor._layout()
-    shape = tuple(tensor.shape)
-    by_id = {p.device_id: p for p in sh.placements(shape, mesh, spec)}
+    extents = _written_extents(tuple(tensor.shape), mesh, tuple(spec))
     pieces = []
     for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
-        placement = by_id[runtime.device_id(s.device)]
+        extent = extents.get(runtime.device_id(s.device))
+        if extent is not None:
+            pieces.append(_Piece(extent[0], extent[1], s))
+    return pieces
+
+
+# (DCP asks for every shard of every tensor by itself: the layout's arithmetic is done once)
+@functools.lru_cache(maxsize=1024)
+def _written_extents(shape: tuple[int, ...], mesh: Any, spec: tuple) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """{device id: (offsets, sizes)} of the devices whose shard is written: replica 0 of each
+    distinct shard, leaving out shards of padding only. (Shared by the cache: not to be changed.)"""
+    extents = {}
+    for placement in sh.placements(shape, mesh, spec):
         if placement.replica_id != 0:
             continue  # a replica: replica 0's owner writes it
         if isinstance(placement.indices, EllipsisType):
@@ -61,8 +73,8 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
             sizes = tuple(i.stop - i.start for i in placement.indices)
         if 0 in sizes and 0 not in shape:
             continue  # a shard of padding only
-        pieces.append(_Piece(offsets, sizes, s))
-    return pieces
+        extents[placement.device_id] = (offsets, sizes)
+    return extents
 
 
 def _properties(tensor: torch.Tensor) -> TensorProperties:
@@ -116,12 +128,30 @@ def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor
     if not self.__dict__.get(SAVING, False):
         buffers = self.__dict__.get(HOST_BUFFERS)
         return self if buffers is None else buffers[offsets]
-    for piece in _pieces(self):
-        if piece.offsets == offsets:
-            data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
+    mesh, spec = self._layout()
+    extents = _written_extents(tuple(self.shape), mesh, tuple(spec))
+    for s in self._concrete_array().addressable_shards:  # (the one shard asked for, not all of them)
+        extent = extents.get(runtime.device_id(s.device))
+        if extent is not None and extent[0] == offsets:
             counters.increment("TransferFromDevice")
-            return numpy_to_torch(data)  # (a contiguous copy)
+            return _shard_on_host(_Piece(extent[0], extent[1], s), self.dtype)
     raise ValueError(f"{index.fqn}: this process holds no shard at offsets {offsets} (shape {tuple(self.shape)})")
+
+
+def _shard_on_host(piece: _Piece, dtype: torch.dtype) -> torch.Tensor:
+    """The real data (padding cut off) of one shard, as a contiguous CPU tensor.
+
+    A CPU device's buffer already is host memory: the shard is then a view of it, not a copy. DCP's
+    writer keeps each tensor it wrote until the file is complete (one per name), so copies would add
+    about a device's share of the whole state dict to the host's peak. The view stays what was saved:
+    jax arrays are immutable and jax does not donate a buffer while a DLPack view of it exists.
+    """
+    device_buffer = piece.shard.data
+    real = tuple(slice(0, n) for n in piece.sizes)
+    if piece.shard.device.platform == "cpu" and to_torch(device_buffer.dtype) == dtype:
+        view = torch.from_dlpack(device_buffer)
+        return view if tuple(view.shape) == piece.sizes else view[real].clone()  # (padding: copy the real part)
+    return numpy_to_torch(np.asarray(device_buffer)[real])  # (a contiguous copy)
 
 
 ShardedTensor.__create_write_items__ = _create_write_items  # type: ignore[attr-defined]
