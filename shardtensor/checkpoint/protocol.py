@@ -3,15 +3,17 @@
 DCP asks a tensor subclass three questions (the protocol DTensor implements):
 ``__create_write_items__`` (what to write: here one item per distinct shard, replicas once, padding
 never), ``__create_chunk_list__`` (what a load needs: here the whole logical tensor, so a checkpoint of
-any sharding reads into any other) and ``__get_tensor_shard__`` (the data of one item). Saving copies
-each shard from its device buffer to the host alone, never the full tensor; loading reads one stored
-chunk at a time and writes it into the target in place, which keeps the target's mesh and spec.
+any sharding reads into any other) and ``__get_tensor_shard__`` (the data of one item). Saving hands
+over each shard alone, never the full tensor (on CPU devices a view of its buffer, elsewhere a host
+copy); loading reads one stored chunk at a time and writes it into the target in place, which keeps
+the target's mesh and spec.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +24,7 @@ from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch, to_torch
+from shardtensor.mesh import Mesh
 from shardtensor.tensor.sharded import ShardedTensor
 
 if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: it takes ~0.8 s)
@@ -57,12 +60,15 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
     return pieces
 
 
+_Extent = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a shard in the logical tensor
+
+
 # (DCP asks for every shard of every tensor by itself: the layout's arithmetic is done once)
 @functools.lru_cache(maxsize=1024)
-def _written_extents(shape: tuple[int, ...], mesh: Any, spec: tuple) -> dict[int, tuple[tuple[int, ...], ...]]:
+def _written_extents(shape: tuple[int, ...], mesh: Mesh, spec: tuple) -> Mapping[int, _Extent]:
     """{device id: (offsets, sizes)} of the devices whose shard is written: replica 0 of each
-    distinct shard, leaving out shards of padding only. (Shared by the cache: not to be changed.)"""
-    extents = {}
+    distinct shard, leaving out shards of padding only. (Shared by the cache: read only.)"""
+    extents: dict[int, _Extent] = {}
     for placement in sh.placements(shape, mesh, spec):
         if placement.replica_id != 0:
             continue  # a replica: replica 0's owner writes it
