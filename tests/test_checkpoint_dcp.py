@@ -125,6 +125,27 @@ def test_save_copies_shards_not_the_full_tensor(tmp_path):
     torch.testing.assert_close(target["x"], torch.arange(70.0).reshape(7, 10), rtol=0, atol=0)
 
 
+def test_saved_shards_are_views_of_cpu_devices_that_later_steps_leave_as_saved():
+    """On CPU devices a shard handed to DCP is its device buffer seen from torch, not a host copy (DCP
+    keeps what it wrote until the file is complete); a later in-place update of the tensor leaves it
+    as it was saved."""
+    reset_state()
+    mesh = st.Mesh(range(8), (4, 2))
+    expected = torch.arange(80.0).reshape(8, 10)
+    x = st.shard(expected.clone(), mesh, (0, 1))
+    items = x.__create_write_items__("x", x)
+    pieces = [x.__get_tensor_shard__(item.index) for item in items]
+    buffers = {s.data.unsafe_buffer_pointer() for s in x._concrete_array().addressable_shards}
+    assert len(pieces) == 8 and all(p.data_ptr() in buffers for p in pieces)
+    with torch.no_grad():
+        x.mul_(-1)  # overwrites x: its program donates x's buffers unless a view of them exists
+    st.sync()
+    for item, piece in zip(items, pieces):
+        (row, col), (rows, cols) = item.tensor_data.chunk.offsets, item.tensor_data.chunk.sizes
+        torch.testing.assert_close(piece, expected[row : row + rows, col : col + cols], rtol=0, atol=0)
+    torch.testing.assert_close(x.cpu(), -expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     "mesh_shape, specs, staged",
     [

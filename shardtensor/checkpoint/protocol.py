@@ -4,10 +4,10 @@ DCP asks a tensor subclass three questions (the protocol DTensor implements):
 ``__create_write_items__`` (what to write: here one item per distinct shard, replicas once, padding
 never), ``__create_chunk_list__`` (what a load needs: here this process's distinct shards, so each
 process reads only the byte ranges its devices hold, from a checkpoint of any sharding) and
-``__get_tensor_shard__`` (the data of one item). Saving copies each shard from its device buffer to
-the host alone, never the full tensor. Loading reads each shard into a host buffer of its own and,
-once the tensor's buffers are full, uploads them device by device into the tensor's storage, which
-keeps the target's mesh and spec (``shard_load``).
+``__get_tensor_shard__`` (the data of one item). Saving hands over each shard alone, never the full
+tensor (on CPU devices a view of its buffer, elsewhere a host copy). Loading reads each shard into a
+host buffer of its own and, once the tensor's buffers are full, uploads them device by device into
+the tensor's storage, which keeps the target's mesh and spec (``shard_load``).
 
 DCP asks ``__get_tensor_shard__`` both when saving and when loading. A load is what
 ``__create_chunk_list__`` starts (it attaches a fresh ``ShardLoad`` to the tensor, which stays there
@@ -20,6 +20,8 @@ own state, set by the planning of the operation in progress.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from types import EllipsisType
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +32,8 @@ from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.checkpoint.shard_load import ShardLoad
-from shardtensor.dtypes import numpy_to_torch
+from shardtensor.dtypes import numpy_to_torch, to_torch
+from shardtensor.mesh import Mesh
 from shardtensor.tensor.sharded import ShardedTensor
 
 if TYPE_CHECKING:  # (DCP itself is imported by the calls, when DCP makes them: it takes ~0.8 s)
@@ -55,11 +58,25 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
     """This process's distinct non-empty shards (replica 0 of each), in device order."""
     array = tensor._concrete_array()
     mesh, spec = tensor._layout()
-    shape = tuple(tensor.shape)
-    by_id = {p.device_id: p for p in sh.placements(shape, mesh, spec)}
+    extents = _written_extents(tuple(tensor.shape), mesh, tuple(spec))
     pieces = []
     for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
-        placement = by_id[runtime.device_id(s.device)]
+        extent = extents.get(runtime.device_id(s.device))
+        if extent is not None:
+            pieces.append(_Piece(extent[0], extent[1], s))
+    return pieces
+
+
+_Extent = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) of a shard in the logical tensor
+
+
+# (DCP asks for every shard of every tensor by itself: the layout's arithmetic is done once)
+@functools.lru_cache(maxsize=1024)
+def _written_extents(shape: tuple[int, ...], mesh: Mesh, spec: tuple) -> Mapping[int, _Extent]:
+    """{device id: (offsets, sizes)} of the devices whose shard is written: replica 0 of each
+    distinct shard, leaving out shards of padding only. (Shared by the cache: read only.)"""
+    extents: dict[int, _Extent] = {}
+    for placement in sh.placements(shape, mesh, spec):
         if placement.replica_id != 0:
             continue  # a replica: replica 0's owner writes it
         if isinstance(placement.indices, EllipsisType):
@@ -69,8 +86,8 @@ def _pieces(tensor: ShardedTensor) -> list[_Piece]:
             sizes = tuple(i.stop - i.start for i in placement.indices)
         if 0 in sizes and 0 not in shape:
             continue  # a shard of padding only
-        pieces.append(_Piece(offsets, sizes, s))
-    return pieces
+        extents[placement.device_id] = (offsets, sizes)
+    return extents
 
 
 def _properties(tensor: torch.Tensor) -> TensorProperties:
@@ -138,18 +155,38 @@ def _create_chunk_list(self: ShardedTensor) -> list[ChunkStorageMetadata]:
 
 
 def _get_tensor_shard(self: ShardedTensor, index: MetadataIndex) -> torch.Tensor:
-    """Saving: a host copy of the shard at ``index.offset`` (its real data only). Loading: the host
-    buffer of that shard (``self`` for a view)."""
+    """Saving: the shard at ``index.offset`` on the host (its real data only; on CPU devices a view
+    of the device buffer). Loading: the host buffer of that shard (``self`` for a view)."""
     offsets = tuple(index.offset) if index.offset is not None else (0,) * self.dim()
     load = self.__dict__.get(LOADING)
     if load is WHOLE:
         return self
     if load is not None:
         return load.buffer(index.fqn, offsets)
-    for piece in _pieces(self):
-        if piece.offsets == offsets:
-            return _host_copy(piece)
+    mesh, spec = self._layout()
+    extents = _written_extents(tuple(self.shape), mesh, tuple(spec))
+    for s in self._concrete_array().addressable_shards:  # (the one shard asked for, not all of them)
+        extent = extents.get(runtime.device_id(s.device))
+        if extent is not None and extent[0] == offsets:
+            counters.increment("TransferFromDevice")
+            return _shard_on_host(_Piece(extent[0], extent[1], s), self.dtype)
     raise ValueError(f"{index.fqn}: this process holds no shard at offsets {offsets} (shape {tuple(self.shape)})")
+
+
+def _shard_on_host(piece: _Piece, dtype: torch.dtype) -> torch.Tensor:
+    """The real data (padding cut off) of one shard, as a contiguous CPU tensor.
+
+    A CPU device's buffer already is host memory: the shard is then a view of it, not a copy. DCP's
+    writer keeps each tensor it wrote until the file is complete (one per name), so copies would add
+    about a device's share of the whole state dict to the host's peak. The view stays what was saved:
+    jax arrays are immutable and jax does not donate a buffer while a DLPack view of it exists.
+    """
+    device_buffer = piece.shard.data
+    real = tuple(slice(0, n) for n in piece.sizes)
+    if piece.shard.device.platform == "cpu" and to_torch(device_buffer.dtype) == dtype:
+        view = torch.from_dlpack(device_buffer)
+        return view if tuple(view.shape) == piece.sizes else view[real].clone()  # (padding: copy the real part)
+    return numpy_to_torch(np.asarray(device_buffer)[real])  # (a contiguous copy)
 
 
 ShardedTensor.__create_write_items__ = _create_write_items  # type: ignore[attr-defined]
