@@ -124,15 +124,11 @@ def write_items(
 
 
 def host_copies(tensor: ShardedTensor) -> dict[tuple[int, ...], torch.Tensor]:
-    """{offsets: a host copy of the real data} of each distinct shard this process holds."""
-    return {piece.offsets: _host_copy(piece) for piece in _pieces(tensor)}
-
-
-def _host_copy(piece: _Piece) -> torch.Tensor:
-    """A host copy of the real data of one shard, from its device buffer alone (a contiguous copy)."""
-    data = np.asarray(piece.shard.data)[tuple(slice(0, n) for n in piece.sizes)]
-    counters.increment("TransferFromDevice")
-    return numpy_to_torch(data)
+    """{offsets: the real data on the host} of each distinct shard this process holds, which later
+    steps leave as they are (on CPU devices views of the device buffers, see ``_shard_on_host``)."""
+    pieces = _pieces(tensor)
+    counters.increment("TransferFromDevice", len(pieces))
+    return {piece.offsets: _shard_on_host(piece, tensor.dtype) for piece in pieces}
 
 
 def _create_write_items(self: ShardedTensor, fqn: str, object: Any) -> list[WriteItem]:
