@@ -471,7 +471,7 @@ def _set_collective_timeout() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {_COLLECTIVE_TIMEOUT_FLAG}={seconds}".strip()
 
 
-def _leave_together(process_id: int, seconds: float) -> None:
+def _leave_together(seconds: float) -> None:
     """At exit: wait for the live processes, then let process 0 (which hosts JAX's coordination
     service) shut it down last, so that no process loses the service while it is still leaving.
 
@@ -486,10 +486,9 @@ def _leave_together(process_id: int, seconds: float) -> None:
     everyone = list(range(jax_distributed.global_state.num_processes))
 
     def ask() -> None:
-        try:
+        # an error means the service went away: nobody left to wait for
+        with contextlib.suppress(Exception):
             client.get_live_nodes(everyone)
-        except Exception:  # noqa: BLE001 — the service went away: nobody left to wait for
-            pass
 
     def wait_for_live_processes() -> None:
         # GetAliveTasks returns once every live process asked (a dead one is left out once its
@@ -499,7 +498,7 @@ def _leave_together(process_id: int, seconds: float) -> None:
         waiter.join(seconds)
 
     wait_for_live_processes()
-    if process_id != 0:
+    if jax_distributed.global_state.process_id != 0:
         jax.distributed.shutdown()
     else:
         wait_for_live_processes()  # returns when the others have disconnected (or died)
@@ -566,7 +565,7 @@ def initialize_distributed(
         )
     if recoverable is not None:
         # after jax's own exit hook was registered (at its import), so it runs before it
-        atexit.register(_leave_together, process_id, collective_timeout)
+        atexit.register(_leave_together, collective_timeout)
 
 
 # --------------------------------------------------------------------------- persistent compilation cache
@@ -725,6 +724,6 @@ def _check_entries_on_load(readonly: bool) -> None:
 # --------------------------------------------------------------------------- torchrun
 
 # Importing shardtensor under torchrun with SHARDTENSOR_AUTO_DISTRIBUTED=1 joins the job; nothing otherwise.
-if os.environ.get(AUTO_DISTRIBUTED_ENV, "").strip().lower() not in ("", "0", "false"):
-    if not jax.distributed.is_initialized():
-        initialize_distributed()
+_AUTO = os.environ.get(AUTO_DISTRIBUTED_ENV, "").strip().lower() not in ("", "0", "false")
+if _AUTO and not jax.distributed.is_initialized():
+    initialize_distributed()

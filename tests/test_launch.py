@@ -11,10 +11,10 @@ import sys
 
 import pytest
 import torch
-from _launch_worker import _global_inputs, kill_1, raise_in_1, sharded_rows
 
 import shardtensor as st
 import shardtensor.runtime as rt
+from _launch_worker import _global_inputs, kill_1, raise_in_1, sharded_rows
 
 HERE = pathlib.Path(__file__).parent
 

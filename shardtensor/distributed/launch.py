@@ -254,7 +254,7 @@ def _collect(processes: list, connections: list, grace_period: float) -> list:
         elif i in results:
             others[i] = "returned"
         else:
-            others[i] = _how_it_ended(ended[i] if i in ended else None)
+            others[i] = _how_it_ended(ended.get(i))
     summary = "; ".join(f"process {i} {what}" for i, what in others.items())
     if first in errors:
         text, remote_traceback, exception = errors[first]
