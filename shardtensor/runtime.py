@@ -472,8 +472,9 @@ def _set_collective_timeout() -> None:
 
 
 def _leave_together(seconds: float) -> None:
-    """At exit: wait for the live processes, then let process 0 (which hosts JAX's coordination
-    service) shut it down last, so that no process loses the service while it is still leaving.
+    """At exit: wait for the live processes, then let the one hosting JAX's coordination service
+    (process 0, unless `launch`'s parent hosts it) shut it down last, so that no process loses the
+    service while it is still leaving.
 
     JAX's own shutdown barrier does this, but it is off for recoverable tasks (see
     `initialize_distributed`); a dead process is left out once the service misses its heartbeats.
@@ -498,10 +499,47 @@ def _leave_together(seconds: float) -> None:
         waiter.join(seconds)
 
     wait_for_live_processes()
-    if jax_distributed.global_state.process_id != 0:
+    if jax_distributed.global_state.service is None:
         jax.distributed.shutdown()
     else:
         wait_for_live_processes()  # returns when the others have disconnected (or died)
+
+
+class _ServiceElsewhere:
+    """jaxlib's module as ``jax.distributed.initialize`` sees it when another process (`launch`'s
+    parent) hosts the coordination service: process 0 starts none (JAX has no option for that)."""
+
+    def __init__(self, jaxlib_module):
+        self._jaxlib = jaxlib_module
+
+    def __getattr__(self, name):
+        return getattr(self._jaxlib, name)
+
+    @staticmethod
+    def get_distributed_runtime_service(*args, **kwargs):
+        return None
+
+
+def start_coordination_service(port: int, num_processes: int):
+    """Host JAX's coordination service for a job of ``num_processes`` processes that join with
+    `initialize_distributed` (``hosted_elsewhere=True``) at ``127.0.0.1:port``; call ``shutdown()``
+    on the result once they ended. `launch` uses it so that the job survives the death of any of
+    its processes, process 0 included.
+
+    Example::
+
+        service = rt.start_coordination_service(port, 2)
+        ...   # start the 2 processes, wait for them
+        service.shutdown()
+    """
+    from jax._src.lib import _jax
+
+    return _jax.get_distributed_runtime_service(
+        f"127.0.0.1:{port}",
+        num_processes,
+        heartbeat_timeout=_positive_env(HEARTBEAT_TIMEOUT_ENV, _DEFAULT_HEARTBEAT_TIMEOUT),
+        recoverable=True,
+    )
 
 
 def initialize_distributed(
@@ -509,6 +547,8 @@ def initialize_distributed(
     num_processes: int | None = None,
     process_id: int | None = None,
     local_device_ids: list[int] | None = None,
+    *,
+    hosted_elsewhere: bool = False,
 ) -> None:
     """Join a multi-process run through ``jax.distributed.initialize``.
 
@@ -519,12 +559,16 @@ def initialize_distributed(
     processes per host each gets the GPU of its ``LOCAL_RANK``. Importing shardtensor with
     ``SHARDTENSOR_AUTO_DISTRIBUTED=1`` calls it so.
 
-    A process that dies does not take the others with it (JAX's recoverable tasks), except the
-    coordinator, process 0: JAX's client then ends the others at once (SIGABRT), and that cannot be
-    caught in Python with this jax. Otherwise a survivor's next collective raises (on CPU a
-    ``JaxRuntimeError``, "Gloo ... Timed out") after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds
-    (default 600). At exit the processes wait for each other (up to that time), leaving out one
-    whose heartbeats JAX has missed for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds (default 30).
+    ``hosted_elsewhere=True``: no process of the job hosts JAX's coordination service, another one
+    does (`start_coordination_service`; `launch`'s parent); by default process 0 hosts it.
+
+    A process that dies does not take the others with it (JAX's recoverable tasks), except the one
+    hosting the coordination service, process 0 by default: JAX's client then ends the others at
+    once (SIGABRT), which this jax gives no way to catch (docs/multiprocess.md). Otherwise a
+    survivor's next collective raises (on CPU "Gloo ... failed": at once when gloo sees the
+    connection close, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600).
+    At exit the processes wait for each other (up to that time), leaving out one whose heartbeats
+    JAX has missed for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds (default 30).
 
     Example::
 
@@ -555,14 +599,20 @@ def initialize_distributed(
     # Recoverable tasks: the coordination service does not abort every process when one stops
     # sending heartbeats (scoped: it is read once, here).
     recoverable = getattr(jax_distributed, "_ENABLE_RECOVERABILITY", None)
-    with recoverable(True) if recoverable is not None else contextlib.nullcontext():
-        jax.distributed.initialize(
-            coordinator_address=coordinator_address,
-            num_processes=num_processes,
-            process_id=process_id,
-            local_device_ids=local_device_ids,
-            heartbeat_timeout_seconds=heartbeat_timeout,
-        )
+    jaxlib_module = jax_distributed._jax
+    if hosted_elsewhere:
+        jax_distributed._jax = _ServiceElsewhere(jaxlib_module)  # for this call
+    try:
+        with recoverable(True) if recoverable is not None else contextlib.nullcontext():
+            jax.distributed.initialize(
+                coordinator_address=coordinator_address,
+                num_processes=num_processes,
+                process_id=process_id,
+                local_device_ids=local_device_ids,
+                heartbeat_timeout_seconds=heartbeat_timeout,
+            )
+    finally:
+        jax_distributed._jax = jaxlib_module
     if recoverable is not None:
         # after jax's own exit hook was registered (at its import), so it runs before it
         atexit.register(_leave_together, collective_timeout)

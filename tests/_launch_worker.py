@@ -1,7 +1,7 @@
 """The functions tests/test_launch.py runs in other processes, and its torchrun script.
 
 Through `st.launch` (imported by module name in each spawned process): `sharded_rows`, `raise_in_1`,
-`kill_1`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
+`kill_0`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
 joins the job): writes what process RANK saw to ``$REPORT_DIR/RANK.json``.
 """
 
@@ -45,9 +45,9 @@ def raise_in_1(index):
     return _matmul_over_every_process()  # process 0 waits in a collective for process 1
 
 
-def kill_1(index):
+def kill_0(index):
     _matmul_over_every_process()  # both processes joined and computed once
-    if index == 1:
+    if index == 0:  # process 0, which would host the coordination service without launch
         os.kill(os.getpid(), signal.SIGKILL)
     for _ in range(1000):  # the survivor's next collectives have a dead peer
         _matmul_over_every_process()

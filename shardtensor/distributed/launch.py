@@ -26,7 +26,6 @@ import jax
 
 import shardtensor.runtime as rt
 
-_KILL_AFTER = 3.0  # seconds between SIGTERM and SIGKILL for a process that does not end
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Not passed on: the parent's job (torchrun's, a launch around this one) is not the children's.
 _NOT_INHERITED = (rt.AUTO_DISTRIBUTED_ENV, rt.COORDINATOR_PORT_ENV, "JAX_COORDINATOR_ADDRESS", "JAX_LOCAL_DEVICE_IDS")
@@ -35,11 +34,13 @@ _NOT_INHERITED = (rt.AUTO_DISTRIBUTED_ENV, rt.COORDINATOR_PORT_ENV, "JAX_COORDIN
 class LaunchError(RuntimeError):
     """A process of a `launch` failed: it raised (``traceback`` is its traceback text, and the
     exception, if it could be pickled, is the ``__cause__``), or it died (``exitcode`` < 0 is the
-    signal). ``index`` is the process's index; ``others`` says how each other process ended."""
+    signal). ``index`` is the process's index; ``others`` says how each other process ended, and
+    ``exitcodes`` lists every process's exit code (-9 for one that `launch` stopped)."""
 
-    def __init__(self, message: str, index: int, exitcode: int | None, traceback: str | None, others: dict):
+    def __init__(self, message: str, index: int, traceback: str | None, others: dict, exitcodes: list):
         super().__init__(message)
-        self.index, self.exitcode, self.traceback, self.others = index, exitcode, traceback, others
+        self.index, self.traceback, self.others, self.exitcodes = index, traceback, others, exitcodes
+        self.exitcode = exitcodes[index]
 
 
 def _free_port() -> int:
@@ -84,7 +85,7 @@ def _child_environment(cpu_devices: int):
 def _run_child(index, nprocs, address, local_device_ids, connection, fn, args) -> None:
     """In a child: join the job, run fn, send ("ok", value) or ("error", (text, traceback, exception))."""
     try:
-        rt.initialize_distributed(address, nprocs, index, local_device_ids)
+        rt.initialize_distributed(address, nprocs, index, local_device_ids, hosted_elsewhere=True)
         value = fn(index, *args)
         try:
             message = ("ok", pickle.dumps(value))
@@ -122,17 +123,13 @@ def _how_it_ended(exitcode: int | None) -> str:
 
 
 def _stop(processes: Sequence) -> None:
-    """SIGTERM to those still running, SIGKILL to those still running _KILL_AFTER seconds later."""
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + _KILL_AFTER
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+    """SIGKILL to those still running. (Not SIGTERM: in a process of a JAX job it only tells JAX's
+    preemption notifier, which keeps running.)"""
     for p in processes:
         if p.is_alive():
             p.kill()
-            p.join()
+    for p in processes:
+        p.join()
 
 
 def launch(
@@ -161,8 +158,8 @@ def launch(
     Failures: when a process raises, ``launch`` raises `LaunchError` with that process's index and
     traceback (the exception, if picklable, is its ``__cause__``); when one dies (a signal, an exit
     without a result), `LaunchError` says how. The other processes get ``grace_period`` seconds to
-    end by themselves, then SIGTERM and, 3 s later, SIGKILL: ``launch`` returns within
-    ``grace_period + 3`` s of the first failure. A process blocked in a collective on a dead peer
+    end by themselves, then SIGKILL: ``launch`` returns within ``grace_period`` s of the first
+    failure (and the time to reap the processes). A process blocked in a collective on a dead peer
     raises once ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` expires (see `initialize_distributed`).
 
     Example::
@@ -188,7 +185,11 @@ def launch(
     cpu_devices = _cpu_devices_per_process(nprocs, devices_per_process)
     gpus = devices_per_process or 1
     context = multiprocessing.get_context("spawn")
-    address = f"127.0.0.1:{_free_port()}"
+    port = _free_port()
+    # The parent hosts JAX's coordination service: the job then outlives any of its processes,
+    # process 0 included (hosted there, its death would abort the others).
+    service = rt.start_coordination_service(port, nprocs)
+    address = f"127.0.0.1:{port}"
     processes, connections = [], []
     try:
         with _child_environment(cpu_devices):
@@ -207,6 +208,7 @@ def launch(
         return _collect(processes, connections, grace_period)
     finally:
         _stop(processes)
+        service.shutdown()
 
 
 def _collect(processes: list, connections: list, grace_period: float) -> list:
@@ -260,14 +262,13 @@ def _collect(processes: list, connections: list, grace_period: float) -> list:
         text, remote_traceback, exception = errors[first]
         message = f"process {first} of {len(processes)} raised {text}\n\n{remote_traceback}"
         cause = _unpickled(exception)
-        exitcode = ended.get(first, processes[first].exitcode)
     else:
-        exitcode = ended[first]
-        message = f"process {first} of {len(processes)} {_how_it_ended(exitcode)}"
+        message = f"process {first} of {len(processes)} {_how_it_ended(ended[first])}"
         remote_traceback, cause = None, None
     if summary:
         message += f"\n(the others: {summary}.)"
-    raise LaunchError(message, first, exitcode, remote_traceback, others) from cause
+    exitcodes = [p.exitcode for p in processes]
+    raise LaunchError(message, first, remote_traceback, others, exitcodes) from cause
 
 
 def _unpickled(data: bytes | None) -> BaseException | None:
