@@ -599,7 +599,7 @@ def initialize_distributed(
     # Recoverable tasks: the coordination service does not abort every process when one stops
     # sending heartbeats (scoped: it is read once, here).
     recoverable = getattr(jax_distributed, "_ENABLE_RECOVERABILITY", None)
-    jaxlib_module = jax_distributed._jax
+    jaxlib_module = jax_distributed._jax if hosted_elsewhere else None
     if hosted_elsewhere:
         jax_distributed._jax = _ServiceElsewhere(jaxlib_module)  # for this call
     try:
@@ -612,7 +612,8 @@ def initialize_distributed(
                 heartbeat_timeout_seconds=heartbeat_timeout,
             )
     finally:
-        jax_distributed._jax = jaxlib_module
+        if hosted_elsewhere:
+            jax_distributed._jax = jaxlib_module
     if recoverable is not None:
         # after jax's own exit hook was registered (at its import), so it runs before it
         atexit.register(_leave_together, collective_timeout)
