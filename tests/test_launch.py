@@ -37,7 +37,7 @@ def test_a_process_that_raises_fails_the_launch_with_its_index_and_traceback():
     with pytest.raises(st.LaunchError, match="process 1 of 2 raised ValueError: process 1 refuses") as info:
         st.launch(raise_in_1, nprocs=2, devices_per_process=1)
     error = info.value
-    assert error.index == 1 and error.exitcode == 1
+    assert error.index == 1 and error.exitcode in (1, -9)  # it exits with 1, or is stopped while leaving
     assert "in raise_in_1" in error.traceback and 'raise ValueError("process 1 refuses")' in error.traceback
     assert isinstance(error.__cause__, ValueError)
     # process 0 waited in a collective for process 1: stopped by launch (SIGKILL), or it saw process 1's
