@@ -55,6 +55,7 @@ from shardtensor import serialization  # noqa: F401
 from shardtensor.serialization import torch_save as save, save_file, load_file  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 from shardtensor import checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
+from shardtensor.distributed import launch, LaunchError  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -70,6 +71,8 @@ __all__ = [
     "process_index",
     "process_count",
     "initialize_cache",
+    "launch",
+    "LaunchError",
     # meshes and specs
     "Mesh",
     "HybridMesh",

@@ -1,0 +1,67 @@
+"""The functions tests/test_launch.py runs in other processes, and its torchrun script.
+
+Through `st.launch` (imported by module name in each spawned process): `sharded_rows`, `raise_in_1`,
+`kill_0`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
+joins the job): writes what process RANK saw to ``$REPORT_DIR/RANK.json``.
+"""
+
+import json
+import os
+import signal
+
+import torch
+
+import shardtensor as st
+
+
+def _global_inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 6, generator=g), torch.randn(6, 3, generator=g)
+
+
+def _matmul_over_every_process():
+    """(X @ W) with X's rows over every device of every process; the result read back whole."""
+    X, W = _global_inputs()
+    n = st.global_runtime_device_count()
+    mesh = st.Mesh(range(n), (n,), ("rows",))
+    return (st.shard(X, mesh, ("rows", None)) @ W.to(st.device())).cpu()
+
+
+def sharded_rows(index, scale):
+    out = _matmul_over_every_process() * scale
+    return {
+        "index": index,
+        "process_index": st.process_index(),
+        "process_count": st.process_count(),
+        "devices": st.global_runtime_device_count(),
+        "local_devices": st.addressable_runtime_device_count(),
+        "result": out,
+    }
+
+
+def raise_in_1(index):
+    if index == 1:
+        raise ValueError("process 1 refuses")
+    return _matmul_over_every_process()  # process 0 waits in a collective for process 1
+
+
+def kill_0(index):
+    _matmul_over_every_process()  # both processes joined and computed once
+    if index == 0:  # process 0, which would host the coordination service without launch
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(1000):  # the survivor's next collectives have a dead peer
+        _matmul_over_every_process()
+    return "not reached"
+
+
+if __name__ == "__main__":  # under torchrun
+    out = _matmul_over_every_process()
+    report = {
+        "rank": int(os.environ["RANK"]),
+        "process_index": st.process_index(),
+        "process_count": st.process_count(),
+        "devices": st.global_runtime_device_count(),
+        "result": out.tolist(),
+    }
+    with open(os.path.join(os.environ["REPORT_DIR"], f"{os.environ['RANK']}.json"), "w") as f:
+        json.dump(report, f)
