@@ -408,3 +408,21 @@ def test_eager_results_equal_lazy_and_torch():
         lz = fn(x)
         torch.testing.assert_close(e.cpu(), fn(a), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lz.cpu(), fn(a), rtol=1e-5, atol=1e-5)
+
+
+def test_eager_copy_from_the_host_into_a_whole_tensor_runs_no_program():
+    # (cpu_tensor.to(st.device()) in eager mode: an empty tensor, then this copy) the upload becomes
+    # the tensor's value, in the layout it had: replicated, or its spec's, padded where uneven
+    host = torch.arange(30.0).reshape(6, 5)
+    with st.eager_mode(True):
+        plain = torch.zeros(6, 5, device=st.device())
+        sharded = st.shard(torch.zeros(6, 5), mesh_4x2(), ("data", None))  # 6 rows over 4: padded storage
+        runs = st.counter_value("ExecuteReplicated") or 0
+        plain.copy_(host)
+        sharded.copy_(host)
+        assert (st.counter_value("ExecuteReplicated") or 0) == runs
+        assert torch.equal(plain.cpu(), host) and torch.equal(sharded.cpu(), host)
+        assert sharded.sharding_spec == st.shard(host, mesh_4x2(), ("data", None)).sharding_spec
+        torch.testing.assert_close((sharded * 2 + plain).cpu(), host * 3, rtol=0, atol=0)
+        moved = host.to(st.device())
+        assert torch.equal(moved.cpu(), host)

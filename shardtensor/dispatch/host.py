@@ -15,13 +15,13 @@ from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph import views
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Failed
-from shardtensor.graph.state import STATE, check_execution_allowed
+from shardtensor.graph.state import STATE, check_execution_allowed, set_concrete
 from shardtensor.mesh import default_mesh
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.readback import to_cpu
-from shardtensor.tensor.upload import cell_from_host, upload_like
+from shardtensor.tensor.upload import cell_from_host, upload_as, upload_like
 from shardtensor.trees import map_leaves
 
 aten = torch.ops.aten
@@ -52,10 +52,36 @@ def _copy_(func, args, kwargs):
         # (through dst's view, converting the dtype, broadcasting), as a copy from CUDA does
         return func(dst, to_cpu(src), **kwargs)
     if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
-        src = upload_like(src.to(dst.dtype).expand(dst.shape), dst)
+        host_src = src.to(dst.dtype).expand(dst.shape)
+        if _whole_overwrite_in_eager_mode(dst):
+            # (``cpu_tensor.to(st.device())`` is an empty tensor, then this copy): the upload, in the
+            # layout dst's value has, becomes that value; no program to compile and run for the copy
+            return _take_upload(dst, host_src)
+        src = upload_like(host_src, dst)
     if isinstance(src, ShardedTensor) and not dst._chain and isinstance(dst._cell.value, Failed):
         return _replace_lost_value(dst, src)
     return mutating_op(func, facts(func), (dst, src), {})
+
+
+def _whole_overwrite_in_eager_mode(dst) -> bool:
+    """Eager mode, not traced, and ``dst`` is a whole tensor (no view chain) with a computed value or
+    a sharding spec: a copy into it can simply replace its value."""
+    if not STATE.eager or STATE.tracing or dst._chain:
+        return False
+    cell = dst._cell
+    return cell.sharding is not None or hasattr(cell.value, "sharding")
+
+
+def _take_upload(dst, host_src):
+    """``dst``'s value becomes the upload of ``host_src``, in the layout its value has (its spec's,
+    padded alike, or the sharding of its current array)."""
+    cell = dst._cell
+    if cell.sharding is not None:
+        array = upload_like(host_src, dst)._cell.value
+    else:
+        array = upload_as(torch_to_numpy(host_src.contiguous()), cell.value.sharding)
+    set_concrete(cell, array, owned=True)
+    return dst
 
 
 def _replace_lost_value(dst, src):

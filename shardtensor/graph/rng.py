@@ -98,9 +98,14 @@ def pending_cells() -> list:
 def set_state(state: np.ndarray) -> None:
     """Restore a key saved by ``get_state`` (keeping the current layout)."""
     cell = _cell()
-    if cell.is_pending():
+    layout = cell.layout if cell.is_pending() else getattr(cell.value, "sharding", None)
+    if not isinstance(layout, NamedSharding):
+        # A pending key is overwritten unread (the draws that advanced it keep their own input key,
+        # so their numbers stay pending and unchanged): no program for it. Computed only when its
+        # layout is not known without it.
         run_cells([cell])
-    key = jax.device_put(np.asarray(state, dtype=np.uint32).reshape(2), cell.value.sharding)
+        layout = cell.value.sharding
+    key = jax.device_put(np.asarray(state, dtype=np.uint32).reshape(2), layout)
     set_concrete(cell, key, owned=True)
 
 

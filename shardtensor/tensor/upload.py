@@ -25,12 +25,21 @@ def upload(host: np.ndarray, mesh, spec):
     padded = tuple(sh.padded_shape(shape, mesh, spec))
     if padded != shape:
         host = np.pad(host, [(0, p - n) for n, p in zip(shape, padded)])
-    sharding = sh.named_sharding(mesh, spec, len(shape))
+    return upload_as(host, sh.named_sharding(mesh, spec, len(shape)))
+
+
+@with_x64
+def upload_as(host: np.ndarray, sharding) -> jax.Array:
+    """A jax array holding ``host`` (already padded where it must be) with the jax ``sharding``.
+
+    Example: ``upload_as(np.ones((8, 2)), existing_array.sharding)``.
+    """
+    check_not_forked("move data to the devices")
     counters.increment("TransferToDevice")
     # np.array copies: on the CPU platform jax may otherwise alias the torch tensor's memory, and a
     # later in-place change of the CPU tensor would show through
     with counters.timed("TransferToDeviceTime"):
-        return jax.make_array_from_callback(padded, sharding, lambda index: np.array(host[index], copy=True))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: np.array(host[index], copy=True))
 
 
 def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
