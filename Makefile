@@ -56,8 +56,10 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check $(LINT_PATHS)
 
 # lint first: it takes under a minute (mypy from a cold cache), the suite many
+# (bytecode caching on, whatever the environment says: the workers and the many test subprocesses
+# would otherwise each compile shardtensor's sources and rewrite the test modules again)
 test: $(STAMP) lint
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
+	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
