@@ -10,10 +10,12 @@ The loaders here fork from the test process itself, with the DataLoader's ``time
 that hangs makes the loop raise after ``_TIMEOUT`` seconds instead of blocking the suite.
 """
 
+import multiprocessing
 import os
 import pathlib
 import subprocess
 import sys
+import traceback
 import warnings
 
 import pytest
@@ -118,13 +120,45 @@ class _UsesShardtensor(Dataset):
         return st.shard(torch.ones(8), MESH_8, ("data",)).cpu()  # an upload
 
 
+def _child_pids():
+    return {p.pid for p in multiprocessing.active_children()}
+
+
+def _message_of_the_error(batches, match):
+    """Iterate ``batches`` expecting a RuntimeError matching ``match``; its message. Then check that
+    the loader's workers have exited.
+
+    The error's traceback holds the torch DataLoader iterator, in a reference cycle: left to the
+    garbage collector, the iterator could not tell its workers to stop (the collector closes its
+    queues first) and would wait 5 s for each. Clearing the traceback's frames lets it go at once.
+    """
+    before = _child_pids()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_JAX_FORK_WARNING, category=RuntimeWarning)
+        with pytest.raises(RuntimeError, match=match) as info:
+            list(batches)
+    traceback.clear_frames(info.tb)
+    assert _child_pids() <= before  # the iterator went, and stopped and joined its workers
+    return str(info.value)
+
+
 @pytest.mark.parametrize("how", ["op", "random", "upload"])
 def test_a_worker_that_uses_shardtensor_raises_naming_the_fix(how):
-    loader = _forking_loader(_UsesShardtensor(how))
+    message = _message_of_the_error(
+        _forking_loader(_UsesShardtensor(how)), match="forked from a process that was running JAX"
+    )
+    assert "multiprocessing_context='spawn'" in message
+
+
+def test_mp_device_loader_stops_the_workers_before_it_raises_their_error():
+    # the error's traceback would keep the torch iterator (and so its workers) alive until a garbage
+    # collection, which then waits 5 s per worker: MpDeviceLoader lets the iterator go first
+    before = _child_pids()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_JAX_FORK_WARNING, category=RuntimeWarning)
         with pytest.raises(RuntimeError, match="forked from a process that was running JAX") as info:
-            list(loader)
+            list(st.MpDeviceLoader(_forking_loader(_UsesShardtensor("op")), st.device()))
+        assert _child_pids() <= before  # the workers have exited (the error still holds its traceback)
     assert "multiprocessing_context='spawn'" in str(info.value)
 
 
@@ -144,12 +178,10 @@ class _HandsOutShardedTensors(Dataset):
 def test_a_worker_that_hands_out_device_tensors_raises_instead_of_crashing():
     # collate moves a worker's batch into shared storage of the batch's device; the shardtensor
     # device has no torch storage, and torch's null allocator used to crash the worker
-    loader = _forking_loader(_HandsOutShardedTensors())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_JAX_FORK_WARNING, category=RuntimeWarning)
-        with pytest.raises(RuntimeError, match="cannot allocate .* torch storage on the shardtensor device") as info:
-            list(loader)
-    assert "return CPU tensors from the dataset" in str(info.value)
+    message = _message_of_the_error(
+        _forking_loader(_HandsOutShardedTensors()), match="cannot allocate .* torch storage on the shardtensor device"
+    )
+    assert "return CPU tensors from the dataset" in message
 
 
 def test_torch_storage_on_the_device_is_refused_clearly():

@@ -18,6 +18,7 @@ import copy
 import itertools
 import queue
 import threading
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sized
@@ -75,6 +76,20 @@ def _start_iterating(loader):
         return iter(loader)
 
 
+def _release_after_failure(error: BaseException) -> None:
+    """Drop the references an error's traceback holds to the loader's iterator.
+
+    The frames below the reader (the iterator's own methods) keep it alive, and once re-raised the
+    error usually sits in a reference cycle, so the iterator would go only at the next garbage
+    collection. A torch DataLoader iterator dropped that way cannot tell its workers to stop (the
+    collector closes its queues first): it then waits 5 s for each worker before killing it, and
+    the workers linger until then. Clearing those frames' locals lets the iterator go at once (the
+    traceback keeps its file and line information).
+    """
+    if error.__traceback__ is not None:
+        traceback.clear_frames(error.__traceback__.tb_next)
+
+
 class _Failure:
     """An exception raised on a worker thread, to re-raise on the main thread."""
 
@@ -107,7 +122,7 @@ class _Pipeline:
         self.ready: dict[int, Any] = {}
         name = f"MpDeviceLoader-{next(_serial)}"
         self.threads = [
-            threading.Thread(target=self._read, args=(batches, transfer_threads), name=f"{name}-reader", daemon=True)
+            threading.Thread(target=self._read, args=([batches], transfer_threads), name=f"{name}-reader", daemon=True)
         ]
         self.threads += [
             threading.Thread(target=self._transfer, args=(layouts,), name=f"{name}-transfer-{i}", daemon=True)
@@ -128,7 +143,10 @@ class _Pipeline:
                 pass
         return False
 
-    def _read(self, batches, transfer_threads):
+    def _read(self, source: list, transfer_threads):
+        # The loader's iterator comes in a box this thread empties, so that this frame holds the only
+        # reference (see _release_after_failure).
+        batches = source.pop()
         index = 0
         final: _Signal | _Failure
         try:
@@ -145,6 +163,8 @@ class _Pipeline:
             else:
                 return
         except BaseException as error:  # noqa: BLE001 — handed to the main thread
+            _release_after_failure(error)
+            del batches  # the last reference: a torch DataLoader iterator shuts its workers down here
             final = _Failure(error, f"reading batch {index} from the loader")
         for _ in range(transfer_threads):  # one each: every transfer thread stops at it
             if not self._put(self.cpu_queue, (index, final)):
@@ -324,9 +344,8 @@ class MpDeviceLoader:
     def __iter__(self) -> Iterator[Any]:
         self.close()
         s = self._sizes
-        batches = _start_iterating(self._loader)
         self._pipeline = _Pipeline(
-            batches,
+            _start_iterating(self._loader),  # (no local here: the reader thread must hold the only reference)
             Layouts(self._input_sharding),
             s["loader_prefetch_size"],
             s["device_prefetch_size"],
