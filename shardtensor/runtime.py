@@ -29,6 +29,7 @@ import contextlib
 import functools
 import os
 import re
+import socket
 import sys
 import tempfile
 import threading
@@ -421,10 +422,13 @@ COORDINATOR_PORT_ENV = "SHARDTENSOR_COORDINATOR_PORT"
 AUTO_DISTRIBUTED_ENV = "SHARDTENSOR_AUTO_DISTRIBUTED"
 COLLECTIVE_TIMEOUT_ENV = "SHARDTENSOR_COLLECTIVE_TIMEOUT"
 HEARTBEAT_TIMEOUT_ENV = "SHARDTENSOR_HEARTBEAT_TIMEOUT"
+INIT_TIMEOUT_ENV = "SHARDTENSOR_INIT_TIMEOUT"
 _COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
 _DEFAULT_COLLECTIVE_TIMEOUT = 600  # seconds: torch's default for a process group's collectives
 # seconds: a process silent for this long counts as dead (JAX's default, 100, keeps a survivor waiting at exit)
 _DEFAULT_HEARTBEAT_TIMEOUT = 30
+# seconds: how long joining waits for the coordinator and every process (JAX's default, 300, then aborts)
+_DEFAULT_INIT_TIMEOUT = 60
 
 
 def _positive_env(name: str, default: int) -> int:
@@ -505,19 +509,85 @@ def _leave_together(seconds: float) -> None:
         wait_for_live_processes()  # returns when the others have disconnected (or died)
 
 
-class _ServiceElsewhere:
-    """jaxlib's module as ``jax.distributed.initialize`` sees it when another process (`launch`'s
-    parent) hosts the coordination service: process 0 starts none (JAX has no option for that)."""
+def _report_join_failure(status) -> None:
+    """Never called: jaxlib cannot hand its status to Python, so calling it raises (std::bad_cast).
+    During ``connect`` that exception reaches Python instead of JAX's default, a fatal log (SIGABRT).
+    After joining it changes only the message of an abort that comes either way (the coordination
+    service gone): "terminate called after throwing ... std::bad_cast"."""
 
-    def __init__(self, jaxlib_module):
-        self._jaxlib = jaxlib_module
+
+class _JaxlibForJoining:
+    """jaxlib's module as ``jax.distributed.initialize`` sees it in `initialize_distributed`: its
+    client reports a failed join as a Python exception, and with ``hosted_elsewhere`` (another
+    process, `launch`'s parent, hosts the coordination service) process 0 starts no service (JAX
+    has no option for either)."""
+
+    def __init__(self, jaxlib_module, hosted_elsewhere: bool):
+        self._jaxlib, self._hosted_elsewhere = jaxlib_module, hosted_elsewhere
 
     def __getattr__(self, name):
         return getattr(self._jaxlib, name)
 
-    @staticmethod
-    def get_distributed_runtime_service(*args, **kwargs):
-        return None
+    def get_distributed_runtime_service(self, *args, **kwargs):
+        return None if self._hosted_elsewhere else self._jaxlib.get_distributed_runtime_service(*args, **kwargs)
+
+    def get_distributed_runtime_client(self, *args, **kwargs):
+        return self._jaxlib.get_distributed_runtime_client(
+            *args, missed_heartbeat_callback=_report_join_failure, **kwargs
+        )
+
+
+def _forget_failed_join(state) -> None:
+    """After a failed join: no client, no service, so the process can exit (or try again) cleanly."""
+    state.client = None
+    if state.service is not None:
+        state.service.shutdown()
+        state.service = None
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _join_error(address: str, num_processes: int, process_id: int, seconds: int) -> TimeoutError:
+    """What went wrong when joining failed: nobody listens at the address, or someone does and the
+    job never became whole (a process missing, or the processes disagree on their number)."""
+    head = (
+        f"initialize_distributed: process {process_id} of {num_processes} could not join the job at "
+        f"{address} within {seconds} s ({INIT_TIMEOUT_ENV} or initialization_timeout=). "
+    )
+    if not _listening(address):
+        return TimeoutError(
+            head + f"No coordinator answers at {address}: start process 0 (it hosts JAX's coordinator; "
+            "with torchrun, MASTER_ADDR:MASTER_PORT+1), or fix the address and port."
+        )
+    return TimeoutError(
+        head + f"The coordinator answers, but not all processes joined: one was not started, or the "
+        f"processes were started with different numbers of processes (num_processes / WORLD_SIZE; this "
+        f"one says {num_processes}). Start every process with the same number, or raise the timeout "
+        "if they start slowly."
+    )
+
+
+def _check_same_num_processes(client, num_processes: int, process_id: int, seconds: int) -> None:
+    """Every process that joined says how many processes it expects; a disagreement raises here, in
+    each of them, instead of a job on fewer processes than asked that hangs at exit (JAX's
+    coordinator only knows process 0's number, and lets in a process that expects more)."""
+    key = "shardtensor/num_processes/"
+    client.key_value_set(f"{key}{process_id}", str(num_processes))
+    client.wait_at_barrier("shardtensor/num_processes", seconds * 1000)
+    said = {int(k.rpartition("/")[2]): int(v) for k, v in client.key_value_dir_get(key)}
+    if len(set(said.values())) > 1:
+        raise ValueError(
+            "initialize_distributed: the processes were started with different numbers of processes "
+            f"(num_processes / WORLD_SIZE, by process id: {dict(sorted(said.items()))}). Start every process "
+            "with the same number."
+        )
 
 
 def start_coordination_service(port: int, num_processes: int):
@@ -548,6 +618,7 @@ def initialize_distributed(
     process_id: int | None = None,
     local_device_ids: list[int] | None = None,
     *,
+    initialization_timeout: int | None = None,
     hosted_elsewhere: bool = False,
 ) -> None:
     """Join a multi-process run through ``jax.distributed.initialize``.
@@ -562,10 +633,19 @@ def initialize_distributed(
     ``hosted_elsewhere=True``: no process of the job hosts JAX's coordination service, another one
     does (`start_coordination_service`; `launch`'s parent); by default process 0 hosts it.
 
+    Joining waits up to ``initialization_timeout`` seconds (default ``SHARDTENSOR_INIT_TIMEOUT``, or
+    60) for the coordinator and every process, then raises ``TimeoutError`` (jaxlib adds a fixed
+    5 s: it comes at timeout + 5 s) saying whether no coordinator answers at the address or it
+    answers but not every process came (one not started, or the processes disagree on
+    ``num_processes``); the process may then exit or try again. Processes that all joined but were
+    started with different ``num_processes`` / ``WORLD_SIZE`` each raise ``ValueError`` at once.
+    (JAX alone ends the processes by SIGABRT after 300 s in the first case; in the second it runs
+    on the processes its coordinator counted and hangs at exit.)
+
     A process that dies does not take the others with it (JAX's recoverable tasks), except the one
     hosting the coordination service, process 0 by default: JAX's client then ends the others at
-    once (SIGABRT), which this jax gives no way to catch (docs/multiprocess.md). Otherwise a
-    survivor's next collective raises (on CPU "Gloo ... failed": at once when gloo sees the
+    once (SIGABRT, "std::bad_cast"), which this jax gives no way to catch (docs/multiprocess.md).
+    Otherwise a survivor's next collective raises (on CPU "Gloo ... failed": at once when gloo sees the
     connection close, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600).
     At exit the processes wait for each other (up to that time), leaving out one whose heartbeats
     JAX has missed for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds (default 30).
@@ -581,7 +661,7 @@ def initialize_distributed(
     if all(value is None for value in given):
         coordinator_address, num_processes, process_id, env_ids = _torchrun_arguments()
         local_device_ids = env_ids if local_device_ids is None else local_device_ids
-    elif any(value is None for value in given):
+    elif coordinator_address is None or num_processes is None or process_id is None:
         raise ValueError(
             "initialize_distributed needs coordinator_address, num_processes and process_id together "
             f"(got {coordinator_address!r}, {num_processes!r}, {process_id!r}), or none of them to read "
@@ -589,6 +669,12 @@ def initialize_distributed(
         )
     collective_timeout = _positive_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
     heartbeat_timeout = _positive_env(HEARTBEAT_TIMEOUT_ENV, _DEFAULT_HEARTBEAT_TIMEOUT)
+    if initialization_timeout is None:
+        init_timeout = _positive_env(INIT_TIMEOUT_ENV, _DEFAULT_INIT_TIMEOUT)
+    elif isinstance(initialization_timeout, int) and initialization_timeout >= 1:
+        init_timeout = initialization_timeout
+    else:
+        raise ValueError(f"initialization_timeout must be a positive int of seconds, got {initialization_timeout!r}.")
     _set_collective_timeout()
     # CPU backends need a collectives implementation to see each other's devices; an explicit
     # user choice (e.g. mpi) wins.
@@ -599,9 +685,9 @@ def initialize_distributed(
     # Recoverable tasks: the coordination service does not abort every process when one stops
     # sending heartbeats (scoped: it is read once, here).
     recoverable = getattr(jax_distributed, "_ENABLE_RECOVERABILITY", None)
-    jaxlib_module = jax_distributed._jax if hosted_elsewhere else None
-    if hosted_elsewhere:
-        jax_distributed._jax = _ServiceElsewhere(jaxlib_module)  # for this call
+    jaxlib_module = jax_distributed._jax
+    jax_distributed._jax = _JaxlibForJoining(jaxlib_module, hosted_elsewhere)  # for this call
+    had_client = jax_distributed.global_state.client is not None
     try:
         with recoverable(True) if recoverable is not None else contextlib.nullcontext():
             jax.distributed.initialize(
@@ -609,11 +695,18 @@ def initialize_distributed(
                 num_processes=num_processes,
                 process_id=process_id,
                 local_device_ids=local_device_ids,
+                initialization_timeout=init_timeout,
                 heartbeat_timeout_seconds=heartbeat_timeout,
             )
+    except Exception as e:
+        if had_client or jax_distributed.global_state.client is None:
+            raise  # JAX refused the arguments, or was initialized already: its own message
+        error = _join_error(coordinator_address, num_processes, process_id, init_timeout)
+        _forget_failed_join(jax_distributed.global_state)  # after: process 0's own service answers above
+        raise error from e
     finally:
-        if hosted_elsewhere:
-            jax_distributed._jax = jaxlib_module
+        jax_distributed._jax = jaxlib_module
+    _check_same_num_processes(jax_distributed.global_state.client, num_processes, process_id, init_timeout)
     if recoverable is not None:
         # after jax's own exit hook was registered (at its import), so it runs before it
         atexit.register(_leave_together, collective_timeout)

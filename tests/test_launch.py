@@ -117,3 +117,48 @@ def test_torchrun_with_auto_distributed(tmp_path):
     for r in reports:
         assert (r["process_index"], r["process_count"], r["devices"]) == (r["rank"], 2, 4)
         torch.testing.assert_close(torch.tensor(r["result"]), _expected())
+
+
+def _join_script(call: str) -> list[str]:
+    """A process that tries ``initialize_distributed(call)`` (1 s to join) and prints what it raised."""
+    lines = ["import os", "import shardtensor.runtime as rt", "os.environ[rt.INIT_TIMEOUT_ENV] = '1'"]
+    lines += ["try:", f"    rt.initialize_distributed({call})", "    print('joined', flush=True)"]
+    lines += ["except Exception as e:", "    print(type(e).__name__, e, flush=True)"]
+    return [sys.executable, "-c", "\n".join(lines)]
+
+
+def _run_together(*commands: list[str]) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
+    env.update(PYTHONPATH=str(HERE.parent), SHARDTENSOR_CPU_DEVICES="1", SHARDTENSOR_PLATFORM="cpu")
+    started = [
+        subprocess.Popen(c, cwd=HERE.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for c in commands
+    ]
+    outputs = [p.communicate(timeout=120) for p in started]
+    for p, (_out, err) in zip(started, outputs):
+        assert p.returncode == 0, err[-3000:]  # an exception, caught: no abort
+    return [out for out, _err in outputs]
+
+
+def test_a_job_that_cannot_form_raises_in_every_process():
+    # four processes at once: process 1 where no coordinator ever comes up; process 0 of 2 whose
+    # coordinator starts but whose process 1 never comes (both with the 1 s join timeout); and a job
+    # whose process 0 expects 2 processes and process 1 expects 3 (JAX's coordinator, process 0's, lets
+    # 1 in; 30 s to join, however slowly the two start)
+    ports: set[int] = set()
+    while len(ports) < 3:
+        ports.add(_two_free_ports())
+    nobody, alone, mismatched = (f"'127.0.0.1:{port}'" for port in ports)
+    patient = "initialization_timeout=30"
+    calls = [f"{nobody}, 2, 1", f"{alone}, 2, 0", f"{mismatched}, 2, 0, {patient}", f"{mismatched}, 3, 1, {patient}"]
+    missing_coordinator, missing_process, *mismatch = (
+        out.strip() for out in _run_together(*(_join_script(call) for call in calls))
+    )
+    assert missing_coordinator.startswith("TimeoutError initialize_distributed: process 1 of 2 could not join")
+    assert f"No coordinator answers at {nobody[1:-1]}: start process 0" in missing_coordinator
+    assert missing_process.startswith("TimeoutError initialize_distributed: process 0 of 2 could not join")
+    assert "The coordinator answers, but not all processes joined" in missing_process
+    assert mismatch == 2 * [
+        "ValueError initialize_distributed: the processes were started with different numbers of processes "
+        "(num_processes / WORLD_SIZE, by process id: {0: 2, 1: 3}). Start every process with the same number."
+    ]
