@@ -40,6 +40,18 @@ spec = st.ShardingSpec(mesh, ("fsdp", None), minibatch=True)
 (batch,) = list(st.MpDeviceLoader([X[8 * pid : 8 * (pid + 1)]], st.device(), input_sharding=spec))
 report["minibatch_shape"] = list(batch.shape)
 report["minibatch"] = batch.cpu().tolist()
+# issue 15: each process reads its own shard of a dataset through a DistributedSampler (rank and
+# replicas given, so no process group is needed); with minibatch=True the step sees the global batch
+dataset = torch.utils.data.TensorDataset(torch.arange(32.0 * 3).reshape(32, 3))
+sampler = torch.utils.data.DistributedSampler(
+    dataset, num_replicas=rt.process_count(), rank=rt.process_index(), shuffle=False
+)
+torch_loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
+report["sampler_indices"] = list(sampler)
+report["sampler_batches"], report["sampler_row_sums"] = [], []
+for (rows,) in st.MpDeviceLoader(torch_loader, st.device(), input_sharding=spec):
+    report["sampler_batches"].append(rows.cpu().tolist())
+    report["sampler_row_sums"].append(rows.sum(0).cpu().tolist())  # a sharded reduction over the global batch
 
 # FSDPv2 training, 3 SGD steps
 torch.manual_seed(0)

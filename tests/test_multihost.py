@@ -105,6 +105,22 @@ def test_loader_minibatches_form_the_global_batch(reports):
         torch.testing.assert_close(torch.tensor(r["minibatch"]), X)
 
 
+def test_distributed_sampler_shards_form_the_global_batch(reports):
+    """Issue 15: each process loads its DistributedSampler shard (rank r: rows r, r + 2, ... without
+    shuffling); MpDeviceLoader with minibatch=True hands the step the global batch, process 0's 4
+    rows then process 1's, and a reduction over it is eager torch's on the whole batch."""
+    data = torch.arange(32.0 * 3).reshape(32, 3)
+    for pid, r in enumerate(reports):
+        assert r["sampler_indices"] == list(range(pid, 32, 2))
+    assert len(reports[0]["sampler_batches"]) == 4
+    for r in reports:
+        for step, (batch, row_sum) in enumerate(zip(r["sampler_batches"], r["sampler_row_sums"], strict=True)):
+            shards = [reports[pid]["sampler_indices"][4 * step : 4 * step + 4] for pid in range(2)]
+            want = data[shards[0] + shards[1]]
+            torch.testing.assert_close(torch.tensor(batch), want, rtol=0, atol=0)
+            torch.testing.assert_close(torch.tensor(row_sum), want.sum(0))
+
+
 def test_fsdp_training_matches_eager(reports):
     X, _, Y = _reference()
     torch.manual_seed(0)
