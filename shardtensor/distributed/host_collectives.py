@@ -135,7 +135,7 @@ def _exchange(
         except Exception as e:
             if time.monotonic() < deadline - 0.01:
                 raise  # not a timeout: the coordination service's own error
-            missing = _missing(client, prefix, members)
+            missing = _missing(client, prefix, members) or [member]  # (or it came just too late)
             raise TimeoutError(
                 f"{kind}({tag!r}) in process {process_id}: process{'es' if len(missing) > 1 else ''} "
                 f"{', '.join(map(str, missing))} did not arrive within {seconds:g} s (timeout= or "
