@@ -55,7 +55,7 @@ from shardtensor import serialization  # noqa: F401
 from shardtensor.serialization import torch_save as save, save_file, load_file  # noqa: F401
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 from shardtensor import checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
-from shardtensor.distributed import launch, LaunchError  # noqa: F401
+from shardtensor.distributed import launch, LaunchError, rendezvous, mesh_reduce  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -73,6 +73,8 @@ __all__ = [
     "initialize_cache",
     "launch",
     "LaunchError",
+    "rendezvous",
+    "mesh_reduce",
     # meshes and specs
     "Mesh",
     "HybridMesh",

@@ -1,6 +1,7 @@
 """The functions tests/test_launch.py runs in other processes, and its torchrun script.
 
-Through `st.launch` (imported by module name in each spawned process): `sharded_rows`, `raise_in_1`,
+Through `st.launch` (imported by module name in each spawned process): `sharded_rows` (with
+`st.rendezvous` / `st.mesh_reduce`), `raise_in_1`,
 `kill_0`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
 joins the job): writes what process RANK saw to ``$REPORT_DIR/RANK.json``.
 """
@@ -27,9 +28,27 @@ def _matmul_over_every_process():
     return (st.shard(X, mesh, ("rows", None)) @ W.to(st.device())).cpu()
 
 
+def _host_collectives(index, out):
+    """rendezvous twice under one tag, mesh_reduce of a CPU tensor and of an int, and process 0 alone
+    at a tag process 1 never reaches (its TimeoutError's message)."""
+    timed_out = None
+    if index == 0:
+        try:
+            st.rendezvous("only_0", timeout=0.5)
+        except TimeoutError as e:
+            timed_out = str(e)
+    return {
+        "rendezvous": [st.rendezvous("rows", f"p{index}".encode()), st.rendezvous("rows", b"again%d" % index)],
+        "mesh_reduce": st.mesh_reduce("rows", out * (index + 1), lambda ts: torch.stack(ts).sum(0)),
+        "mesh_reduce_int": st.mesh_reduce("index", index + 10, lambda xs: xs),
+        "timed_out": timed_out,
+    }
+
+
 def sharded_rows(index, scale):
     out = _matmul_over_every_process() * scale
     return {
+        **_host_collectives(index, out),
         "index": index,
         "process_index": st.process_index(),
         "process_count": st.process_count(),

@@ -1,6 +1,7 @@
-"""Starting a multi-process job: `st.launch` (results, a process that raises, a process killed) and
-torchrun with ``SHARDTENSOR_AUTO_DISTRIBUTED=1``; each job runs a computation sharded over every
-process's devices, compared with eager torch."""
+"""Starting a multi-process job: `st.launch` (results, host values through `st.rendezvous` and
+`st.mesh_reduce`, a process that raises, a process killed) and torchrun with
+``SHARDTENSOR_AUTO_DISTRIBUTED=1``; each job runs a computation sharded over every process's devices,
+compared with eager torch."""
 
 import json
 import os
@@ -31,6 +32,13 @@ def test_launch_returns_each_process_result():
     for index, r in enumerate(results):
         assert (r["process_index"], r["process_count"], r["devices"], r["local_devices"]) == (index, 2, 8, 4)
         torch.testing.assert_close(r["result"], _expected() * 3.0)
+        # host values across the processes: every process gets every payload, in process order
+        assert r["rendezvous"] == [[b"p0", b"p1"], [b"again0", b"again1"]]
+        torch.testing.assert_close(r["mesh_reduce"], _expected() * 3.0 * (1 + 2))
+        assert r["mesh_reduce_int"] == [10, 11]
+    message = results[0]["timed_out"]
+    assert "rendezvous('only_0') in process 0: process 1 did not arrive within 0.5 s" in message, message
+    assert results[1]["timed_out"] is None
 
 
 def test_a_process_that_raises_fails_the_launch_with_its_index_and_traceback():

@@ -1,4 +1,5 @@
-"""Jobs of several processes: starting them (`launch`); torch.distributed support comes here too.
+"""Jobs of several processes: starting them (`launch`), host values across them (`rendezvous`,
+`mesh_reduce`); torch.distributed support comes here too.
 
 Example::
 
@@ -6,6 +7,7 @@ Example::
     results = st.launch(train, args=(config,), nprocs=2)   # train(index, config) in 2 processes
 """
 
+from shardtensor.distributed.host_collectives import mesh_reduce, rendezvous
 from shardtensor.distributed.launch import LaunchError, launch
 
-__all__ = ["launch", "LaunchError"]
+__all__ = ["launch", "LaunchError", "rendezvous", "mesh_reduce"]

@@ -42,6 +42,17 @@ def _positive_env(name: str, default: int) -> int:
     return int(raw)
 
 
+def collective_timeout() -> int:
+    """Seconds a process of a job waits for the others in a collective: ``SHARDTENSOR_COLLECTIVE_TIMEOUT``,
+    by default 600 (torch's default for a process group).
+
+    Example::
+
+        rt.joining.collective_timeout()   # 600
+    """
+    return _positive_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
+
+
 def _torchrun_arguments() -> tuple[str, int, int, list[int] | None]:
     """(coordinator address, number of processes, process id, local device ids) from torchrun's
     variables; the coordinator listens on MASTER_PORT + 1 unless SHARDTENSOR_COORDINATOR_PORT says."""
