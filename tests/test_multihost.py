@@ -1,7 +1,7 @@
 """A multi-host job on this machine: two JAX processes with 4 CPU devices each (jax.distributed, gloo
 collectives on 127.0.0.1) form one 8-device mesh. Device ids, uploads, readback (even and uneven),
-MpDeviceLoader's per-process minibatches (also from a DistributedSampler) and FSDPv2 training (lazy and st.compile), each compared
-with eager torch."""
+MpDeviceLoader's per-process minibatches (also from a DistributedSampler) and FSDPv2 training (lazy
+and st.compile), each compared with eager torch."""
 
 import json
 import os
