@@ -55,8 +55,8 @@ import warnings
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+from gpt_model import GPT
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1e6
@@ -83,39 +83,7 @@ def parse(argv=None):
     return args
 
 
-# ---- the model ----------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab, seq, d, heads, layers):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.tok.weight.t()
+# ---- the model: gpt_model.GPT (the one bench/train_vs_jax.py trains) ----------------------------
 
 
 def build(args):

@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as JP  # noqa: E402
 
 import shardtensor as st  # noqa: E402
+from gpt_model import GPT, Block  # noqa: E402, F401  (the GPT is shared with bench/checkpoint.py; tvj.Block for fsdp.py)
 from shardtensor.explain import collectives_in_hlo  # noqa: E402
 from shardtensor.graph import execute  # noqa: E402  (white box: spies on the programs that run)
 from shardtensor.runtime import x64_scope  # noqa: E402
@@ -58,39 +59,6 @@ class MLP(nn.Module):
             if i < len(self.layers) - 1:
                 x = F.relu(x)
         return x
-
-
-class Block(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab=1024, seq=128, d=256, heads=4, layers=4):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        nn.init.normal_(self.tok.weight, std=0.02)
-        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos[: idx.shape[1]]
-        for block in self.blocks:
-            x = block(x)
-        return self.ln_f(x) @ self.tok.weight.t()
 
 
 # ---- the same models, in JAX (parameters keyed by the torch names) -----------------------------
