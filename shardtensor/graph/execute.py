@@ -327,7 +327,10 @@ def _device_scalars(vec: np.ndarray, mesh):
     if arr is None:
         if len(_SCALAR_CACHE) > 512:
             _SCALAR_CACHE.clear()
-        arr = _SCALAR_CACHE[key] = jax.device_put(vec, NamedSharding(mesh, JaxSpec()))
+        # not jax.device_put: in a job of several processes it checks (by a collective) that every
+        # process passes the same value, and processes may differ (per-process values, collectives)
+        sharding = NamedSharding(mesh, JaxSpec())
+        arr = _SCALAR_CACHE[key] = jax.make_array_from_callback(vec.shape, sharding, lambda index: vec[index])
     return arr
 
 

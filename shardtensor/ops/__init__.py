@@ -5,6 +5,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     attention,
     barrier,
     bessel,
+    collectives,
     complex,
     conv,
     creation,

@@ -412,6 +412,20 @@ def process_count() -> int:
     return jax.process_count()
 
 
+def devices_by_process() -> list[list]:
+    """Every process's devices, one row per process in process order (each row in device-id order):
+    the grid that collectives across processes run over.
+
+    Example::
+
+        rt.devices_by_process()   # [[CpuDevice(id=0), CpuDevice(id=1)], [CpuDevice(id=2048), ...]]
+    """
+    rows: list[list] = [[] for _ in range(process_count())]
+    for device in _global_devices():
+        rows[device.process_index].append(device)
+    return rows
+
+
 # --------------------------------------------------------------------------- persistent compilation cache
 
 _CACHE = None  # (absolute path, readonly) once initialize_cache ran
