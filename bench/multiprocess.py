@@ -2,8 +2,11 @@
 devices (issue 15): the same model, the same global batch, the same 8-device mesh, only the number of
 processes that drive it changes.
 
-Each layout is one ``st.launch(train, nprocs=n, devices_per_process=8 // n)`` job (the 1 x 8 case too,
-so every layout starts the same way). In each process: a global mesh over all 8 devices of the job,
+Each layout of n processes is one ``st.launch(train, nprocs=n, devices_per_process=8 // n)`` job.
+The 1 x 8 case runs twice: as a plain process (no ``jax.distributed``: what one host runs, and the
+baseline of the ratios), and as a job of one process through ``st.launch``, whose collectives then
+go through gloo as in the multi-process jobs (that row separates gloo's cost from the process
+count's). In each process: a global mesh over all 8 devices of the job,
 one axis ``'fsdp'`` (``st.set_global_mesh``); ``bench/gpt_model.py``'s GPT (seed 0: the same weights
 everywhere) wrapped in ``FSDPv2`` with each block auto-wrapped, as ``bench/fsdp.py`` does; AdamW. The
 process feeds only its own rows of each global batch, through ``st.MpDeviceLoader`` with
@@ -20,7 +23,7 @@ order); the check is printed, and a mismatch makes the exit status 1.
 
 Example::
 
-    .venv/bin/python bench/multiprocess.py                      # d=128, 2 blocks, batch 16, 12 steps
+    .venv/bin/python bench/multiprocess.py                      # d=128, 2 blocks, batch 16, 8 steps
     .venv/bin/python bench/multiprocess.py --d 256 --layers 4 --seq 128 --steps 20
     .venv/bin/python bench/multiprocess.py --layouts 1 2 --compile
 """
@@ -28,7 +31,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import functools
+import multiprocessing
 import os
 import statistics
 import sys
@@ -47,7 +53,7 @@ LOSSES_COMPARED = 3  # the first steps' losses, compared across layouts
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layouts", type=int, nargs="+", default=[1, 2, 4], help="process counts (default 1 2 4)")
-    p.add_argument("--steps", type=int, default=12, help="training steps per layout, warm-up included")
+    p.add_argument("--steps", type=int, default=8, help="training steps per layout, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (compiling)")
     p.add_argument("--batch", type=int, default=16, help="global batch (sequences; divides over 8 devices)")
     p.add_argument("--seq", type=int, default=64, help="tokens per sequence")
@@ -91,6 +97,11 @@ def train(index: int, config: dict) -> dict:
     from shardtensor.fsdp import FSDPv2, transformer_auto_wrap_policy
 
     processes = st.process_count()
+    # gloo prints a line per connection to this process's stdout, between the parent's lines; the
+    # results go back through a pipe and errors to stderr, so nothing else is lost
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
     mesh = st.Mesh(range(DEVICES), (DEVICES,), ("fsdp",))
     st.set_global_mesh(mesh)  # FSDPv2 and the loader's spec use it
 
@@ -133,12 +144,39 @@ def train(index: int, config: dict) -> dict:
 # ---- the launcher and the tables ----------------------------------------------------------------
 
 
-def measure_layout(config: dict, processes: int) -> dict:
-    """One layout's job: per step the slowest process's time, the median after the warm-up, and
-    process 0's losses (the loss is replicated: every process reads the same one)."""
+@contextlib.contextmanager
+def _environment(**values):
+    """os.environ with ``values`` set (a spawned process starts with it), put back afterwards."""
+    saved = dict(os.environ)
+    try:
+        os.environ.update(values)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def run_plain_process(config: dict) -> list[dict]:
+    """``train`` in one spawned process with 8 CPU devices and no jax.distributed (in-process
+    collectives); its report in a list, as st.launch returns them."""
+    context = multiprocessing.get_context("spawn")
+    with (
+        _environment(SHARDTENSOR_CPU_DEVICES=str(DEVICES), SHARDTENSOR_PLATFORM="cpu"),
+        concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool,
+    ):
+        return [pool.submit(train, 0, config).result()]
+
+
+def measure_layout(config: dict, processes: int | None) -> dict:
+    """One layout (``processes=None``: the plain process): per step the slowest process's time, the
+    median after the warm-up, and process 0's losses (the loss is replicated: every process reads the
+    same one)."""
     import shardtensor as st
 
-    reports = st.launch(train, args=(config,), nprocs=processes, devices_per_process=DEVICES // processes)
+    if processes is None:
+        reports, processes = run_plain_process(config), 1
+    else:
+        reports = st.launch(train, args=(config,), nprocs=processes, devices_per_process=DEVICES // processes)
     per_step = [max(r["times"][i] for r in reports) for i in range(config["steps"])]
     for r in reports[1:]:
         if r["losses"] != reports[0]["losses"]:
@@ -159,23 +197,27 @@ def table(title: str, headers: list[str], rows: list[tuple[str, list[str]]]) -> 
     return lines
 
 
-def layout_name(processes: int) -> str:
-    return f"{processes} process{'es' if processes > 1 else ''} x {DEVICES // processes} devices"
+def layout_name(processes: int | None) -> str:
+    if processes is None:
+        return f"1 process x {DEVICES} devices"
+    name = f"{processes} process{'es' if processes > 1 else ''} x {DEVICES // processes} devices"
+    return name + ", st.launch (gloo)" if processes == 1 else name
 
 
-def loss_check(results: dict[int, dict]) -> tuple[bool, list[str]]:
+def loss_check(results: dict[int | None, dict]) -> tuple[bool, list[str]]:
     """Whether the first steps' losses of every layout agree with the first layout's, and the lines
     that say so."""
     base_n = next(iter(results))
     base = results[base_n]["losses"][:LOSSES_COMPARED]
+    width = max(len(layout_name(n)) for n in results)
     ok, lines = True, [f"losses of the first {LOSSES_COMPARED} steps (must agree to {LOSS_RTOL:g} relative):"]
     for n, r in results.items():
         got = r["losses"][:LOSSES_COMPARED]
         worst = max(abs(a - b) / abs(b) for a, b in zip(got, base))
         agrees = worst <= LOSS_RTOL
         ok &= agrees
-        verdict = "" if n == base_n else f"  max rel. diff to {base_n}p {worst:.1e}  {'ok' if agrees else 'DIFFER'}"
-        lines.append(f"  {layout_name(n):<26} {[round(v, 6) for v in got]}{verdict}")
+        verdict = "" if n == base_n else f"  max rel. diff {worst:.1e}  {'ok' if agrees else 'DIFFER'}"
+        lines.append(f"  {layout_name(n):<{width}} {[round(v, 6) for v in got]}{verdict}")
     return ok, lines
 
 
@@ -198,8 +240,10 @@ def main(argv=None) -> int:
         )
 
     wall = time.perf_counter()
-    results = {n: measure_layout(config, n) for n in args.layouts}
-    base = results[args.layouts[0]]
+    # layout 1: the plain process (the baseline), then the same through st.launch
+    layouts: list[int | None] = [m for n in args.layouts for m in ([None, 1] if n == 1 else [n])]
+    results = {n: measure_layout(config, n) for n in layouts}
+    base = results[layouts[0]]
     rows = [
         (
             layout_name(n),
@@ -207,8 +251,9 @@ def main(argv=None) -> int:
         )
         for n, r in results.items()
     ]
-    headers = ["step ms", f"x {args.layouts[0]}p", "first s"]
-    for line in table("== training step: the slowest process per step", headers, rows):
+    headers = ["step ms", "ratio", "first s"]
+    title = f"== training step: the slowest process per step; ratio to {layout_name(layouts[0])}"
+    for line in table(title, headers, rows):
         print(line)
     ok, lines = loss_check(results)
     for line in lines:
