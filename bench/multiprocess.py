@@ -2,24 +2,24 @@
 devices (issue 15): the same model, the same global batch, the same 8-device mesh, only the number of
 processes that drive it changes.
 
-Each layout of n processes is one ``st.launch(train, nprocs=n, devices_per_process=8 // n)`` job.
-The 1 x 8 case runs twice: as a plain process (no ``jax.distributed``: what one host runs, and the
-baseline of the ratios), and as a job of one process through ``st.launch``, whose collectives then
-go through gloo as in the multi-process jobs (that row separates gloo's cost from the process
-count's). In each process: a global mesh over all 8 devices of the job,
-one axis ``'fsdp'`` (``st.set_global_mesh``); ``bench/gpt_model.py``'s GPT (seed 0: the same weights
-everywhere) wrapped in ``FSDPv2`` with each block auto-wrapped, as ``bench/fsdp.py`` does; AdamW. The
-process feeds only its own rows of each global batch, through ``st.MpDeviceLoader`` with
-``ShardingSpec(mesh, ('fsdp', None), minibatch=True)`` (``tests/test_multihost.py``'s way): process
-``p`` of ``n`` loads rows ``p*B/n .. (p+1)*B/n - 1``, which its own devices hold. A step is forward,
-backward, ``opt.step()``, ``st.step()`` and ``loss.item()`` (which waits for the step; with several
-processes a gather over every process), lazy by default, ``--compile`` through ``st.compile``.
+Each layout of n processes is one ``st.launch(train, nprocs=n, devices_per_process=8 // n)`` job. The 1
+x 8 case runs twice: as a plain process (no ``jax.distributed``: what one host runs, and the baseline of
+the ratios), and as a job of one process through ``st.launch``, whose collectives then go through gloo
+as in the multi-process jobs (that row separates gloo's cost from the process count's). In each process:
+a global mesh over all 8 devices of the job, one axis ``'fsdp'`` (``st.set_global_mesh``);
+``bench/gpt_model.py``'s GPT (seed 0: the same weights everywhere) wrapped in ``FSDPv2`` with each block
+auto-wrapped, as ``bench/fsdp.py`` does; AdamW. The process feeds only its own rows of each global
+batch, through ``st.MpDeviceLoader`` with ``ShardingSpec(mesh, ('fsdp', None), minibatch=True)``
+(``tests/test_multihost.py``'s way): process ``p`` of ``n`` loads rows ``p*B/n .. (p+1)*B/n - 1``, which
+its own devices hold. A step is forward, backward, ``opt.step()``, ``st.step()`` and ``loss.item()``
+(which waits for the step; with several processes a gather over every process), lazy by default,
+``--compile`` through ``st.compile``.
 
 A step's time is from the end of the previous step to the end of this one (so it includes waiting for
 the loader's next batch); per step the slowest process's time counts, and the table shows the median
-over the steps after ``--warmup``, its ratio to 1 x 8, and the first step (trace + compile + run). The
-losses of the first steps must agree across layouts (relative 1e-4: the collectives may add in another
-order); the check is printed, and a mismatch makes the exit status 1.
+over the steps after ``--warmup``, its ratio to the plain process, and the first step (trace + compile +
+run). The losses of the first steps must agree across layouts (relative 1e-4: the collectives may add in
+another order); the check is printed, and a mismatch makes the exit status 1.
 
 Example::
 
