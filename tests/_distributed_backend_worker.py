@@ -3,6 +3,8 @@ with the "shardtensor" backend — every collective on device tensors whose valu
 CPU tensors through gloo in the same group, the errors, functional collectives in one lazy program,
 and DDP training. Returns CPU tensors and error texts; the test checks them against the definitions."""
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -77,10 +79,19 @@ def _collectives(rank: int, world: int, out: dict) -> None:
     dist.all_to_all(received, [_dev(x + 100 * i) for i in range(world)])
     out["all_to_all"] = received
     a, b = _dev(torch.zeros(4 * world, 2)), _dev(torch.zeros(4 * world, 2))
+    c, d, e = _dev(torch.zeros(4 // world, 2)), _dev(x), _dev(x * 2)
     with dist._coalescing_manager():
         dist.all_gather_single(a, _dev(x))
         dist.all_gather_single(b, _dev(x * 3))
-    out["coalesced"] = [a, b]
+    with dist._coalescing_manager():
+        dist.reduce_scatter_single(c, _dev(x))
+    with dist._coalescing_manager():
+        dist.all_reduce(d)
+        dist.all_reduce(e)
+    out["coalesced"] = [a, b, c, d, e]
+    t = _dev(x)
+    dist.reduce(t, dst=0, op=dist.ReduceOp.MIN)
+    out["reduce_min"] = t  # kept (and read) on every process: each must run the same program
     st.sync()  # every collective above in one program
     dist.barrier()
     # another group of every process (torch sorts its ranks: group rank i is process i)
@@ -146,6 +157,7 @@ def work(index: int) -> dict:
     dist.init_process_group("shardtensor")
     rank, world = dist.get_rank(), dist.get_world_size()
     out = {"rank": rank, "world": world, "backend": dist.get_backend()}
+    out["env"] = {k: os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     results: dict = {}
     _collectives(rank, world, results)
     out |= {k: [t.cpu() for t in v] if isinstance(v, list) else v.cpu() for k, v in results.items()}

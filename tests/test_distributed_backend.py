@@ -27,6 +27,9 @@ def _reduced(reduce):
 
 def test_the_group_is_the_jobs_processes(job):
     assert [(r["rank"], r["world"], r["backend"]) for r in job] == [(0, 2, "shardtensor"), (1, 2, "shardtensor")]
+    # st.launch sets torchrun's variables (env:// needs them)
+    for index, r in enumerate(job):
+        assert r["env"] == {"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": "2"}
 
 
 def test_all_reduce_with_every_reduce_op(job):
@@ -64,8 +67,13 @@ def test_the_other_collectives_follow_their_definitions(job):
             torch.testing.assert_close(got, values[j] + 100 * rank)
         torch.testing.assert_close(r["coalesced"][0], torch.cat(values))
         torch.testing.assert_close(r["coalesced"][1], torch.cat(values) * 3)
+        torch.testing.assert_close(r["coalesced"][2], total.chunk(WORLD)[rank])
+        torch.testing.assert_close(r["coalesced"][3], total)
+        torch.testing.assert_close(r["coalesced"][4], total * 2)
         # all_to_all_single: part j of process i's input becomes part i of process j's output
         torch.testing.assert_close(r["all_to_all_single"], torch.cat([v.chunk(WORLD)[rank] for v in values]))
+
+    torch.testing.assert_close(job[0]["reduce_min"], torch.stack(values).amin(0))  # reduce: at dst
 
 
 def test_cpu_tensors_go_through_gloo_in_the_same_group(job):
