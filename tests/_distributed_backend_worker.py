@@ -93,7 +93,8 @@ def _collectives(rank: int, world: int, out: dict) -> None:
     dist.reduce(t, dst=0, op=dist.ReduceOp.MIN)
     out["reduce_min"] = t  # kept (and read) on every process: each must run the same program
     st.sync()  # every collective above in one program
-    dist.barrier()
+    dist.barrier()  # gloo, on a CPU tensor
+    dist.barrier(device_ids=[0])  # on a device tensor: a program of its own
     # another group of every process (torch sorts its ranks: group rank i is process i)
     everyone = dist.new_group([1, 0])
     t = _dev(x)

@@ -156,6 +156,10 @@ def test_collectives_in_a_world_of_one_in_compiled_functions(world_of_one):
 
     torch.testing.assert_close(st.compile(step)(x.to(st.device())).cpu(), x + 1)
     torch.testing.assert_close(torch.compile(step, backend="shardtensor")(x.to(st.device())).cpu(), x + 1)
+    # the autograd forms (tensor parallelism's) record their backward
+    w = x.to(st.device()).requires_grad_()
+    (funcol.all_gather_single_autograd(w * 2, 0, world_of_one) * w.detach()).sum().backward()
+    torch.testing.assert_close(w.grad.cpu(), x * 2)
     t = x.to(st.device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     torch.testing.assert_close(t.cpu(), x)
