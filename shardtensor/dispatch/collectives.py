@@ -11,9 +11,10 @@ of the step's one program, and the ``Work`` an ``async_op=True`` call returns is
 value of a tensor is what ``.cpu()`` reads there.
 
 Each process runs the same program, so a collective has every process take part: the world group,
-or any group holding every process (in any order) works; a group of some of the processes does not
-(a clear ``NotImplementedError``), nor do point-to-point ``send``/``recv`` (use
-``st.collective_permute``, which every process calls).
+or any group holding every process works; a group of some of the processes does not (a clear
+``NotImplementedError``), nor do point-to-point ``send``/``recv`` (use
+``torch.ops.shardtensor.collective_permute``, which every process calls), nor ``gather``/``scatter``
+(only the root passes its list).
 
 Example::
 
