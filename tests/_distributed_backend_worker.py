@@ -12,6 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 import shardtensor as st
 
+WORLD = 2
+
 
 def value(rank: int) -> torch.Tensor:
     """This rank's value of the tensor the collectives combine: (4, 2), different on every rank."""
@@ -133,7 +135,18 @@ def _functional_in_one_program(rank: int, out: dict) -> None:
     c = funcol.reduce_scatter_single(b, "avg", 0, group)
     d = funcol.all_to_all_single(c, None, None, group)
     e = funcol.broadcast(d, 1, group)
+    # the raw ops (in place, coalesced), by group name
+    fc, name = torch.ops._c10d_functional, group.group_name
+    f = x + 0
+    fc.wait_tensor(fc.all_reduce_(f, "max", name))
+    g = x * 3
+    fc.wait_tensor(fc.broadcast_(g, 1, name))
+    coalesced = fc.all_reduce_coalesced([x, x * 2], "min", name)
+    coalesced += fc.all_reduce_coalesced_([x + 1], "sum", name)
+    coalesced += fc.all_gather_into_tensor_coalesced([x, x * 2], WORLD, name)
+    coalesced += fc.reduce_scatter_tensor_coalesced([x, x * 2], "sum", WORLD, name)
     out["functional"] = (e - 1).cpu()
+    out["functional_raw"] = [t.cpu() for t in (f, g, *map(fc.wait_tensor, coalesced))]
     out["functional_programs"] = st.counter_value("ExecuteReplicated")
 
 

@@ -99,6 +99,13 @@ def test_functional_collectives_stay_in_the_steps_one_program(job):
         # all_reduce -> all_gather -> reduce_scatter(avg) -> all_to_all -> broadcast(1): see the worker
         torch.testing.assert_close(r["functional"], torch.cat([a[2:4], a[2:4]]))
         assert r["functional_programs"] == 1
+    values = [value(i) for i in range(WORLD)]
+    stacked, total = torch.stack(values), sum(values)
+    for rank, r in enumerate(job):
+        want = [stacked.amax(0), values[1] * 3, stacked.amin(0), stacked.amin(0) * 2, total + 2]
+        want += [torch.cat(values), torch.cat(values) * 2, total.chunk(WORLD)[rank], (total * 2).chunk(WORLD)[rank]]
+        for i, (got, expected) in enumerate(zip(r["functional_raw"], want, strict=True)):
+            torch.testing.assert_close(got, expected, msg=str(i))
 
 
 def test_ddp_trains_like_eager_torch_on_the_whole_batch(job):
