@@ -5,7 +5,7 @@ devices "cpu" and "shardtensor"; nothing else of torch.distributed changes. A gr
 has one rank per process of the job (rank ``st.process_index()``, world size ``st.process_count()``):
 
 * device tensors (``st.device()``): torch.distributed's collectives on them are recorded as
-  shardtensor collectives (``shardtensor/dispatch/collectives.py``) before any backend sees them;
+  shardtensor collectives (``shardtensor/dispatch/c10d_ops.py``) before any backend sees them;
 * CPU tensors: gloo, which this backend creates from the same store.
 
 Start the processes with `st.launch` (which sets torchrun's variables) or torchrun; the default
