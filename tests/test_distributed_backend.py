@@ -140,14 +140,6 @@ def world_of_one():
     dist.destroy_process_group()
 
 
-def test_registering_the_backend_adds_its_name_only():
-    assert "shardtensor" in dist.Backend.backend_list
-    assert dist.Backend.backend_capability["shardtensor"] == ["cpu", "shardtensor"]
-    # torch's own choices stay: gloo for CPU tensors, nccl for CUDA
-    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
-    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
-
-
 def test_a_rank_that_is_not_the_process_is_refused():
     with pytest.raises(RuntimeError, match=r"rank 1 of world size 2, but this process is process 0 of 1"):
         dist.init_process_group("shardtensor", store=dist.HashStore(), rank=1, world_size=2)
