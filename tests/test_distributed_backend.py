@@ -10,29 +10,21 @@ import torch.distributed._functional_collectives as funcol
 from torch.nn.parallel import DistributedDataParallel
 
 import shardtensor as st
-from _distributed_backend_worker import int_value, model_and_batch, value, work
-
-WORLD = 2
-
-
-@pytest.fixture(scope="module")
-def job():
-    """Each process's report of one job of 2 processes."""
-    return st.launch(work, nprocs=WORLD, devices_per_process=2)
+from _distributed_backend_worker import WORLD, int_value, model_and_batch, value, work
 
 
 def _reduced(reduce):
     return reduce(torch.stack([value(r) for r in range(WORLD)]))
 
 
-def test_the_group_is_the_jobs_processes(job):
+def _check_the_group_is_the_jobs_processes(job):
     assert [(r["rank"], r["world"], r["backend"]) for r in job] == [(0, 2, "shardtensor"), (1, 2, "shardtensor")]
     # st.launch sets torchrun's variables (env:// needs them)
     for index, r in enumerate(job):
         assert r["env"] == {"RANK": str(index), "WORLD_SIZE": "2", "LOCAL_RANK": str(index), "LOCAL_WORLD_SIZE": "2"}
 
 
-def test_all_reduce_with_every_reduce_op(job):
+def _check_all_reduce_with_every_reduce_op(job):
     ints = torch.stack([int_value(r) for r in range(WORLD)])
     expected = {
         "SUM": _reduced(lambda s: s.sum(0)),
@@ -50,7 +42,7 @@ def test_all_reduce_with_every_reduce_op(job):
         torch.testing.assert_close(r["async"], expected["SUM"])  # async_op=True: wait() works
 
 
-def test_the_other_collectives_follow_their_definitions(job):
+def _check_the_other_collectives_follow_their_definitions(job):
     values = [value(r) for r in range(WORLD)]
     total = sum(values)
     for rank, r in enumerate(job):
@@ -76,14 +68,14 @@ def test_the_other_collectives_follow_their_definitions(job):
     torch.testing.assert_close(job[0]["reduce_min"], torch.stack(values).amin(0))  # reduce: at dst
 
 
-def test_cpu_tensors_go_through_gloo_in_the_same_group(job):
+def _check_cpu_tensors_go_through_gloo_in_the_same_group(job):
     for r in job:
         torch.testing.assert_close(r["cpu_all_reduce"], sum(value(i) for i in range(WORLD)))
         for got, want in zip(r["cpu_all_gather"], [value(i) for i in range(WORLD)], strict=True):
             torch.testing.assert_close(got, want)
 
 
-def test_what_the_program_cannot_express_raises_clearly(job):
+def _check_what_the_program_cannot_express_raises_clearly(job):
     for r in job:
         for key in ("send_error", "recv_error"):
             assert r[key].startswith("NotImplementedError") and "collective_permute" in r[key], r[key]
@@ -93,7 +85,7 @@ def test_what_the_program_cannot_express_raises_clearly(job):
     assert "ranks [0], which is not every one of the 2 processes" in error and "same program" in error, error
 
 
-def test_functional_collectives_stay_in_the_steps_one_program(job):
+def _check_functional_collectives_stay_in_the_steps_one_program(job):
     a = 2 * sum(value(i) for i in range(WORLD))
     for r in job:
         # all_reduce -> all_gather -> reduce_scatter(avg) -> all_to_all -> broadcast(1): see the worker
@@ -108,7 +100,7 @@ def test_functional_collectives_stay_in_the_steps_one_program(job):
             torch.testing.assert_close(got, expected, msg=str(i))
 
 
-def test_ddp_trains_like_eager_torch_on_the_whole_batch(job):
+def _check_ddp_trains_like_eager_torch_on_the_whole_batch(job):
     model, batches = model_and_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.5)
     rows = 8 // WORLD
@@ -128,6 +120,18 @@ def test_ddp_trains_like_eager_torch_on_the_whole_batch(job):
         torch.testing.assert_close(r["ddp_losses"], torch.stack([step[rank] for step in losses]).detach())
         for name, want in model.state_dict().items():
             torch.testing.assert_close(r["ddp_params"][name], want, msg=name)
+
+
+def test_one_job_of_two_processes():
+    """One job (several tests would each start one under xdist): every check on its reports."""
+    job = st.launch(work, nprocs=WORLD, devices_per_process=2)
+    _check_the_group_is_the_jobs_processes(job)
+    _check_all_reduce_with_every_reduce_op(job)
+    _check_the_other_collectives_follow_their_definitions(job)
+    _check_cpu_tensors_go_through_gloo_in_the_same_group(job)
+    _check_what_the_program_cannot_express_raises_clearly(job)
+    _check_functional_collectives_stay_in_the_steps_one_program(job)
+    _check_ddp_trains_like_eager_torch_on_the_whole_batch(job)
 
 
 # --------------------------------------------------------------------------- one process
