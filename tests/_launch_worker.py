@@ -3,7 +3,8 @@
 Through `st.launch` (imported by module name in each spawned process): `sharded_rows` (with
 `st.rendezvous` / `st.mesh_reduce`), `raise_in_1`,
 `kill_0`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
-joins the job): writes what process RANK saw to ``$REPORT_DIR/RANK.json``.
+joins the job; ``dist.init_process_group("shardtensor")`` too): writes what process RANK saw to
+``$REPORT_DIR/RANK.json``.
 """
 
 import json
@@ -73,6 +74,17 @@ def kill_0(index):
     return "not reached"
 
 
+def _all_reduce_through_torch_distributed() -> list:
+    """torch.distributed's group of the job (env://, torchrun's variables): the sum of rank + 1."""
+    import torch.distributed as dist
+
+    dist.init_process_group("shardtensor")
+    x = torch.full((2,), dist.get_rank() + 1.0).to(st.device())
+    dist.all_reduce(x)
+    dist.destroy_process_group()
+    return x.tolist()
+
+
 if __name__ == "__main__":  # under torchrun
     out = _matmul_over_every_process()
     report = {
@@ -81,6 +93,7 @@ if __name__ == "__main__":  # under torchrun
         "process_count": st.process_count(),
         "devices": st.global_runtime_device_count(),
         "result": out.tolist(),
+        "all_reduce": _all_reduce_through_torch_distributed(),
     }
     with open(os.path.join(os.environ["REPORT_DIR"], f"{os.environ['RANK']}.json"), "w") as f:
         json.dump(report, f)

@@ -3,6 +3,7 @@ registered accelerator for something (pinned memory, streams) keep working on CP
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -36,6 +37,15 @@ def test_distributed_checkpoint_of_a_plain_state_dict(tmp_path):
     dcp.load(restored, checkpoint_id=tmp_path)
     for name, value in model.state_dict().items():
         assert torch.equal(restored[name], value), name
+
+
+def test_the_torch_distributed_backend_adds_its_name_only():
+    """Importing shardtensor registers the backend "shardtensor" (``init_process_group("shardtensor")``)."""
+    assert "shardtensor" in dist.Backend.backend_list
+    assert dist.Backend.backend_capability["shardtensor"] == ["cpu", "shardtensor"]
+    # torch's own choices stay: gloo for CPU tensors, nccl for CUDA
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
+    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
 
 
 def test_streams_follow_torch_device_module_conventions():

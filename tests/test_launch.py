@@ -125,6 +125,7 @@ def test_torchrun_with_auto_distributed(tmp_path):
     for r in reports:
         assert (r["process_index"], r["process_count"], r["devices"]) == (r["rank"], 2, 4)
         torch.testing.assert_close(torch.tensor(r["result"]), _expected())
+        assert r["all_reduce"] == [3.0, 3.0]  # torch.distributed's group of the job: 1 + 2
 
 
 def _join_script(call: str) -> list[str]:

@@ -28,7 +28,13 @@ import shardtensor.runtime as rt
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 # Not passed on: the parent's job (torchrun's, a launch around this one) is not the children's.
-_NOT_INHERITED = (rt.AUTO_DISTRIBUTED_ENV, rt.COORDINATOR_PORT_ENV, "JAX_COORDINATOR_ADDRESS", "JAX_LOCAL_DEVICE_IDS")
+_NOT_INHERITED = (
+    rt.AUTO_DISTRIBUTED_ENV,
+    rt.COORDINATOR_PORT_ENV,
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_LOCAL_DEVICE_IDS",
+    "TORCHELASTIC_USE_AGENT_STORE",  # under torchrun: env:// would join the agent's store, not the children's
+)
 
 
 class LaunchError(RuntimeError):
@@ -67,12 +73,20 @@ def _cpu_devices_per_process(nprocs: int, devices_per_process: int | None) -> in
 
 
 @contextlib.contextmanager
-def _child_environment(cpu_devices: int):
-    """os.environ as the children start with it (a spawned child inherits it), put back afterwards."""
+def _child_environment(cpu_devices: int, nprocs: int, store_port: int):
+    """os.environ as the children start with it (a spawned child inherits it), put back afterwards:
+    torchrun's variables too (RANK and LOCAL_RANK are set per child), so that
+    ``dist.init_process_group("shardtensor")`` (env://) works as under torchrun."""
     saved = dict(os.environ)
     try:
         for name in _NOT_INHERITED:
             os.environ.pop(name, None)
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(store_port),
+            WORLD_SIZE=str(nprocs),
+            LOCAL_WORLD_SIZE=str(nprocs),
+        )
         os.environ[rt.CPU_DEVICES_ENV] = str(cpu_devices)
         flags = re.sub(_DEVICE_COUNT_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={cpu_devices}"])
@@ -145,7 +159,9 @@ def launch(
 
     Each process joins the job (`shardtensor.runtime.initialize_distributed`, on a free local port)
     before ``fn`` runs, so ``fn`` sees ``st.process_count() == nprocs`` and every process's devices
-    (a ``Mesh`` over ``range(global_runtime_device_count())`` spans them all). ``fn`` and ``args``
+    (a ``Mesh`` over ``range(global_runtime_device_count())`` spans them all), and torchrun's variables
+    (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``) are
+    set, so ``torch.distributed.init_process_group("shardtensor")`` works there. ``fn`` and ``args``
     are pickled (``fn`` must be importable: a module-level function), and so are the return values.
 
     Devices: ``nprocs=None`` is one process (shardtensor is SPMD: one process drives all devices of
@@ -190,10 +206,12 @@ def launch(
     # process 0 included (hosted there, its death would abort the others).
     service = rt.start_coordination_service(port, nprocs)
     address = f"127.0.0.1:{port}"
+    store_port = _free_port()  # torch.distributed's store (MASTER_PORT), taken while JAX's service listens
     processes, connections = [], []
     try:
-        with _child_environment(cpu_devices):
+        with _child_environment(cpu_devices, nprocs, store_port):
             for index in range(nprocs):
+                os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(index)
                 receiver, sender = context.Pipe(duplex=False)
                 local_ids = list(range(index * gpus, (index + 1) * gpus))
                 process = context.Process(
