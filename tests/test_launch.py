@@ -17,6 +17,7 @@ import torch
 import shardtensor as st
 import shardtensor.runtime as rt
 from _launch_worker import _global_inputs, kill_0, raise_in_1, sharded_rows
+from shardtensor.runtime import service_process
 
 HERE = pathlib.Path(__file__).parent
 
@@ -168,6 +169,25 @@ def test_torchrun_rank_0_killed_the_survivor_raises_and_exits(tmp_path):
     assert (tmp_path / "1.left").exists(), done.stderr[-3000:]
     assert "rank      : 1" not in done.stderr, done.stderr[-3000:]  # torchrun saw it end well
     assert _gone(port + 1)
+
+
+def test_process_0s_service_process_lets_the_live_processes_leave_together_and_ends_after_the_last():
+    # a port in use: a clear error at once
+    taken = service_process._watch_socket("[::]:0")
+    options = {"heartbeat_timeout": 10, "recoverable": True}
+    with taken, pytest.raises(RuntimeError, match="could not start JAX's coordination service on .*Choose another"):
+        service_process.ServiceProcess.start(f"[::]:{taken.getsockname()[1]}", 2, options, linger=60)
+    service = service_process.ServiceProcess.start("[::]:0", 3, options, linger=60)
+    first, second, third = (service_process.connect_watcher("127.0.0.1", service.watch_address(), i) for i in range(3))
+    stranger = socket.create_connection(("127.0.0.1", service.port))
+    stranger.sendall(b"not-the-token 1\n")
+    assert not service_process.wait_to_leave(first, 0.5)  # the others are not leaving yet: it waits, times out
+    third.close()  # a process that dies is not waited for
+    assert service_process.wait_to_leave(second, 60) and service_process.wait_to_leave(first, 60)
+    first.close()
+    second.close()
+    assert service.process.wait(timeout=60) == 0  # ended by itself, with the last process (a stranger aside)
+    stranger.close()
 
 
 def _join_script(call: str) -> list[str]:

@@ -297,8 +297,12 @@ def initialize_distributed(
     processes per host each gets the GPU of its ``LOCAL_RANK``. Importing shardtensor with
     ``SHARDTENSOR_AUTO_DISTRIBUTED=1`` calls it so.
 
-    ``hosted_elsewhere=True``: no process of the job hosts JAX's coordination service, another one
-    does (`start_coordination_service`; `launch`'s parent); by default process 0 hosts it.
+    JAX's coordination service: by default process 0 starts it in a small process of its own
+    (``shardtensor/runtime/service_process.py``, ~0.25 s, in its own session: torchrun's stop and a
+    Ctrl-C do not reach it), which every process keeps a connection to and which ends by itself
+    once every process of the job ended, normally or not (a process that never connected is
+    waited for ``initialization_timeout`` + 10 s). ``hosted_elsewhere=True``: process 0 starts none,
+    another process hosts it (`start_coordination_service`; `launch`'s parent).
 
     Joining waits up to ``initialization_timeout`` seconds (default ``SHARDTENSOR_INIT_TIMEOUT``, or
     60) for the coordinator and every process, then raises ``TimeoutError`` (jaxlib adds a fixed
@@ -309,13 +313,15 @@ def initialize_distributed(
     (JAX alone ends the processes by SIGABRT after 300 s in the first case; in the second it runs
     on the processes its coordinator counted and hangs at exit.)
 
-    A process that dies does not take the others with it (JAX's recoverable tasks), except the one
-    hosting the coordination service, process 0 by default: JAX's client then ends the others at
-    once (SIGABRT, "std::bad_cast"), which this jax gives no way to catch (docs/multiprocess.md).
-    Otherwise a survivor's next collective raises (on CPU "Gloo ... failed": at once when gloo sees the
-    connection close, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600).
-    At exit the processes wait for each other (up to that time), leaving out one whose heartbeats
-    JAX has missed for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds (default 30).
+    A process that dies, process 0 included, does not take the others with it (JAX's recoverable
+    tasks; the service outside process 0): a survivor's next collective raises a Python exception
+    (on CPU "Gloo ... failed": at once when gloo sees the connection close, measured 0.1-0.3 s after
+    a SIGKILL, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600), and the
+    survivor can exit normally. Only the death of the service's process itself (killed by hand, or
+    `launch`'s parent) still ends the others by SIGABRT ("std::bad_cast"; docs/multiprocess.md).
+    At exit the processes wait for each other (up to that time), leaving out a dead one at once
+    (its connection to the service process closed; with the service hosted elsewhere, once JAX
+    missed its heartbeats for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds, default 30).
 
     Example::
 

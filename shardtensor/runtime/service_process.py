@@ -98,26 +98,28 @@ def connect_watcher(host: str, watch_address: str, process_id: int) -> socket.so
     return watcher
 
 
-def wait_to_leave(watcher: socket.socket, seconds: float) -> None:
+def wait_to_leave(watcher: socket.socket, seconds: float) -> bool:
     """At exit: say so to the service process, and wait until every live process of the job said so
-    too (a process that ended is not waited for), or ``seconds`` passed.
+    too (a process that ended is not waited for). False when ``seconds`` passed first, or the
+    service process is gone.
 
     Example::
 
-        wait_to_leave(watcher, 600)
+        wait_to_leave(watcher, 600)   # True
     """
     deadline = time.monotonic() + seconds
     heard = b""
     try:
         watcher.sendall(b"leaving\n")
-        while b"go\n" not in heard and time.monotonic() < deadline:
+        while b"go\n" not in heard:
             watcher.settimeout(max(0.001, deadline - time.monotonic()))
             chunk = watcher.recv(64)
             if not chunk:
-                return  # the service process ended: nobody left to wait for
+                return False
             heard += chunk
-    except OSError:  # timed out, or the service process is gone
-        return
+    except OSError:  # timed out (socket.timeout is an OSError), or the service process is gone
+        return False
+    return True
 
 
 def _watch_socket(bind_address: str) -> socket.socket:
@@ -142,10 +144,12 @@ class _Connection:
 
     def __init__(self, sock: socket.socket):
         self.socket, self.heard, self.process_id, self.leaving = sock, b"", None, False
+        self.lines_read = 0
 
     def lines(self, data: bytes) -> list[str]:
         self.heard += data
         *complete, self.heard = self.heard.split(b"\n")
+        self.lines_read += len(complete)
         return [line.decode(errors="replace") for line in complete]
 
 
@@ -159,7 +163,9 @@ def _serve(num_processes: int, linger: float, watch: socket.socket, token: str) 
     quiet_since = time.monotonic()  # when the last watch connection closed (or the start)
 
     def release() -> None:
-        if watchers and all(w.leaving for w in watchers):
+        # every process connected before any could leave (they connect before the barrier that
+        # ends joining), but their first words may not have been read yet
+        if len(came) == num_processes and watchers and all(w.leaving for w in watchers):
             for w in watchers:
                 with contextlib.suppress(OSError):
                     w.socket.sendall(b"go\n")
@@ -191,13 +197,15 @@ def _serve(num_processes: int, linger: float, watch: socket.socket, token: str) 
                     connection.process_id = int(said[1])
                     watchers.append(connection)
                     came.add(connection.process_id)
+                    release()
                 elif connection.process_id is not None and line == "leaving":
                     connection.leaving = True
                     release()
                 elif connection.process_id is None:  # a stranger on the port
-                    selector.unregister(connection.socket)
-                    connection.socket.close()
                     break
+            if connection.process_id is None and (connection.lines_read or len(connection.heard) > 256):
+                selector.unregister(connection.socket)  # a stranger: it said something else first
+                connection.socket.close()
 
 
 def main(argv: list[str]) -> int:
