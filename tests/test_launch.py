@@ -131,7 +131,7 @@ def _service_processes(port: int) -> list[int]:
             command = (entry / "cmdline").read_bytes().decode(errors="replace")
         except OSError:  # not a process, or it ended meanwhile
             continue
-        if "service_process.py" in command and f":{port}" in command:
+        if "service_process.py" in command and f':{port}"' in command:  # in its arguments: "[::]:port"
             found.append(int(entry.name))
     return found
 

@@ -138,9 +138,9 @@ def _leave(state) -> None:
     others when a process dies) JAX's preemption sync manager waits at a barrier of every process,
     a dead one included, for minutes, and its shutdown waits for that; leaving the job cancels the
     barrier."""
-    if state.client is not None:
-        state.client.shutdown()
-        state.client = None
+    client, state.client = state.client, None  # forgotten even if leaving fails
+    if client is not None:
+        client.shutdown()
     jax.distributed.shutdown()  # the preemption sync manager
 
 
@@ -315,7 +315,7 @@ def initialize_distributed(
 
     A process that dies, process 0 included, does not take the others with it (JAX's recoverable
     tasks; the service outside process 0): a survivor's next collective raises a Python exception
-    (on CPU "Gloo ... failed": at once when gloo sees the connection close, measured 0.1-0.3 s after
+    (on CPU "Gloo ... failed": at once when gloo sees the connection close, measured 0.04-0.3 s after
     a SIGKILL, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600), and the
     survivor can exit normally. Only the death of the service's process itself (killed by hand, or
     `launch`'s parent) still ends the others by SIGABRT ("std::bad_cast"; docs/multiprocess.md).
