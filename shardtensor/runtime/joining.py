@@ -190,7 +190,7 @@ def _forget_failed_join(state) -> None:
 
 def _watch_service(client, coordinator_address: str, process_id: int, seconds: int) -> None:
     """Connect to process 0's service process (process 0 says where), so that it knows when this
-    process ends: it outlives every process of the job, and tells the others who ended."""
+    process ends: it outlives every process of the job, and at exit does not wait for a dead one."""
     global _watcher
     if process_id == 0:
         where = "" if _service_process is None else _service_process.watch_address()
