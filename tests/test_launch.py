@@ -1,7 +1,8 @@
 """Starting a multi-process job: `st.launch` (results, host values through `st.rendezvous` and
 `st.mesh_reduce`, a process that raises, a process killed) and torchrun with
-``SHARDTENSOR_AUTO_DISTRIBUTED=1``; each job runs a computation sharded over every process's devices,
-compared with eager torch."""
+``SHARDTENSOR_AUTO_DISTRIBUTED=1`` (a job, and one whose rank 0 is killed); each job runs a computation
+sharded over every process's devices, compared with eager torch. Also: process 0's coordination service
+process (it ends after the job), and a job that cannot form."""
 
 import json
 import os
