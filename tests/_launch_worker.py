@@ -4,16 +4,29 @@ Through `st.launch` (imported by module name in each spawned process): `sharded_
 `st.rendezvous` / `st.mesh_reduce`), `raise_in_1`,
 `kill_0`. As a script under torchrun (``SHARDTENSOR_AUTO_DISTRIBUTED=1``, so importing shardtensor
 joins the job; ``dist.init_process_group("shardtensor")`` too): writes what process RANK saw to
-``$REPORT_DIR/RANK.json``.
+``$REPORT_DIR/RANK.json``; with ``KILL_RANK_0=1``, rank 0 is SIGKILLed after a first collective and
+rank 1 writes what its next collectives raised, and ``$REPORT_DIR/RANK.left`` once it got through its
+exit (its last exit hook: no abort on the way out).
 """
 
+import atexit
 import json
 import os
+import pathlib
 import signal
+import time
 
-import torch
 
-import shardtensor as st
+def _mark_left():
+    (pathlib.Path(os.environ["REPORT_DIR"]) / f"{os.environ['RANK']}.left").write_text(str(time.time()))
+
+
+if __name__ == "__main__" and os.environ.get("KILL_RANK_0"):
+    atexit.register(_mark_left)  # before shardtensor joins the job: it runs after its and JAX's exit hooks
+
+import torch  # noqa: E402
+
+import shardtensor as st  # noqa: E402
 
 
 def _global_inputs():
@@ -85,7 +98,27 @@ def _all_reduce_through_torch_distributed() -> list:
     return x.tolist()
 
 
-if __name__ == "__main__":  # under torchrun
+def _kill_rank_0_under_torchrun():
+    """Rank 0 dies after a first collective; rank 1 reports the exception its next collective raises
+    (and the times, for the record)."""
+    _matmul_over_every_process()
+    rank = int(os.environ["RANK"])
+    report = pathlib.Path(os.environ["REPORT_DIR"]) / f"{rank}.json"
+    if rank == 0:
+        report.write_text(json.dumps({"killed_at": time.time()}))
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(1000):
+            _matmul_over_every_process()
+        raised = None
+    except Exception as e:  # noqa: BLE001 — what the survivor saw is the report
+        raised = f"{type(e).__name__}: {e}"
+    report.write_text(json.dumps({"raised": raised, "raised_at": time.time()}))
+
+
+if __name__ == "__main__" and os.environ.get("KILL_RANK_0"):
+    _kill_rank_0_under_torchrun()
+elif __name__ == "__main__":  # under torchrun
     out = _matmul_over_every_process()
     report = {
         "rank": int(os.environ["RANK"]),

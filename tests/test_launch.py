@@ -1,7 +1,8 @@
 """Starting a multi-process job: `st.launch` (results, host values through `st.rendezvous` and
 `st.mesh_reduce`, a process that raises, a process killed) and torchrun with
-``SHARDTENSOR_AUTO_DISTRIBUTED=1``; each job runs a computation sharded over every process's devices,
-compared with eager torch."""
+``SHARDTENSOR_AUTO_DISTRIBUTED=1`` (a job, and one whose rank 0 is killed); each job runs a computation
+sharded over every process's devices, compared with eager torch. Also: process 0's coordination service
+process (it ends after the job), and a job that cannot form."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +18,7 @@ import torch
 import shardtensor as st
 import shardtensor.runtime as rt
 from _launch_worker import _global_inputs, kill_0, raise_in_1, sharded_rows
+from shardtensor.runtime import service_process
 
 HERE = pathlib.Path(__file__).parent
 
@@ -104,21 +107,48 @@ def _two_free_ports() -> int:
     raise RuntimeError("no two consecutive free ports")
 
 
-def test_torchrun_with_auto_distributed(tmp_path):
+def _torchrun(report_dir, port: int, **env_vars) -> subprocess.CompletedProcess:
+    """tests/_launch_worker.py under ``torchrun --nproc-per-node 2 --master-port port`` (joining at
+    import), reporting to report_dir."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
     env.update(
-        SHARDTENSOR_CPU_DEVICES="2",
         SHARDTENSOR_PLATFORM="cpu",
         SHARDTENSOR_AUTO_DISTRIBUTED="1",
         XLA_FLAGS=os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", ""),
         PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]),
-        REPORT_DIR=str(tmp_path),
+        REPORT_DIR=str(report_dir),
+        **env_vars,
     )
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1"]
-    command += ["--master-addr", "127.0.0.1", "--master-port", str(_two_free_ports())]
-    done = subprocess.run(
-        command + [str(HERE / "_launch_worker.py")], env=env, capture_output=True, text=True, timeout=300
-    )
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(port), str(HERE / "_launch_worker.py")]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _service_processes(port: int) -> list[int]:
+    """The pids of live processes hosting a coordination service on port (process 0's service process)."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:  # not a process, or it ended meanwhile
+            continue
+        if "service_process.py" in command and f':{port}"' in command:  # in its arguments: "[::]:port"
+            found.append(int(entry.name))
+    return found
+
+
+def _gone(port: int) -> bool:
+    """Whether process 0's service process on port has ended, given a few seconds to do so."""
+    for _ in range(50):
+        if not _service_processes(port):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_torchrun_with_auto_distributed(tmp_path):
+    port = _two_free_ports()
+    done = _torchrun(tmp_path, port, SHARDTENSOR_CPU_DEVICES="2")
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
     assert [r["rank"] for r in reports] == [0, 1]
@@ -126,6 +156,40 @@ def test_torchrun_with_auto_distributed(tmp_path):
         assert (r["process_index"], r["process_count"], r["devices"]) == (r["rank"], 2, 4)
         torch.testing.assert_close(torch.tensor(r["result"]), _expected())
         assert r["all_reduce"] == [3.0, 3.0]  # torch.distributed's group of the job: 1 + 2
+    assert _gone(port + 1)  # the job over, process 0's service process ended by itself
+
+
+def test_torchrun_rank_0_killed_the_survivor_raises_and_exits(tmp_path):
+    # rank 0, which starts the coordination service (in a process of its own), is SIGKILLed after a first
+    # collective; rank 1's next collective fails when gloo sees the connection close, or after this timeout
+    port = _two_free_ports()
+    done = _torchrun(tmp_path, port, SHARDTENSOR_CPU_DEVICES="1", KILL_RANK_0="1", SHARDTENSOR_COLLECTIVE_TIMEOUT="5")
+    assert done.returncode != 0 and "exitcode  : -9" in done.stderr  # torchrun reports rank 0's death
+    survivor = json.loads((tmp_path / "1.json").read_text())
+    assert survivor["raised"] is not None and "Gloo" in survivor["raised"], survivor
+    # then it got through its exit, its last exit hook ran: no SIGABRT from JAX's client, no hang
+    assert (tmp_path / "1.left").exists(), done.stderr[-3000:]
+    assert "rank      : 1" not in done.stderr, done.stderr[-3000:]  # torchrun saw it end well
+    assert _gone(port + 1)
+
+
+def test_process_0s_service_process_lets_the_live_processes_leave_together_and_ends_after_the_last():
+    # a port in use: a clear error at once
+    taken = service_process._watch_socket("[::]:0")
+    options = {"heartbeat_timeout": 10, "recoverable": True}
+    with taken, pytest.raises(RuntimeError, match="could not start JAX's coordination service on .*Choose another"):
+        service_process.ServiceProcess.start(f"[::]:{taken.getsockname()[1]}", 2, options, linger=60)
+    service = service_process.ServiceProcess.start("[::]:0", 3, options, linger=60)
+    first, second, third = (service_process.connect_watcher("127.0.0.1", service.watch_address(), i) for i in range(3))
+    stranger = socket.create_connection(("127.0.0.1", service.port))
+    stranger.sendall(b"not-the-token 1\n")
+    assert not service_process.wait_to_leave(first, 0.5)  # the others are not leaving yet: it waits, times out
+    third.close()  # a process that dies is not waited for
+    assert service_process.wait_to_leave(second, 60) and service_process.wait_to_leave(first, 60)
+    first.close()
+    second.close()
+    assert service.process.wait(timeout=60) == 0  # ended by itself, with the last process (a stranger aside)
+    stranger.close()
 
 
 def _join_script(call: str) -> list[str]:

@@ -1,6 +1,7 @@
 """Joining a multi-process job: ``initialize_distributed`` (explicit arguments or torchrun's
-environment), the coordination service ``st.launch`` hosts, and how a job that cannot form or that
-loses a process fails (a Python exception within a stated time, not an abort or a hang).
+environment), where JAX's coordination service runs (a process of its own that process 0 starts, or
+``st.launch``'s parent), and how a job that cannot form or that loses a process fails (a Python
+exception within a stated time, not an abort or a hang).
 
 Example::
 
@@ -15,8 +16,11 @@ import contextlib
 import os
 import socket
 import threading
+import warnings
 
 import jax
+
+from shardtensor.runtime.service_process import ServiceProcess, connect_watcher, wait_to_leave
 
 # torchrun's variables; its own store (c10d) listens on MASTER_PORT, so JAX's coordinator takes another.
 TORCHRUN_ENVS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
@@ -31,6 +35,11 @@ _DEFAULT_COLLECTIVE_TIMEOUT = 600  # seconds: torch's default for a process grou
 _DEFAULT_HEARTBEAT_TIMEOUT = 30
 # seconds: how long joining waits for the coordinator and every process (JAX's default, 300, then aborts)
 _DEFAULT_INIT_TIMEOUT = 60
+# process 0 publishes here where its service process listens for the processes ('' when it started none)
+_WATCH_KEY = "shardtensor/service_watch"
+# process 0's service process, and this process's connection to it: both live as long as the process
+_service_process: ServiceProcess | None = None
+_watcher: socket.socket | None = None
 
 
 def _positive_env(name: str, default: int) -> int:
@@ -89,37 +98,50 @@ def _set_collective_timeout() -> None:
 
 
 def _leave_together(seconds: float) -> None:
-    """At exit: wait for the live processes, then let the one hosting JAX's coordination service
-    (process 0, unless `launch`'s parent hosts it) shut it down last, so that no process loses the
-    service while it is still leaving.
+    """At exit: wait (up to ``seconds``) for the live processes, then leave the job, so that no
+    process leaves while another still runs its last collectives with it. (The coordination service
+    runs in another process: process 0's service process, or `launch`'s parent.)
 
     JAX's own shutdown barrier does this, but it is off for recoverable tasks (see
-    `initialize_distributed`); a dead process is left out once the service misses its heartbeats.
+    `initialize_distributed`). A dead process is left out at once by process 0's service process
+    (its connection closed), or, with the service hosted elsewhere, once the service misses its
+    heartbeats.
     """
     from jax._src import distributed as jax_distributed
 
     client = jax_distributed.global_state.client
     if client is None:  # the user shut it down already
         return
-    everyone = list(range(jax_distributed.global_state.num_processes))
+    if _watcher is not None:
+        wait_to_leave(_watcher, seconds)
+    else:
+        _wait_for_live_processes(client, jax_distributed.global_state.num_processes, seconds)
+    _leave(jax_distributed.global_state)
+
+
+def _wait_for_live_processes(client, num_processes: int, seconds: float) -> None:
+    """GetAliveTasks returns once every live process asked (a dead one is left out once its
+    heartbeats are missed); it has no timeout of its own, hence the thread."""
 
     def ask() -> None:
         # an error means the service went away: nobody left to wait for
         with contextlib.suppress(Exception):
-            client.get_live_nodes(everyone)
+            client.get_live_nodes(list(range(num_processes)))
 
-    def wait_for_live_processes() -> None:
-        # GetAliveTasks returns once every live process asked (a dead one is left out once its
-        # heartbeats are missed); it has no timeout of its own, hence the thread.
-        waiter = threading.Thread(target=ask, daemon=True)
-        waiter.start()
-        waiter.join(seconds)
+    waiter = threading.Thread(target=ask, daemon=True)
+    waiter.start()
+    waiter.join(seconds)
 
-    wait_for_live_processes()
-    if jax_distributed.global_state.service is None:
-        jax.distributed.shutdown()
-    else:
-        wait_for_live_processes()  # returns when the others have disconnected (or died)
+
+def _leave(state) -> None:
+    """``jax.distributed.shutdown()``, the client first. After a SIGTERM (torchrun sends one to the
+    others when a process dies) JAX's preemption sync manager waits at a barrier of every process,
+    a dead one included, for minutes, and its shutdown waits for that; leaving the job cancels the
+    barrier."""
+    client, state.client = state.client, None  # forgotten even if leaving fails
+    if client is not None:
+        client.shutdown()
+    jax.distributed.shutdown()  # the preemption sync manager
 
 
 def _report_join_failure(status) -> None:
@@ -131,18 +153,25 @@ def _report_join_failure(status) -> None:
 
 class _JaxlibForJoining:
     """jaxlib's module as ``jax.distributed.initialize`` sees it in `initialize_distributed`: its
-    client reports a failed join as a Python exception, and with ``hosted_elsewhere`` (another
-    process, `launch`'s parent, hosts the coordination service) process 0 starts no service (JAX
-    has no option for either)."""
+    client reports a failed join as a Python exception, and process 0 starts the coordination
+    service, with JAX's arguments, in a process of its own (`ServiceProcess`; it waits ``linger``
+    seconds for a process that never comes), or, with ``hosted_elsewhere`` (`launch`'s parent hosts
+    it), none. JAX has no option for either; to JAX, process 0 hosts no service."""
 
-    def __init__(self, jaxlib_module, hosted_elsewhere: bool):
-        self._jaxlib, self._hosted_elsewhere = jaxlib_module, hosted_elsewhere
+    def __init__(self, jaxlib_module, hosted_elsewhere: bool, linger: float):
+        self._jaxlib, self._hosted_elsewhere, self._linger = jaxlib_module, hosted_elsewhere, linger
 
     def __getattr__(self, name):
         return getattr(self._jaxlib, name)
 
-    def get_distributed_runtime_service(self, *args, **kwargs):
-        return None if self._hosted_elsewhere else self._jaxlib.get_distributed_runtime_service(*args, **kwargs)
+    def get_distributed_runtime_service(self, bind_address, num_processes, **options):
+        global _service_process
+        from jax._src import distributed as jax_distributed
+
+        # joined already: JAX raises its own "only once" right after this
+        if not self._hosted_elsewhere and jax_distributed.global_state.client is None:
+            _service_process = ServiceProcess.start(bind_address, num_processes, options, self._linger)
+        return None
 
     def get_distributed_runtime_client(self, *args, **kwargs):
         return self._jaxlib.get_distributed_runtime_client(
@@ -152,10 +181,35 @@ class _JaxlibForJoining:
 
 def _forget_failed_join(state) -> None:
     """After a failed join: no client, no service, so the process can exit (or try again) cleanly."""
+    global _service_process
     state.client = None
-    if state.service is not None:
-        state.service.shutdown()
-        state.service = None
+    if _service_process is not None:
+        _service_process.stop()
+        _service_process = None
+
+
+def _watch_service(client, coordinator_address: str, process_id: int, seconds: int) -> None:
+    """Connect to process 0's service process (process 0 says where), so that it knows when this
+    process ends: it outlives every process of the job, and at exit does not wait for a dead one."""
+    global _watcher
+    if process_id == 0:
+        where = "" if _service_process is None else _service_process.watch_address()
+        client.key_value_set(_WATCH_KEY, where)
+    else:
+        where = client.blocking_key_value_get(_WATCH_KEY, seconds * 1000)
+    if not where:
+        return  # hosted elsewhere (`launch`'s parent)
+    host = coordinator_address.rpartition(":")[0]
+    try:
+        _watcher = connect_watcher(host, where, process_id)
+    except OSError as e:
+        warnings.warn(
+            f"initialize_distributed: process {process_id} cannot reach process 0's coordination service process "
+            f"at {host}, port {where.split()[0]} ({e}): that process may end before this one, and JAX then aborts "
+            "this one. Let the processes reach that port of process 0's host.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _listening(address: str) -> bool:
@@ -243,8 +297,12 @@ def initialize_distributed(
     processes per host each gets the GPU of its ``LOCAL_RANK``. Importing shardtensor with
     ``SHARDTENSOR_AUTO_DISTRIBUTED=1`` calls it so.
 
-    ``hosted_elsewhere=True``: no process of the job hosts JAX's coordination service, another one
-    does (`start_coordination_service`; `launch`'s parent); by default process 0 hosts it.
+    JAX's coordination service: by default process 0 starts it in a small process of its own
+    (``shardtensor/runtime/service_process.py``, ~0.25 s, in its own session: torchrun's stop and a
+    Ctrl-C do not reach it), which every process keeps a connection to and which ends by itself
+    once every process of the job ended, normally or not (a process that never connected is
+    waited for ``initialization_timeout`` + 10 s). ``hosted_elsewhere=True``: process 0 starts none,
+    another process hosts it (`start_coordination_service`; `launch`'s parent).
 
     Joining waits up to ``initialization_timeout`` seconds (default ``SHARDTENSOR_INIT_TIMEOUT``, or
     60) for the coordinator and every process, then raises ``TimeoutError`` (jaxlib adds a fixed
@@ -255,13 +313,15 @@ def initialize_distributed(
     (JAX alone ends the processes by SIGABRT after 300 s in the first case; in the second it runs
     on the processes its coordinator counted and hangs at exit.)
 
-    A process that dies does not take the others with it (JAX's recoverable tasks), except the one
-    hosting the coordination service, process 0 by default: JAX's client then ends the others at
-    once (SIGABRT, "std::bad_cast"), which this jax gives no way to catch (docs/multiprocess.md).
-    Otherwise a survivor's next collective raises (on CPU "Gloo ... failed": at once when gloo sees the
-    connection close, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600).
-    At exit the processes wait for each other (up to that time), leaving out one whose heartbeats
-    JAX has missed for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds (default 30).
+    A process that dies, process 0 included, does not take the others with it (JAX's recoverable
+    tasks; the service outside process 0): a survivor's next collective raises a Python exception
+    (on CPU "Gloo ... failed": at once when gloo sees the connection close, measured 0.04-0.3 s after
+    a SIGKILL, at the latest after ``SHARDTENSOR_COLLECTIVE_TIMEOUT`` seconds, default 600), and the
+    survivor can exit normally. Only the death of the service's process itself (killed by hand, or
+    `launch`'s parent) still ends the others by SIGABRT ("std::bad_cast"; docs/multiprocess.md).
+    At exit the processes wait for each other (up to that time), leaving out a dead one at once
+    (its connection to the service process closed; with the service hosted elsewhere, once JAX
+    missed its heartbeats for ``SHARDTENSOR_HEARTBEAT_TIMEOUT`` seconds, default 30).
 
     Example::
 
@@ -299,7 +359,10 @@ def initialize_distributed(
     # sending heartbeats (scoped: it is read once, here).
     recoverable = getattr(jax_distributed, "_ENABLE_RECOVERABILITY", None)
     jaxlib_module = jax_distributed._jax
-    jax_distributed._jax = _JaxlibForJoining(jaxlib_module, hosted_elsewhere)  # for this call
+    # process 0's service process waits this long for a process that never connects to it (one
+    # waits up to init_timeout to learn where it is)
+    linger = init_timeout + 10
+    jax_distributed._jax = _JaxlibForJoining(jaxlib_module, hosted_elsewhere, linger)  # for this call
     had_client = jax_distributed.global_state.client is not None
     try:
         with recoverable(True) if recoverable is not None else contextlib.nullcontext():
@@ -319,7 +382,9 @@ def initialize_distributed(
         raise error from e
     finally:
         jax_distributed._jax = jaxlib_module
-    _check_same_num_processes(jax_distributed.global_state.client, num_processes, process_id, init_timeout)
+    client = jax_distributed.global_state.client
+    _watch_service(client, coordinator_address, process_id, init_timeout)
+    _check_same_num_processes(client, num_processes, process_id, init_timeout)
     if recoverable is not None:
         # after jax's own exit hook was registered (at its import), so it runs before it
         atexit.register(_leave_together, collective_timeout)
