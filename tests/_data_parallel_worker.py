@@ -139,7 +139,7 @@ def _bad_arguments(x: torch.Tensor) -> dict:
 def _collectives(index: int) -> dict:
     """Every case, recorded lazily and run as one program, then read."""
     out = {name: _call(fn, value(kind, index).to(st.device()), args) for name, fn, kind, args in CASES}
-    # lists in place (one collective per dtype), output=, a list of outputs
+    # a list in place (mixed dtypes), output=, a list of outputs
     in_place = [value("float", index).to(st.device()), value("int", index).to(st.device()), 2 * value("float", index)]
     in_place[2] = in_place[2].to(st.device())
     returned = st.all_reduce(st.REDUCE_SUM, in_place, scale=1.0, groups=STRIDED)
