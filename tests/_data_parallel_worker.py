@@ -104,15 +104,13 @@ def _train(index: int, nprocs: int, compiled: bool, steps: int = STEPS) -> list[
 
     def train_step(x, y):
         F.mse_loss(model(x), y).backward()
-        st.optimizer_step(opt)
+        st.optimizer_step(opt, barrier=not compiled)  # lazy: runs the step and waits for every process
         opt.zero_grad(set_to_none=True)
 
     step = st.compile(train_step) if compiled else train_step
     for x, y in global_batch(steps):
         rows = slice(index * 16 // nprocs, (index + 1) * 16 // nprocs)
         step(x[rows].to(st.device()), y[rows].to(st.device()))
-        if not compiled:
-            st.sync()
     return [p.detach().cpu() for p in model.parameters()]
 
 
@@ -179,4 +177,9 @@ def two_hosts_job(index: int) -> dict:
         "sharded sum": st.all_reduce(st.REDUCE_SUM, sharded),
     }
     st.sync()
+    # barrier=True with nothing reduced across processes: a host rendezvous completes the wait
+    p = torch.ones(2, device=st.device(), requires_grad=True)
+    (p * (index + 1)).sum().backward()
+    st.optimizer_step(torch.optim.SGD([p], lr=1.0), barrier=True, groups=[[0], [1]])
+    out["own step"] = p.detach()
     return {"trained": _train(index, 2, compiled=False, steps=1), **{k: v.cpu() for k, v in out.items()}}

@@ -129,8 +129,9 @@ def test_bad_arguments_in_a_job_of_four_processes(four_processes):
 def test_two_processes_of_four_devices():
     results = st.launch(two_hosts_job, nprocs=2, devices_per_process=4)
     trained = eager_training(1)
-    for r in results:
+    for index, r in enumerate(results):
         assert_params(r["trained"], trained)
+        torch.testing.assert_close(r["own step"], torch.full((2,), -float(index)))  # groups of one: its own grad
         torch.testing.assert_close(r["sum"], value("float", 0) + value("float", 1))
         torch.testing.assert_close(r["gather"], torch.cat([value("float", 0), value("float", 1)], 1))
         # a tensor sharded over both processes has the same value in each: the sum is twice it
@@ -156,14 +157,20 @@ def test_one_process_collectives_are_the_identity_and_optimizer_step_is_a_plain_
     opt = make_optimizer(model)
     for x, y in global_batch(STEPS):
         F.mse_loss(model(x.to(st.device())), y.to(st.device())).backward()
-        grads = [p.grad for p in model.parameters()]
-        st.reduce_gradients(opt)
-        assert [p.grad for p in model.parameters()] == grads  # alone: no reduction recorded
         marks = st.counter_value("MarkStep") or 0
         st.optimizer_step(opt, barrier=True)  # runs the step: st.sync()
         assert st.counter_value("MarkStep") == marks + 1
         opt.zero_grad(set_to_none=True)
     assert_params([p.detach().cpu() for p in model.parameters()], eager_training(STEPS))
+    # alone, optimizer_step records no reduction: its step is the program of a plain opt.step()
+    x, y = global_batch(1)[0]
+    for step in (lambda: opt.step(), lambda: st.optimizer_step(opt)):
+        F.mse_loss(model(x.to(st.device())), y.to(st.device())).backward()
+        step()
+        opt.zero_grad(set_to_none=True)
+        compiles = st.counter_value("UncachedCompile") or 0
+        st.sync()
+    assert st.counter_value("UncachedCompile") == compiles
 
 
 def test_bad_arguments_say_what_is_wrong():
