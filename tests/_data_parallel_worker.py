@@ -140,6 +140,7 @@ def _collectives(index: int) -> dict:
     # a list in place (mixed dtypes), output=, a list of outputs
     in_place = [value("float", index).to(st.device()), value("int", index).to(st.device()), 2 * value("float", index)]
     in_place[2] = in_place[2].to(st.device())
+    in_place.append(torch.full((1 << 18,), float(index)).to(st.device()))  # a large one: reduced alone
     returned = st.all_reduce(st.REDUCE_SUM, in_place, scale=1.0, groups=STRIDED)
     out["list is returned"] = torch.tensor(returned is in_place)
     out.update({f"list {i}": t for i, t in enumerate(in_place)})

@@ -108,6 +108,7 @@ def test_every_collective_matches_its_definition_on_each_process_value(four_proc
         torch.testing.assert_close(got["list 0"], sums[0])
         torch.testing.assert_close(got["list 1"], sums[1])
         torch.testing.assert_close(got["list 2"], 2 * sums[0])
+        torch.testing.assert_close(got["list 3"], torch.full((1 << 18,), float(sum(_group(index, STRIDED)))))
         torch.testing.assert_close(
             got["all_gather output"], expected("all_gather", "float", {"dim": 0, "groups": PAIRS}, index)
         )

@@ -2,8 +2,8 @@
 over the processes (``reduce_gradients``), then steps the optimizer (``xm.optimizer_step``).
 
 Each process holds a replicated copy of the model and computes the gradients of its own part of the
-batch; the average is recorded into the step's lazy program (an all-reduce per gradient, which XLA
-combines into one; no execution in between), so the step still runs as one program.
+batch; the average is recorded into the step's lazy program (one all-reduce for the small gradients
+of a dtype, one for each large one; no execution in between), so the step still runs as one program.
 
 Example::
 
