@@ -184,6 +184,10 @@ def test_bad_arguments_say_what_is_wrong():
         st.all_gather(x, groups=[[0, 1]])
     with pytest.raises(TypeError, match="scale=0.5 needs a floating-point tensor, got torch.int64"):
         st.all_reduce(st.REDUCE_SUM, torch.ones(2, dtype=torch.int64), scale=0.5)
+    mixed = [torch.ones(2), torch.ones(2, dtype=torch.int64)]
+    with pytest.raises(TypeError, match="scale=0.5 needs a floating-point tensor"):
+        st.all_reduce(st.REDUCE_SUM, mixed, scale=0.5)
+    assert mixed[0].tolist() == [1.0, 1.0]  # nothing changed
     with pytest.raises(IndexError, match=r"all_gather: dim=2 is out of range for a tensor of shape \(4, 2\)"):
         st.all_gather(x, 2)
     with pytest.raises(IndexError, match="0-dimensional tensor has no scatter_dim: reshape it to"):

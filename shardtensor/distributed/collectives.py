@@ -124,12 +124,14 @@ def _reduce_op(reduce_type: Any) -> str:
     )
 
 
+def _check_scale(dtype: torch.dtype, scale: float, what: str) -> None:
+    if scale != 1.0 and not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{what}: scale={scale} needs a floating-point tensor, got {dtype}; leave scale at 1.0.")
+
+
 def _scaled(t: torch.Tensor, scale: float, what: str) -> torch.Tensor:
-    if scale == 1.0:
-        return t
-    if not (t.dtype.is_floating_point or t.dtype.is_complex):
-        raise TypeError(f"{what}: scale={scale} needs a floating-point tensor, got {t.dtype}; leave scale at 1.0.")
-    return t * scale
+    _check_scale(t.dtype, scale, what)
+    return t if scale == 1.0 else t * scale
 
 
 def _tensor(value: Any, what: str) -> torch.Tensor:
@@ -191,6 +193,8 @@ def all_reduce(
     if not isinstance(inputs, list | tuple):
         raise TypeError(f"all_reduce takes a tensor or a list of tensors, got {type(inputs).__name__}.")
     tensors = [_tensor(t, "all_reduce") for t in inputs]
+    for t in tensors:  # every argument checked before any tensor is changed in place
+        _check_scale(t.dtype, scale, "all_reduce")
     small: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() < JOIN_BELOW:
