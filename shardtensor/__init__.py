@@ -56,6 +56,9 @@ from shardtensor.serialization import torch_save as save, save_file, load_file  
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 from shardtensor import checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
 from shardtensor.distributed import launch, LaunchError, rendezvous, mesh_reduce  # noqa: F401
+from shardtensor.distributed import all_reduce, all_gather, reduce_scatter, all_to_all, collective_permute  # noqa: F401
+from shardtensor.distributed import REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX  # noqa: F401
+from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -75,6 +78,20 @@ __all__ = [
     "LaunchError",
     "rendezvous",
     "mesh_reduce",
+    # collectives across processes, data parallelism (PyTorch/XLA's xm.*)
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "collective_permute",
+    "REDUCE_SUM",
+    "REDUCE_MUL",
+    "REDUCE_AND",
+    "REDUCE_OR",
+    "REDUCE_MIN",
+    "REDUCE_MAX",
+    "optimizer_step",
+    "reduce_gradients",
     # meshes and specs
     "Mesh",
     "HybridMesh",
