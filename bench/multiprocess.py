@@ -21,6 +21,10 @@ over the steps after ``--warmup``, its ratio to the plain process, and the first
 run). The losses of the first steps must agree across layouts (relative 1e-4: the collectives may add in
 another order); the check is printed, and a mismatch makes the exit status 1.
 
+A second table (``--data-parallel mlp|gpt|none``, ``bench/data_parallel.py``): the multi-process mode,
+one process per device each holding the whole model, ``st.optimizer_step`` averaging the gradients,
+against torch's DDP on gloo with plain CPU torch; 2 processes.
+
 Example::
 
     .venv/bin/python bench/multiprocess.py                      # d=128, 2 blocks, batch 16, 8 steps
@@ -43,6 +47,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import data_parallel
 from gpt_model import GPT, Block
 
 DEVICES = 8  # the mesh of every layout
@@ -62,6 +67,12 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=2, help="transformer blocks")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--compile", action="store_true", help="step through st.compile instead of lazily")
+    p.add_argument(
+        "--data-parallel",
+        choices=("mlp", "gpt", "none"),
+        default="mlp",
+        help="model of the second table: st.optimizer_step vs DDP on gloo, 2 processes (bench/data_parallel.py)",
+    )
     args = p.parse_args(argv)
     if args.steps - args.warmup < 1 or args.warmup < 1:
         p.error("--warmup must be at least 1 and --steps larger than --warmup (some steps must be timed)")
@@ -259,10 +270,10 @@ def main(argv=None) -> int:
     for line in lines:
         print(line)
 
-    # ---- further comparisons ------------------------------------------------------------------
-    # Each one measures its rows in processes of its own and prints them with table() above, as the
-    # training-step table does. To be added here: optimizer_step data parallelism against DDP on
-    # gloo with plain CPU torch.
+    # ---- data parallelism: st.optimizer_step against DDP on gloo with plain CPU torch --------------
+    if args.data_parallel != "none":
+        print()
+        data_parallel.main(["--nprocs", "2", "--model", args.data_parallel])
 
     print(f"({time.perf_counter() - wall:.0f} s)")
     return 0 if ok else 1
