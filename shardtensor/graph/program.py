@@ -265,7 +265,7 @@ def _scalar_identity(value):
 
 # structure of a graph (its node keys and wiring) -> which scalar slots may share an input
 _SHARING: dict = {}
-_SHARING_LIMIT = 4096
+_SHARING_LIMIT = 1024  # as many graphs as the executable cache keeps by default
 
 
 def _scalar_inputs(prog, values, key_parts) -> dict[str, np.ndarray]:
