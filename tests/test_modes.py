@@ -284,6 +284,51 @@ def test_python_scalars_are_graph_inputs(op):
     assert n("CachedCompile") == 3
 
 
+def test_equal_python_scalars_share_one_input():
+    """Uses of one value read one scalar input (XLA then merges them, as plain JAX merges equal
+    constants); a pattern that changes stops sharing once, and every result stays torch's."""
+    from shardtensor.graph import state
+    from shardtensor.graph.capture import lower
+
+    fresh_executable_cache()
+    a, x = _x()
+
+    def fn(t, s, u):
+        return ((t * s + u) * s - u) / s
+
+    y = fn(x, 0.5, 0.25)
+    assert list(lower(state.pending_cells()).scalars["f"]) == [0.5, 0.25]  # five uses, two inputs
+    st.sync()
+    torch.testing.assert_close(y.cpu(), fn(a, 0.5, 0.25))
+    for s, u in [(0.5, 0.5), (0.5, 0.25), (0.75, 0.75), (2.0, 3.0), (1.5, 1.5)]:
+        y = fn(x, s, u)
+        st.sync()
+        torch.testing.assert_close(y.cpu(), fn(a, s, u))
+    # (0.5, 0.25) first, then (0.5, 0.5) merges nothing new: a program with s and u apart serves all
+    assert n("UncachedCompile") == 1, st.counters()
+
+    def gn(t, s, u):
+        return t * s - u * t
+
+    for i, (s, u) in enumerate([(0.5, 0.5), (0.5, 0.5), (0.5, 0.25), (0.5, 0.5), (0.75, 0.75), (1.0, 2.0)]):
+        y = gn(x, s, u)
+        st.sync()
+        torch.testing.assert_close(y.cpu(), gn(a, s, u))
+        # shared while equal (one compile), apart once they differed (one more), never back and forth
+        assert n("UncachedCompile") == 1 + (1 if i < 2 else 2), (i, st.counters())
+
+
+def test_scalars_sharing_a_value_keep_zero_signs_and_eager_ops_apart():
+    a, x = _x()
+    y, z = x * 0.0, x * -0.0
+    st.sync()
+    assert torch.equal(torch.signbit(y.cpu()), torch.signbit(a * 0.0))
+    assert torch.equal(torch.signbit(z.cpu()), torch.signbit(a * -0.0))
+    with st.eager_mode(True):
+        for lo, hi in [(0.25, 0.25), (-0.5, 0.5), (0.1, 0.1), (-1.0, 1.0)]:
+            torch.testing.assert_close(x.clamp(lo, hi).cpu(), a.clamp(lo, hi))
+
+
 def test_overwritten_buffers_are_donated():
     """Parameters overwritten by a step are donated: the previous step's arrays are freed."""
     ref, dev, ref_opt, dev_opt, batches, dev_batches = _mlp_setup()

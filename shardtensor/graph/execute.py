@@ -143,7 +143,12 @@ def run_single_node(node, cells) -> None:
     if fn is None:
         execution = run_cells(cells)
         program = execution.program
-        if not program.donated and not program.forwarded_leaves and all(mesh_of(a) == program.mesh for a in arrays):
+        if (
+            not program.donated
+            and not program.forwarded_leaves
+            and not program.shares_scalars  # (the fast path passes one scalar per use)
+            and all(mesh_of(a) == program.mesh for a in arrays)
+        ):
             _SINGLE_NODE[key] = execution.executable
         return execution
     counters.increment("CachedCompile")

@@ -5,7 +5,8 @@ A ``Program`` is everything about a graph except its input values, and its ``key
 (ops, static arguments, input shapes, dtypes and shardings, donation and whether donation is allowed
 at all), so a loop of identical steps maps to one cached executable. Inputs stored padded are sliced
 on entry; outputs whose cell asks for a sharding are padded and constrained on exit; arrays of cells
-that the graph overwrites are donated, unless parameter aliasing is off (``aliasing``).
+that the graph overwrites are donated, unless parameter aliasing is off (``aliasing``). Python
+scalars travel in one vector per kind; uses of equal values share one entry (``_scalar_inputs``).
 
 With on-device checks on (``ops.checks``), the program has one more output: the rows of the checks its
 lowerings declared. If any fails, every cell the program overwrites gets its value from before the
@@ -17,6 +18,7 @@ depend on a checked op.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -52,7 +54,8 @@ class Program:
     def __init__(self):
         self.steps = []  # (caller, codes)
         self.leaf_shapes = []  # (logical shape, padded?)
-        self.scalar_slots = []  # (kind, position within that kind's vector)
+        self.scalar_slots = []  # (kind, position within that kind's vector), one per use
+        self.shares_scalars = False  # some uses of equal values read one position
         self.outputs = []  # (code, pad widths or None, jax sharding or None)
         self.donated = []
         self.kept = []
@@ -82,7 +85,7 @@ class Program:
         node_pos: dict[int, int] = {}
         leaf_pos: dict[int, int] = {}
         arrays: list = []
-        scalar_vals: dict[str, list] = {"b": [], "i": [], "f": [], "c": []}
+        scalar_refs: list = []  # the Python scalars, one per use (slot)
         key_parts = []
 
         def code_of(ref):
@@ -97,11 +100,8 @@ class Program:
                     prog.leaf_shapes.append((tuple(ref.shape), padded))
                     prog.leaf_cells.append(ref.cell_ref() if ref.cell_ref is not None else None)
                 return (1, k)
-            kind = scalar_kind(ref.value)
-            vals = scalar_vals[kind]
-            prog.scalar_slots.append((kind, len(vals)))
-            vals.append(ref.value)
-            return (2, len(prog.scalar_slots) - 1)
+            scalar_refs.append(ref.value)
+            return (2, len(scalar_refs) - 1)
 
         constrained = []  # meshes of mark_sharding constraints on pending values
         for node in _topological_order([c.value.node for c in cells]):
@@ -148,11 +148,12 @@ class Program:
                 if k is not None and prog.leaf_shapes[k][0] == cell.shape:
                     prog.rollback[i] = k
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
-        scalars: dict[str, np.ndarray] = {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in scalar_vals.items() if v}
+        parts = tuple(key_parts)
+        scalars = _scalar_inputs(prog, scalar_refs, parts)
         prog.mesh = mesh
         checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
         prog.key = (
-            tuple(key_parts),
+            parts,
             tuple(out_keys),
             leaf_sigs,
             tuple(prog.scalar_slots),
@@ -176,7 +177,12 @@ class Program:
             leaves = [
                 a[tuple(slice(0, n) for n in shape)] if padded else a for a, (shape, padded) in zip(arrays, leaf_shapes)
             ]
-            scalars = [_convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True) for k, j in slots]
+            read: dict = {}  # one read per position: the uses of a shared scalar get one value
+            for slot in slots:
+                if slot not in read:
+                    k, j = slot
+                    read[slot] = _convert_element_type(vecs[k][j], vecs[k].dtype, weak_type=True)
+            scalars = [read[slot] for slot in slots]
             values: list = []
 
             def resolve(code):
@@ -244,6 +250,57 @@ class Program:
         fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
         fn.program = self  # type: ignore[attr-defined]  # a function object takes attributes
         return fn
+
+
+def _scalar_identity(value):
+    """What makes two Python scalars one runtime input: the same kind and value, and for floats the
+    same sign of zero (``1 / -0.0`` is not ``1 / 0.0``)."""
+    kind = scalar_kind(value)
+    if kind == "f":
+        return kind, value, math.copysign(1.0, value)
+    if kind == "c":
+        return kind, repr(value)
+    return kind, value
+
+
+# structure of a graph (its node keys and wiring) -> which scalar slots may share an input
+_SHARING: dict = {}
+_SHARING_LIMIT = 1024  # as many graphs as the executable cache keeps by default
+
+
+def _scalar_inputs(prog, values, key_parts) -> dict[str, np.ndarray]:
+    """Fill ``prog.scalar_slots`` for the Python scalars ``values`` (one per use) and return the
+    vectors they travel in, one per kind.
+
+    Uses with equal values share one position, so XLA sees one input where plain JAX would see one
+    constant: a graph of N ops reading the same few scalars then compiles like JAX's (its common
+    subexpressions are merged, a division by a shared scalar is one reciprocal, not N small
+    kernels). Which uses share is part of the program key; so that a value that only sometimes
+    equals another (a learning rate reaching 0.0) does not keep recompiling, a graph's uses share
+    only while their values have been equal at every build of that graph so far.
+    """
+    first: dict = {}
+    groups = tuple(first.setdefault(_scalar_identity(v), i) for i, v in enumerate(values))
+    if len(first) < len(values):  # some values repeat: share them as far as earlier builds agree
+        structure = tuple(key_parts)
+        before = _SHARING.get(structure)
+        if before is not None and before != groups:
+            meet: dict = {}
+            groups = tuple(meet.setdefault(pair, i) for i, pair in enumerate(zip(before, groups)))
+        if before != groups:
+            if len(_SHARING) >= _SHARING_LIMIT:
+                _SHARING.clear()
+            _SHARING[structure] = groups
+    vectors: dict[str, list] = {"b": [], "i": [], "f": [], "c": []}
+    position: dict[int, int] = {}
+    for i, (value, group) in enumerate(zip(values, groups)):
+        kind = scalar_kind(value)
+        if group == i:
+            position[i] = len(vectors[kind])
+            vectors[kind].append(value)
+        prog.scalar_slots.append((kind, position[group]))
+    prog.shares_scalars = len(position) < len(values)
+    return {k: np.asarray(v, dtype=SCALAR_DTYPES[k]) for k, v in vectors.items() if v}
 
 
 def _topological_order(roots):

@@ -277,6 +277,11 @@ def _differences(new, old, leaf_cells) -> list[str]:
     for j, (a, b) in enumerate(zip(new_slots, old_slots)):
         if a[0] != b[0]:
             reasons.append(f"Python scalar {j} changed type: {kinds[b[0]]} -> {kinds[a[0]]}")
+    if [a[0] for a in new_slots] == [b[0] for b in old_slots] and new_slots != old_slots:
+        reasons.append(
+            "Python scalars that were equal now differ (equal values share one input; a graph stops "
+            "sharing them once they differ, so this happens once)"
+        )
     static = []
     for k, ((a, _), (b, _)) in enumerate(zip(new_parts, old_parts)):
         if a != b and _strip_tensors(a) != _strip_tensors(b):
