@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from shardtensor import runtime
+from shardtensor.ops.collectives import REDUCE_OPS
 from shardtensor.tensor import ShardedTensor
 
 ST_OPS = torch.ops.shardtensor  # the collectives these handlers record
-_REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 
 
 # --------------------------------------------------------------------------- arguments
@@ -104,9 +104,9 @@ def reduce_op_name(op) -> str:
         code = op.op()  # an int: RedOpType's value
         names = {v.value: k.lower() for k, v in ReduceOp.RedOpType.__members__.items()}
         name = names.get(code, str(code))
-    if name not in _REDUCE_OPS:
+    if name not in REDUCE_OPS:
         raise NotImplementedError(
-            f"reduce op {name!r} on shardtensor tensors: supported are {', '.join(_REDUCE_OPS)} "
+            f"reduce op {name!r} on shardtensor tensors: supported are {', '.join(REDUCE_OPS)} "
             "(for premul_sum, scale the tensor first and use SUM)."
         )
     return name
