@@ -56,6 +56,7 @@ from shardtensor.serialization import torch_save as save, save_file, load_file  
 from shardtensor import dynamo_backend  # noqa: F401  (torch.compile(backend="shardtensor"); light: no torch._dynamo)
 from shardtensor import checkpoint  # noqa: F401  (torch.distributed.checkpoint support for ShardedTensor)
 from shardtensor.distributed import launch, LaunchError, rendezvous, mesh_reduce  # noqa: F401
+from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 # isort: on
 
 P = PartitionSpec
@@ -141,6 +142,7 @@ __all__ = [
     "visualize_tensor_sharding",
     "explain",
     "Explanation",
+    "generate",
     # saving (checkpoints: shardtensor.checkpoint)
     "serialization",
     "save",
