@@ -125,15 +125,34 @@ def generate(
         if buckets:
             kwargs.setdefault("max_cache_len", bucket_length(ids.shape[1] + int(new_tokens)))
         kwargs["cache_implementation"] = "static"
+    elif model.config.is_encoder_decoder:
+        raise ValueError(
+            "st.generate: cache_implementation='dynamic' (a growing cache) is for decoder-only models; "
+            "use the default, 'static', for an encoder-decoder model"
+        )
     else:
         kwargs["cache"] = growing_cache(model.config, ids.shape[1])
     if mask is not None:
         kwargs["attention_mask"] = mask
+    if model.config.is_encoder_decoder and "encoder_outputs" not in kwargs:
+        # transformers runs the encoder on the inputs as they are (it moves only the decoder's per-step
+        # inputs to the model's device): run it here, on the device, once
+        on_device = {
+            k: v.to(_model_device(model)) for k, v in (("input_ids", ids), ("attention_mask", mask)) if v is not None
+        }
+        with torch.no_grad():
+            kwargs["encoder_outputs"] = model.get_encoder()(**on_device, return_dict=True)
     out = model.generate(ids, **kwargs)
+    if model.config.is_encoder_decoder:
+        pad = 0  # the result is the decoder's tokens only: no prompt, no padding in it
     if isinstance(out, torch.Tensor):
         return out[:, pad:].to(device)
     out.sequences = out.sequences[:, pad:].to(device)  # return_dict_in_generate: scores etc. as they are
     return out
+
+
+def _model_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _pad_token(model: Any, kwargs: dict) -> int:

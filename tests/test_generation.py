@@ -10,7 +10,14 @@ random model). Models are tiny random-init GPT-2 and Llama configs (no download)
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 import shardtensor as st
 from _training_helpers import fresh_executable_cache, reset_state
@@ -139,6 +146,40 @@ def test_sharded_weights_tensor_parallel():
     torch.testing.assert_close(st.generate(model, ids, **GREEDY), expected, rtol=0, atol=0)
     assert compiles() - before == 2
     assert model.transformer.h[0].mlp.c_fc.weight.partition_spec == st.P(None, "model")  # still sharded
+
+
+def test_encoder_decoder():
+    """T5: st.generate runs the encoder on the device once, then the decoder's prefill and decode step;
+    a prompt of another length in the bucket compiles nothing; tokens as in eager torch."""
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))
+    expected = [model.generate(first, **greedy), model.generate(second, **greedy)]
+
+    model.to(st.device())
+    st.sync()
+    torch.testing.assert_close(st.generate(model, first, **greedy), expected[0], rtol=0, atol=0)
+    before = compiles()
+    torch.testing.assert_close(st.generate(model, second, **greedy), expected[1], rtol=0, atol=0)
+    assert compiles() == before
+
+
+def test_recompile_warning_in_generate_names_st_generate():
+    from shardtensor.graph import recompile
+
+    assert "st.generate" in recompile._generation_hint(("utils.py", 3248, "transformers.generation.utils"))
+    assert recompile._generation_hint(("train.py", 3, "__main__")) == ""
 
 
 def test_bucket_length_and_bad_input():
