@@ -59,6 +59,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     *,
     buckets: bool = True,
+    compile_decode: bool = False,
     **kwargs: Any,
 ) -> Any:
     """``model.generate(input_ids, **kwargs)`` with a static KV cache, compiled as two programs.
@@ -78,6 +79,12 @@ def generate(
     starts at the prompt's bucket and doubles when full: two programs per size it reaches (the step
     that grows it and the steady one), for when ``max_new_tokens`` is large and most generations
     stop early (on EOS), or memory for the longest one is not to be reserved up front.
+
+    ``compile_decode=True`` runs the decode step through ``torch.compile(backend="shardtensor")``
+    (transformers' ``compile_config``, static cache only): the step is captured on its first call and
+    replayed frozen after, without recording its ops again each token (the lowest host time per
+    token). It costs Dynamo's tracing on the first call and two more small programs, each run every
+    token: the upload of the step's inputs and the slice of its last logits.
 
     Example::
 
@@ -111,7 +118,12 @@ def generate(
             kwargs[relative] = max(int(kwargs.pop(absolute)) - prompt, 0)
     new_tokens = kwargs.get("max_new_tokens")
     if new_tokens is None:
-        new_tokens = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt
+        if config.max_new_tokens is not None:
+            new_tokens = config.max_new_tokens
+        elif config.max_length is not None:
+            new_tokens = max(config.max_length - prompt, 0)
+        else:
+            new_tokens = 20  # transformers' default when nothing is set: 20 new tokens
         kwargs["max_new_tokens"] = new_tokens
     pad = 0
     if buckets:
@@ -132,6 +144,10 @@ def generate(
         )
     else:
         kwargs["cache"] = growing_cache(model.config, ids.shape[1])
+    if compile_decode:
+        if implementation != "static":
+            raise ValueError("st.generate: compile_decode=True needs the static cache (cache_implementation='static')")
+        kwargs.setdefault("compile_config", _decode_compile_config())
     if mask is not None:
         kwargs["attention_mask"] = mask
     if model.config.is_encoder_decoder and "encoder_outputs" not in kwargs:
@@ -149,6 +165,17 @@ def generate(
         return out[:, pad:].to(device)
     out.sequences = out.sequences[:, pad:].to(device)  # return_dict_in_generate: scores etc. as they are
     return out
+
+
+def _decode_compile_config() -> Any:
+    """transformers' CompileConfig for torch.compile with shardtensor's backend, on any device."""
+    from transformers import CompileConfig
+
+    options: dict[str, Any] = {"backend": "shardtensor", "mode": None, "fullgraph": True}  # no inductor mode
+    config = CompileConfig(**options)
+    # transformers compiles only on the devices it lists (cuda, xpu, neuron, tpu) unless told so
+    setattr(config, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers)
+    return config
 
 
 def _model_device(model: Any) -> torch.device:

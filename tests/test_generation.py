@@ -85,6 +85,24 @@ def test_static_cache_generate_compiles_prefill_and_decode_once(kind):
     assert compiles() == before  # 12 tokens pad to the same bucket (16) as 7: both programs reused
 
 
+def test_compiled_decode_step_is_replayed_frozen():
+    """compile_decode=True: transformers torch.compiles the decode step with shardtensor's backend; it
+    is captured once and replayed frozen for every later token (CompileReplay), tokens unchanged."""
+    model = tiny("gpt2")
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 7))
+    expected = model.generate(ids, **GREEDY)
+    model.to(st.device())
+    st.sync()
+    try:
+        replays = st.counter_value("CompileReplay") or 0
+        out = st.generate(model, ids, compile_decode=True, **GREEDY)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert (st.counter_value("CompileReplay") or 0) - replays >= NEW_TOKENS - 3  # all but the first steps
+    finally:
+        torch._dynamo.reset()  # the compiled call is the model's; Dynamo's caches are process-wide
+
+
 def test_growing_cache_compiles_per_bucket():
     """cache_implementation="dynamic": the cache starts at the prompt's bucket (16) and doubles when
     full; 10 tokens after a 7-token prompt are the prefill, the step that grows it to 32 and the
@@ -189,5 +207,7 @@ def test_bucket_length_and_bad_input():
         st.generate(model, torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="not 'offloaded'"):
         st.generate(model, torch.tensor([[1, 2, 3]]), cache_implementation="offloaded")
+    with pytest.raises(ValueError, match="compile_decode=True needs the static cache"):
+        st.generate(model, torch.tensor([[1, 2, 3]]), cache_implementation="dynamic", compile_decode=True)
     with pytest.raises(ValueError, match="makes its own cache"):
         st.generate(model, torch.tensor([[1, 2, 3]]), cache=None)
