@@ -8,12 +8,14 @@ prompt of ``--prompt`` tokens, then from a second prompt of another length in th
 - ``static``: the same with ``cache_implementation="static"``;
 - ``static, host ids``: ``model.generate(ids, cache_implementation="static")`` with ``ids`` on CPU;
 - ``st.generate``: ``st.generate(model, ids)`` (docs/generation.md);
-- ``st.generate dynamic``: ``st.generate(model, ids, cache_implementation="dynamic")``, the cache
-  growing by buckets.
+- ``st.generate-dynamic``: ``st.generate(model, ids, cache_implementation="dynamic")``, the cache
+  growing by buckets;
+- ``st.generate-compiled``: ``st.generate(model, ids, compile_decode=True)``, the decode step
+  captured by ``torch.compile(backend="shardtensor")`` and replayed frozen.
 
 Each row prints the compiles (``UncachedCompile``) and the wall time of the first call (compiles
-included) and of the second prompt's call. On the 2-core CPU host XLA is slower than eager torch for
-such small models: compare the compile counts, and the wall times between rows.
+included) and of the second prompt's call, and that call's time per token. On a CPU host shared
+with other jobs the times are indicative: compare the compile counts, and the times between rows.
 
 Usage::
 
@@ -39,7 +41,9 @@ def _args():
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--models", default="gpt2,llama")
-    p.add_argument("--ways", default="eager,dynamic,static,static-host,st.generate,st.generate-dynamic")
+    p.add_argument(
+        "--ways", default="eager,dynamic,static,static-host,st.generate,st.generate-dynamic,st.generate-compiled"
+    )
     return p.parse_args()
 
 
@@ -101,6 +105,8 @@ def call(way, model, ids, tokens):
         return st.generate(model, ids, **greedy).cpu()
     if way == "st.generate-dynamic":
         return st.generate(model, ids, cache_implementation="dynamic", **greedy).cpu()
+    if way == "st.generate-compiled":
+        return st.generate(model, ids, compile_decode=True, **greedy).cpu()
     raise ValueError(f"unknown way {way!r}")
 
 
@@ -119,7 +125,10 @@ def main(args):
         f"{args.tokens} new tokens, prompts of {args.prompt} then {args.second_prompt} tokens, "
         f"{args.layers} layers of width {args.width}, {st.global_runtime_device_count()} devices"
     )
-    print(f"{'model':6} {'way':19} {'compiles':>8} {'1st s':>7} {'2nd prompt: compiles':>21} {'s':>6}  tokens")
+    print(
+        f"{'model':6} {'way':20} {'compiles':>8} {'1st s':>7} {'2nd prompt: compiles':>21} {'s':>6} "
+        f"{'ms/token':>8}  tokens"
+    )
     for kind in args.models.split(","):
         model = build(kind, args.layers, args.width)
         with torch.no_grad():
@@ -133,10 +142,13 @@ def main(args):
                 st.sync()
                 on_device = True
             st.clear_executables()  # every way starts from an empty executable cache
+            torch._dynamo.reset()
             first, t1, c1 = timed(way, model, prompts[0], args.tokens)
             second, t2, c2 = timed(way, model, prompts[1], args.tokens)
             same = torch.equal(first, reference[0]) and torch.equal(second, reference[1])
-            print(f"{kind:6} {way:19} {c1:8d} {t1:7.2f} {c2:21d} {t2:6.2f}  {'equal' if same else 'DIFFER'}")
+            per_token = 1000 * t2 / args.tokens
+            verdict = "equal" if same else "DIFFER"
+            print(f"{kind:6} {way:20} {c1:8d} {t1:7.2f} {c2:21d} {t2:6.2f} {per_token:8.1f}  {verdict}")
 
 
 if __name__ == "__main__":
