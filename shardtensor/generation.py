@@ -83,8 +83,8 @@ def generate(
     ``compile_decode=True`` runs the decode step through ``torch.compile(backend="shardtensor")``
     (transformers' ``compile_config``, static cache only): the step is captured on its first call and
     replayed frozen after, without recording its ops again each token (the lowest host time per
-    token). It costs Dynamo's tracing on the first call and two more small programs, each run every
-    token: the upload of the step's inputs and the slice of its last logits.
+    token). It costs Dynamo's tracing on the first call and one more small program, run every token:
+    the upload of the step's inputs (in lazy mode it is part of the step's program).
 
     Example::
 
