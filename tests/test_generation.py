@@ -4,8 +4,9 @@
 token bookkeeping on the host and the prompt left-padded to a bucket: the prefill and the decode step
 are the only programs, whatever the number of new tokens, and a second prompt of another length in
 the same bucket compiles nothing. Greedy tokens are compared with the same model's ``generate`` in
-eager torch on CPU (exact equality: a wrong logit would change an argmax somewhere in 10 tokens of a
-random model). Models are tiny random-init GPT-2 and Llama configs (no download).
+eager torch on CPU: the token ids must be equal (a wrong logit would almost surely change an argmax
+within 10 tokens of a random model). Models are tiny random-init GPT-2, Llama and T5 configs (no
+download); also: the weights sharded tensor-parallel, the growing cache, the frozen decode step.
 """
 
 import pytest
@@ -83,6 +84,13 @@ def test_static_cache_generate_compiles_prefill_and_decode_once(kind):
     before = compiles()
     torch.testing.assert_close(st.generate(model, second, **GREEDY), expected[1], rtol=0, atol=0)
     assert compiles() == before  # 12 tokens pad to the same bucket (16) as 7: both programs reused
+
+    # an EOS token (here: the third new token) stops generation as on CPU, in the same programs
+    eos = int(expected[1][0, 14])
+    stop = 12 + next(i for i in range(NEW_TOKENS) if int(expected[1][0, 12 + i]) == eos) + 1
+    out = st.generate(model, second, **dict(GREEDY, eos_token_id=eos))
+    torch.testing.assert_close(out, expected[1][:, :stop], rtol=0, atol=0)
+    assert compiles() == before
 
 
 def test_compiled_decode_step_is_replayed_frozen():
