@@ -52,6 +52,33 @@ def materialize(t):
 # the host, rather than compiling and running a program for the view (each new index of ``x[i]``
 # would be one), when the base is at most twice the view or larger by at most this many bytes.
 HOST_VIEW_SLACK_BYTES = 1 << 16
+_aten = torch.ops.aten
+# View ops replayed on the host: those that pick or rearrange elements (torch's CPU kernels give the
+# same values as their lowerings). Others (conjugate and negative views, storage views) run a program.
+HOST_VIEW_OPS = frozenset(
+    {
+        _aten.view.default,
+        _aten._unsafe_view.default,
+        _aten.reshape.default,
+        _aten._reshape_alias.default,
+        _aten.unsqueeze.default,
+        _aten.squeeze.default,
+        _aten.squeeze.dim,
+        _aten.squeeze.dims,
+        _aten.select.int,
+        _aten.slice.Tensor,
+        _aten.narrow.default,
+        _aten.t.default,
+        _aten.transpose.int,
+        _aten.permute.default,
+        _aten.expand.default,
+        _aten.unbind.int,
+        _aten.split.Tensor,
+        _aten.split_with_sizes.default,
+        _aten.diagonal.default,
+        _aten.unfold.default,
+    }
+)
 
 
 @with_x64
@@ -71,12 +98,12 @@ def to_cpu(t) -> torch.Tensor:
 
 
 def _view_read_on_host(t) -> bool:
-    """``t`` is a view of a computed value by torch view ops only (no storage view: as_strided), and
-    its base is small next to it (``HOST_VIEW_SLACK_BYTES``)."""
+    """``t`` is a view of a computed value by ``HOST_VIEW_OPS`` only, and its base is small next to
+    it (``HOST_VIEW_SLACK_BYTES``)."""
     if state.STATE.tracing or state.STATE.execution_guard is not None:
         return False  # a capture (st.compile) sees reads as runs, as materialize() makes them
     cell = t._cell
-    if cell.is_pending() or isinstance(cell.value, Failed) or any(step.func is None for step in t._chain):
+    if cell.is_pending() or isinstance(cell.value, Failed) or any(s.func not in HOST_VIEW_OPS for s in t._chain):
         return False
     itemsize = t.element_size()
     base, view = math.prod(cell.shape) * itemsize, t.numel() * itemsize
