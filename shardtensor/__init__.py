@@ -59,6 +59,7 @@ from shardtensor.distributed import launch, LaunchError, rendezvous, mesh_reduce
 from shardtensor.distributed import all_reduce, all_gather, reduce_scatter, all_to_all, collective_permute  # noqa: F401
 from shardtensor.distributed import REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX  # noqa: F401
 from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F401
+from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 # isort: on
 
 P = PartitionSpec
@@ -158,6 +159,7 @@ __all__ = [
     "visualize_tensor_sharding",
     "explain",
     "Explanation",
+    "generate",
     # saving (checkpoints: shardtensor.checkpoint)
     "serialization",
     "save",

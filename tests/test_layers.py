@@ -37,7 +37,7 @@ LAYERS = [
             "serialization",
         },
     ),
-    ("L7", {"fsdp", "data", "tensor_parallel", "demo"}),
+    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
 

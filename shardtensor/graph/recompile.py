@@ -403,6 +403,16 @@ _BY_SITE: dict = {}  # (file, line, skeleton hash) -> [compiles, the key compile
 _BY_SITE_LIMIT = 20_000  # distinct (line, structure) pairs remembered (a huge sweep forgets the oldest half)
 
 
+def _generation_hint(site) -> str:
+    """Hugging Face's decoding loop grows its tensors every token: name the way out."""
+    if site is None or not str(site[2]).startswith("transformers.generation"):
+        return ""
+    return (
+        " In Hugging Face generate, every new token is a new shape: st.generate(model, input_ids, ...) "
+        "runs it as two programs (docs/generation.md)."
+    )
+
+
 def _ordinal(n: int) -> str:
     suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
     return f"{n}{suffix}"
@@ -437,7 +447,7 @@ def note_compile(program, leaf_cells) -> str | None:
         f"{_site_text(site)} compiled a graph of the same structure for the {_ordinal(entry[0])} time "
         f"({len(key[0])} ops): {why} [since its previous compile there]. Each compile spends time in "
         "XLA: keep input shapes, dtypes, shardings and Python scalar types fixed from one call to the "
-        "next (pad the last batch, or drop it)."
+        f"next (pad the last batch, or drop it).{_generation_hint(site)}"
     )
     _LOG.warning("%s", message)
     return message

@@ -1,0 +1,221 @@
+"""Issue 16 §1 / issue 18: Hugging Face generation on shardtensor in a fixed number of programs.
+
+``st.generate`` (docs/generation.md) runs ``model.generate`` with transformers' static KV cache, the
+token bookkeeping on the host and the prompt left-padded to a bucket: the prefill and the decode step
+are the only programs, whatever the number of new tokens, and a second prompt of another length in
+the same bucket compiles nothing. Greedy tokens are compared with the same model's ``generate`` in
+eager torch on CPU: the token ids must be equal (a wrong logit would almost surely change an argmax
+within 10 tokens of a random model). Models are tiny random-init GPT-2, Llama and T5 configs (no
+download); also: the weights sharded tensor-parallel, the growing cache, the frozen decode step.
+"""
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+import shardtensor as st
+from _training_helpers import fresh_executable_cache, reset_state
+
+NEW_TOKENS = 10
+VOCAB = 128
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    reset_state()
+    previous = st.get_global_mesh()
+    yield
+    st.set_global_mesh(previous)
+    reset_state()
+
+
+def tiny(kind: str):
+    """A random-init 2-layer causal LM: 'gpt2' or 'llama' (grouped-query attention)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = GPT2Config(
+            n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=1, eos_token_id=None
+        )
+        return GPT2LMHeadModel(config).eval()
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def compiles() -> int:
+    return st.counter_value("UncachedCompile") or 0
+
+
+GREEDY = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "pad_token_id": 0}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_static_cache_generate_compiles_prefill_and_decode_once(kind):
+    model = tiny(kind)
+    torch.manual_seed(1)
+    first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))
+    expected = [model.generate(first, **GREEDY), model.generate(second, **GREEDY)]
+
+    model.to(st.device())
+    st.sync()  # the parameters' upload is not part of generation
+    fresh_executable_cache()
+    before = compiles()
+    out = st.generate(model, first, **GREEDY)
+    assert out.device == first.device  # the result comes back where the prompt was
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+    assert compiles() - before == 2  # the prefill and the decode step, for all 10 tokens
+
+    before = compiles()
+    torch.testing.assert_close(st.generate(model, second, **GREEDY), expected[1], rtol=0, atol=0)
+    assert compiles() == before  # 12 tokens pad to the same bucket (16) as 7: both programs reused
+
+    # an EOS token (here: the third new token) stops generation as on CPU, in the same programs
+    eos = int(expected[1][0, 14])
+    stop = 12 + next(i for i in range(NEW_TOKENS) if int(expected[1][0, 12 + i]) == eos) + 1
+    out = st.generate(model, second, **dict(GREEDY, eos_token_id=eos))
+    torch.testing.assert_close(out, expected[1][:, :stop], rtol=0, atol=0)
+    assert compiles() == before
+
+
+def test_compiled_decode_step_is_replayed_frozen():
+    """compile_decode=True: transformers torch.compiles the decode step with shardtensor's backend; it
+    is captured once and replayed frozen for every later token (CompileReplay), tokens unchanged."""
+    model = tiny("gpt2")
+    torch.manual_seed(5)
+    ids = torch.randint(3, VOCAB, (1, 7))
+    expected = model.generate(ids, **GREEDY)
+    model.to(st.device())
+    st.sync()
+    try:
+        replays = st.counter_value("CompileReplay") or 0
+        out = st.generate(model, ids, compile_decode=True, **GREEDY)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert (st.counter_value("CompileReplay") or 0) - replays >= NEW_TOKENS - 3  # all but the first steps
+    finally:
+        torch._dynamo.reset()  # the compiled call is the model's; Dynamo's caches are process-wide
+
+
+def test_growing_cache_compiles_per_bucket():
+    """cache_implementation="dynamic": the cache starts at the prompt's bucket (16) and doubles when
+    full; 10 tokens after a 7-token prompt are the prefill, the step that grows it to 32 and the
+    steady step at 32. The next prompt (12 tokens) reuses them; tokens as in eager torch."""
+    model = tiny("gpt2")
+    torch.manual_seed(4)
+    first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))
+    expected = [model.generate(first, **GREEDY), model.generate(second, **GREEDY)]
+
+    model.to(st.device())
+    st.sync()
+    fresh_executable_cache()
+    before = compiles()
+    out = st.generate(model, first, cache_implementation="dynamic", **GREEDY)
+    torch.testing.assert_close(out, expected[0], rtol=0, atol=0)
+    assert compiles() - before == 3
+    before = compiles()
+    out = st.generate(model, second, cache_implementation="dynamic", **GREEDY)
+    torch.testing.assert_close(out, expected[1], rtol=0, atol=0)
+    assert compiles() == before
+
+
+def test_prompt_on_device_and_batched_left_padding():
+    """input_ids on st.device() come back there; a batch left-padded by the user (attention_mask)
+    keeps its own padding and gets the bucket's on top, tokens as on CPU."""
+    model = tiny("llama")
+    torch.manual_seed(2)
+    ids = torch.randint(3, VOCAB, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0  # the second prompt is 4 tokens, left-padded by the "tokenizer"
+    expected = model.generate(ids, attention_mask=mask, **GREEDY)
+
+    model.to(st.device())
+    out = st.generate(model, ids.to(st.device()), attention_mask=mask, **GREEDY)
+    assert out.device.type == "shardtensor"
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+
+
+def test_sharded_weights_tensor_parallel():
+    """The GPT-2's attention and MLP weights sharded Megatron-style over the 'model' axis of a (4, 2)
+    mesh: the same tokens as eager torch, and still two programs."""
+    model = tiny("gpt2")
+    torch.manual_seed(3)
+    ids = torch.randint(3, VOCAB, (1, 9))
+    expected = model.generate(ids, **GREEDY)
+
+    mesh = st.Mesh(range(8), (4, 2), ("data", "model"))
+    st.set_global_mesh(mesh)
+    model.to(st.device())
+    for block in model.transformer.h:  # GPT-2's Conv1D weights are (in, out)
+        for column in (block.attn.c_attn, block.mlp.c_fc):  # split the output features
+            st.mark_sharding(column.weight, mesh, (None, "model"))
+            st.mark_sharding(column.bias, mesh, ("model",))
+        for row in (block.attn.c_proj, block.mlp.c_proj):  # split the input features
+            st.mark_sharding(row.weight, mesh, ("model", None))
+    st.sync()
+    fresh_executable_cache()
+    before = compiles()
+    torch.testing.assert_close(st.generate(model, ids, **GREEDY), expected, rtol=0, atol=0)
+    assert compiles() - before == 2
+    assert model.transformer.h[0].mlp.c_fc.weight.partition_spec == st.P(None, "model")  # still sharded
+
+
+def test_encoder_decoder():
+    """T5: st.generate runs the encoder on the device once, then the decoder's prefill and decode step;
+    a prompt of another length in the bucket compiles nothing; tokens as in eager torch."""
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))
+    expected = [model.generate(first, **greedy), model.generate(second, **greedy)]
+
+    model.to(st.device())
+    st.sync()
+    torch.testing.assert_close(st.generate(model, first, **greedy), expected[0], rtol=0, atol=0)
+    before = compiles()
+    torch.testing.assert_close(st.generate(model, second, **greedy), expected[1], rtol=0, atol=0)
+    assert compiles() == before
+
+
+def test_recompile_warning_in_generate_names_st_generate():
+    from shardtensor.graph import recompile
+
+    assert "st.generate" in recompile._generation_hint(("utils.py", 3248, "transformers.generation.utils"))
+    assert recompile._generation_hint(("train.py", 3, "__main__")) == ""
+
+
+def test_bucket_length_and_bad_input():
+    assert [st.generation.bucket_length(n) for n in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]
+    model = tiny("gpt2")
+    with pytest.raises(ValueError, match="2-D tensor"):
+        st.generate(model, torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="not 'offloaded'"):
+        st.generate(model, torch.tensor([[1, 2, 3]]), cache_implementation="offloaded")
+    with pytest.raises(ValueError, match="compile_decode=True needs the static cache"):
+        st.generate(model, torch.tensor([[1, 2, 3]]), cache_implementation="dynamic", compile_decode=True)
+    with pytest.raises(ValueError, match="makes its own cache"):
+        st.generate(model, torch.tensor([[1, 2, 3]]), cache=None)
