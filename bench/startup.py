@@ -8,7 +8,9 @@ before step 1, so that step 1 runs the steady program). Every process builds the
 devices first (not timed), then times steps 1, 2 and 3 in wall and CPU seconds.
 
 Printed per configuration: the first step's wall and CPU seconds and their ratios to JAX's first step,
-step 2 (a second compile shows here), the programs compiled during steps 1-2, and where step 1's time
+step 2 (a second compile shows here), the start-up until the steady program runs (``st.prime_optimizer``
++ steps 1 and 2, wall and CPU, and the CPU ratio to JAX's steps 1 and 2), the programs compiled (or
+loaded from the persistent cache) during steps 1-2, and where step 1's time
 went: recording (the Python of the step: the model, autograd, the optimizer, shardtensor's dispatch;
 for ``st.compile`` the traced call), torch's meta kernels (output shapes, part of recording), tracing
 the lowerings into a jaxpr (``jax.jit`` of the replay), lowering to StableHLO, XLA's compile, and the
@@ -52,7 +54,7 @@ CONFIGS = [
     "compile+cap+prime",
 ]
 # one step's time, split by what it spent it on (seconds)
-PARTS = ["record", "meta", "jaxpr", "stablehlo", "xla", "rest"]
+PARTS = ["record", "meta", "jaxpr", "stablehlo", "xla", "rest", "gc"]
 
 
 # ---- one configuration, in its own process ----------------------------------------------------
@@ -87,6 +89,23 @@ class _JaxEvents:
 
     def snapshot(self):
         return dict(self.seconds), self.compiled, self.loaded
+
+
+def _time_garbage_collection():
+    """Time Python's garbage collections (a full one, in a process holding torch and jax, can take
+    half a second wherever it falls: recording, lowering, JAX's trace); returns the running total."""
+    import gc
+
+    total, start = [0.0], [0.0]
+
+    def callback(phase, info):
+        if phase == "start":
+            start[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - start[0]
+
+    gc.callbacks.append(callback)
+    return total
 
 
 def _time_meta_kernels():
@@ -138,6 +157,7 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
             st.initialize_cache(cache_dir)
     events = _JaxEvents()
     meta_seconds = _time_meta_kernels()
+    gc_seconds = _time_garbage_collection()
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in (tvj.MLP() if kind == "mlp" else tvj.GPT()).state_dict().items()}
     mesh = st.Mesh(range(8), (8,), ("fsdp",))
@@ -146,20 +166,18 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
     if config == "jax":
         run = tvj.JaxRun(kind, state, mesh.get_jax_mesh())
     else:
-        run = tvj.ShardtensorRun(
-            kind, state, mesh, compiled=config.startswith("compile"), capturable="cap" in flags_
-        )
+        run = tvj.ShardtensorRun(kind, state, mesh, compiled=config.startswith("compile"), capturable="cap" in flags_)
     jax.effects_barrier()
-    prime_seconds = 0.0
+    prime_seconds = prime_cpu = 0.0
     if "prime" in flags_:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         st.prime_optimizer(run.opt)
-        prime_seconds = time.perf_counter() - t0
-    out: dict = {"kind": kind, "config": config, "steps": [], "prime": prime_seconds}
+        prime_seconds, prime_cpu = time.perf_counter() - t0, time.process_time() - c0
+    out: dict = {"kind": kind, "config": config, "steps": [], "prime": prime_seconds, "prime_cpu": prime_cpu}
     uncached = 0
     for x, y in batches:
         before, compiled0, loaded0 = events.snapshot()
-        meta0 = meta_seconds[0]
+        meta0, gc0 = meta_seconds[0], gc_seconds[0]
         if config != "jax":
             uncached = st.counter_value("UncachedCompile") or 0
         tracing0 = _lazy_tracing() if config != "jax" else 0.0
@@ -169,6 +187,7 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
         after, compiled1, loaded1 = events.snapshot()
         parts = {k: after[k] - before[k] for k in after}
         parts["meta"] = meta_seconds[0] - meta0
+        parts["gc"] = gc_seconds[0] - gc0
         # recording: the wall time from the step's first op to the start of its program's build
         parts["record"] = _lazy_tracing() - tracing0 if config != "jax" else 0.0
         parts["rest"] = max(0.0, wall - parts["record"] - parts["jaxpr"] - parts["stablehlo"] - parts["xla"])
@@ -202,23 +221,29 @@ def _spawn(kind, config, steps, cache_dir=None) -> dict:
     return json.loads(lines[-1])
 
 
-def _row(name, r, jax_first, extra=""):
+def _startup(r, key):
+    """Seconds until the steady program runs: priming (if any) + steps 1 and 2."""
+    return r["prime" if key == "wall" else "prime_cpu"] + r["steps"][0][key] + r["steps"][1][key]
+
+
+def _row(name, r, jax_run):
     s1, s2 = r["steps"][0], r["steps"][1]
+    j1 = jax_run["steps"][0]
     p = s1["parts"]
     programs = s1["compiled"] + s1["loaded"] + s2["compiled"] + s2["loaded"]
     return (
-        f"{name:20s} {s1['wall']:6.2f} {s1['wall'] / jax_first['wall']:5.2f}x {s1['cpu']:6.2f} "
-        f"{s1['cpu'] / jax_first['cpu']:5.2f}x {s2['wall']:6.2f} {programs:4d}  "
+        f"{name:18s} {s1['wall']:6.2f} {s1['wall'] / j1['wall']:5.2f}x {s1['cpu']:6.2f} {s1['cpu'] / j1['cpu']:5.2f}x "
+        f"{s2['wall']:6.2f} {_startup(r, 'wall'):6.2f} {_startup(r, 'cpu'):6.2f} "
+        f"{_startup(r, 'cpu') / _startup(jax_run, 'cpu'):5.2f}x {programs:4d}  "
         + " ".join(f"{p[k]:5.2f}" for k in PARTS)
-        + extra
     )
 
 
 def _header(title):
     print(f"\n== {title}")
     print(
-        f"{'':20s} {'step 1':>6s} {'xJAX':>6s} {'cpu 1':>6s} {'xJAX':>6s} {'step 2':>6s} {'prog':>4s}  "
-        + " ".join(f"{k:>5s}" for k in PARTS)
+        f"{'':18s} {'step 1':>6s} {'xJAX':>6s} {'cpu 1':>6s} {'xJAX':>6s} {'step 2':>6s} {'1+2':>6s} {'cpu1+2':>6s} "
+        f"{'xJAX':>6s} {'prog':>4s}  " + " ".join(f"{k:>5s}" for k in PARTS)
     )
 
 
@@ -241,12 +266,9 @@ def main():
     )
     for kind in ["mlp", "gpt"] if a.model == "both" else [a.model]:
         results = {c: _spawn(kind, c, a.steps) for c in configs}
-        jax_first = results["jax"]["steps"][0]
         _header(f"{kind}: first steps, fresh processes, 8 devices, AdamW")
         for c in configs:
-            prime = results[c]["prime"]
-            _row_text = _row(c, results[c], jax_first, f"   (prime_optimizer {prime:.2f}s)" if prime else "")
-            print(_row_text)
+            print(_row(c, results[c], results["jax"]))
         losses = {c: round(r["steps"][1]["loss"], 5) for c, r in results.items()}
         print("step-2 losses:", losses)
         if a.cache:
@@ -255,10 +277,9 @@ def main():
                 with tempfile.TemporaryDirectory(prefix="st_startup_cache_") as d:
                     _spawn(kind, c, 2, d)  # fills the cache
                     warm[c] = _spawn(kind, c, 2, d)
-            jax_warm = warm["jax"]["steps"][0]
             _header(f"{kind}: warm persistent cache (second process)")
             for c in configs:
-                print(_row(c, warm[c], jax_warm))
+                print(_row(c, warm[c], warm["jax"]))
 
 
 if __name__ == "__main__":
