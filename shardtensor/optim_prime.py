@@ -63,9 +63,11 @@ def prime_optimizer(optimizer: _Optimizer) -> _Optimizer:
 
     Call it after building the optimizer and before the first training step: step 1 then runs the
     same program as every later step (one compile at start-up, not two), and its results equal
-    eager torch's. Parameters that already have state (a loaded checkpoint) keep it; the parameters'
-    values and gradients are not changed. State tensors shaped like their parameter are laid out
-    like it. Pending work runs first, as with ``st.sync()``.
+    eager torch's. Every parameter that requires grad gets its state (torch would skip one that never
+    gets a gradient); parameters that already have state (a loaded checkpoint) keep it; the parameters'
+    values and gradients are not changed. State tensors shaped like their parameter are laid out like
+    it. The optimizer's step hooks run once, on stand-ins. Pending work runs first, as with
+    ``st.sync()``.
 
     Supported: ``torch.optim`` Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adadelta, Adagrad, ASGD,
     Rprop and their subclasses, and SGD without momentum (no state); a wrapper holding the optimizer
@@ -93,7 +95,12 @@ def prime_optimizer(optimizer: _Optimizer) -> _Optimizer:
             f"prime_optimizer cannot create {type(target).__name__}'s state exactly in advance (supported: "
             f"{names}; SGD without momentum). Run its first step as usual: it compiles one more program."
         )
-    pending = [(g, i, p) for g in target.param_groups for i, p in enumerate(g["params"]) if not target.state.get(p)]
+    pending = [
+        (g, i, p)
+        for g in target.param_groups
+        for i, p in enumerate(g["params"])
+        if p.requires_grad and not target.state.get(p)  # (a frozen parameter never gets a gradient)
+    ]
     if not pending:
         sync()
         return optimizer

@@ -67,8 +67,10 @@ def test_primed_steps_equal_torch_and_compile_once(mode, capturable):
 def test_existing_state_is_kept_and_unsupported_optimizers_raise():
     _, dev = make_pair(MLP)
     opt = torch.optim.Adam(dev.parameters(), lr=0.1)
-    first = next(dev.parameters())
+    first, *_, frozen = dev.parameters()
+    frozen.requires_grad_(False)
     st.prime_optimizer(opt)
+    assert frozen not in opt.state  # it never gets a gradient: torch creates no state for it
     exp_avg = opt.state[first]["exp_avg"]
     st.prime_optimizer(opt)  # a second call finds every parameter's state: nothing changes
     assert opt.state[first]["exp_avg"] is exp_avg
