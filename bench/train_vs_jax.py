@@ -3,7 +3,8 @@ and the same model written directly in JAX (``jax.jit``, donated state). Same in
 batches, same shardings: FSDP-style on 8 simulated devices (every parameter sharded over 'fsdp' on its
 largest dimension, the batch over 'fsdp' too), AdamW.
 
-Prints, per model: median step time and its ratio to JAX, the first step (trace + compile + run),
+Prints, per model: median step time and its ratio to JAX, the first step (trace + compile + run; in
+this process, after the other runs' first steps: bench/startup.py measures start-up in fresh processes),
 Python tracing seconds per step, the losses of the first steps (they must agree), and the collectives
 in each compiled program (count and bytes of each kind).
 
