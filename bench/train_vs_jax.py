@@ -3,7 +3,8 @@ and the same model written directly in JAX (``jax.jit``, donated state). Same in
 batches, same shardings: FSDP-style on 8 simulated devices (every parameter sharded over 'fsdp' on its
 largest dimension, the batch over 'fsdp' too), AdamW.
 
-Prints, per model: median step time and its ratio to JAX, the first step (trace + compile + run),
+Prints, per model: median step time and its ratio to JAX, the first step (trace + compile + run; in
+this process, after the other runs' first steps: bench/startup.py measures start-up in fresh processes),
 Python tracing seconds per step, the losses of the first steps (they must agree), and the collectives
 in each compiled program (count and bytes of each kind).
 
@@ -197,9 +198,10 @@ def make_batches(kind, n, seed=0):
 
 class ShardtensorRun:
     """One training step, lazy (``st.step()``) or ``st.compile``d. ``model``: one already on the
-    devices and sharded (bench/fsdp.py's FSDPv2 GPT); else the MLP or GPT, FSDP-style."""
+    devices and sharded (bench/fsdp.py's FSDPv2 GPT); else the MLP or GPT, FSDP-style. ``capturable``:
+    AdamW's step counts on the devices (True) or on the host."""
 
-    def __init__(self, kind, state_dict, mesh, compiled, model=None):
+    def __init__(self, kind, state_dict, mesh, compiled, model=None, capturable=True):
         if model is None:
             model = (MLP() if kind == "mlp" else GPT()).to(st.device())
             model.load_state_dict(state_dict)
@@ -207,7 +209,7 @@ class ShardtensorRun:
                 st.mark_sharding(p, mesh, fsdp_spec(tuple(p.shape)))
         self.model = model
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True
+            self.model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=capturable
         )
         self.mesh, self.kind, self.compiled = mesh, kind, compiled
         self.trace_seconds = []
@@ -244,7 +246,9 @@ class JaxRun:
         self.params = {k: shard(jnp.asarray(v.numpy())) for k, v in state_dict.items()}
         self.m = {k: jnp.zeros_like(v) for k, v in self.params.items()}
         self.v = {k: jnp.zeros_like(v) for k, v in self.params.items()}
-        self.count = jnp.zeros((), jnp.float32)
+        # committed to the mesh like the step's output, so that step 2 reuses step 1's program (an
+        # uncommitted scalar here makes jit compile the step twice)
+        self.count = jax.device_put(jnp.zeros((), jnp.float32), NamedSharding(jmesh, JP()))
         self.jmesh = jmesh
         forward = jax_mlp if kind == "mlp" else functools.partial(jax_gpt, remat=remat)
 

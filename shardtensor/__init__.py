@@ -49,6 +49,7 @@ from shardtensor.metrics import (  # noqa: F401
 from shardtensor.runtime import initialize_cache  # noqa: F401
 from shardtensor.data import MpDeviceLoader  # noqa: F401
 from shardtensor.nn_utils import clip_grad_norm_, keep_optimizer_state_sharded, place_optimizer_state  # noqa: F401
+from shardtensor.optim_prime import prime_optimizer  # noqa: F401
 from shardtensor.debug import visualize_sharding, visualize_tensor_sharding  # noqa: F401
 from shardtensor.explain import explain, Explanation  # noqa: F401
 from shardtensor import serialization  # noqa: F401
@@ -155,6 +156,7 @@ __all__ = [
     "MpDeviceLoader",
     "clip_grad_norm_",
     "place_optimizer_state",
+    "prime_optimizer",
     "keep_optimizer_state_sharded",
     "visualize_sharding",
     "visualize_tensor_sharding",

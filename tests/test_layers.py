@@ -31,6 +31,7 @@ LAYERS = [
             "explain",
             "debug",
             "nn_utils",
+            "optim_prime",
             "dynamo_backend",
             "checkpoint",
             "distributed",
