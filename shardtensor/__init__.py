@@ -152,7 +152,6 @@ __all__ = [
     "clear_metrics",
     "clear_all",
     # data, utilities, debugging
-    "generate",
     "MpDeviceLoader",
     "clip_grad_norm_",
     "place_optimizer_state",
