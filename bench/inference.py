@@ -20,7 +20,8 @@ its error in the table's cell; the rest of the run goes on.
 
 Generation: ``model.generate(ids, max_new_tokens=N)`` (greedy) of tiny random GPT-2 and Llama
 configs, with the default dynamic KV cache and ``cache_implementation="static"``, in eager torch and
-in lazy shardtensor: tokens/s of the first call (compiles included) and of a second call with the
+in lazy shardtensor (the ids on the device: a program per token), then through ``st.generate``
+(static cache, and its growing cache for "dynamic"): tokens/s of the first call (compiles included) and of a second call with the
 same prompt (eager: the faster of two calls), the programs compiled by each
 (``st.counter_value("UncachedCompile")``), and whether the tokens equal eager torch's. The generation
 part runs on 8 devices only by default (``--gen-devices``).
@@ -311,20 +312,26 @@ def bench_generation(name, args, n_devices, log):
         rows.append(row)
     dev_model = model.to(st.device())
     dev_ids, dev_mask = ids.to(st.device()), mask.to(st.device())
-    for cache, extra in caches.items():
-        row = dict(model=name, cache=cache, mode="lazy", devices=n_devices, tok_s=[], compiles=[])
+    # model.generate with the ids on the device (one program per token), then st.generate (two programs)
+    runs = [("lazy", cache, extra) for cache, extra in caches.items()]
+    runs += [("st.generate", "static", {}), ("st.generate", "dynamic", {"cache_implementation": "dynamic"})]
+    for mode, cache, extra in runs:
+        row = dict(model=name, cache=cache, mode=mode, devices=n_devices, tok_s=[], compiles=[])
         try:
             for _ in range(2):
                 compiles = st.counter_value("UncachedCompile") or 0
                 t0 = time.perf_counter()
-                out = dev_model.generate(dev_ids, attention_mask=dev_mask, **opts, **extra).cpu()
+                if mode == "lazy":
+                    out = dev_model.generate(dev_ids, attention_mask=dev_mask, **opts, **extra).cpu()
+                else:
+                    out = st.generate(dev_model, ids, attention_mask=mask, **opts, **extra).cpu()
                 row["tok_s"].append(new_tokens / (time.perf_counter() - t0))
                 row["compiles"].append((st.counter_value("UncachedCompile") or 0) - compiles)
             row["ok"] = out.shape == refs[cache].shape and bool((out == refs[cache]).all())
-            log(f"{name:6s} {cache:8s} lazy tok/s {row['tok_s']} compiles {row['compiles']} equal {row['ok']}")
+            log(f"{name:6s} {cache:8s} {mode} tok/s {row['tok_s']} compiles {row['compiles']} equal {row['ok']}")
         except Exception as e:  # the table shows it; the rest of the run goes on
             row["error"] = _short(e)
-            log(f"{name:6s} {cache:8s} lazy FAILED {row['error']}")
+            log(f"{name:6s} {cache:8s} {mode} FAILED {row['error']}")
         rows.append(row)
     return rows
 
@@ -429,21 +436,22 @@ def print_tables(all_results, args):
             "tok/s of the 1st call (compiles included) / 2nd call; programs compiled by each call."
         )
         print(
-            f"{'model':6s} {'cache':8s} {'dev':>3s} {'eager tok/s':>16s} {'lazy tok/s':>16s} {'time/eager':>12s} "
-            f"{'compiles':>9s} {'tokens':>6s}"
+            f"{'model':6s} {'cache':8s} {'way':11s} {'dev':>3s} {'eager tok/s':>16s} {'tok/s':>16s} "
+            f"{'time/eager':>12s} {'compiles':>9s} {'tokens':>6s}"
         )
         for res in all_results:
             eager = {(r["model"], r["cache"]): r for r in res["generation"] if r["mode"] == "eager"}
             for row in res["generation"]:
-                if row["mode"] != "lazy":
+                if row["mode"] == "eager":
                     continue
                 e = eager[(row["model"], row["cache"])]
                 lead = (
-                    f"{row['model']:6s} {row['cache']:8s} {res['devices']:3d} "
+                    f"{row['model']:6s} {row['cache']:8s} {row['mode']:11s} {res['devices']:3d} "
                     + f"{e['tok_s'][0]:7.0f} /{e['tok_s'][1]:7.0f} "
                 )
                 if "error" in row:
-                    failures.append((res["devices"], row["model"], f"generate, {row['cache']} cache", row["error"]))
+                    where = f"{row['mode']}, {row['cache']} cache"
+                    failures.append((res["devices"], row["model"], where, row["error"]))
                     print(lead + "FAILED (see below)")
                     continue
                 ratio = e["tok_s"][1] / row["tok_s"][1]  # the 2nd calls' time per token, lazy over eager
