@@ -31,7 +31,7 @@ aten = torch.ops.aten
 def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, ShardedTensor):
         refs.append(views.read(value))
-        return ("T", value.shape, value.dtype, value.stride(), value.storage_offset())
+        return value._sig or signature(value)
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and value.device.type == "cpu":
             refs.append(ScalarLeaf(value.item()))
@@ -50,6 +50,16 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, torch.Generator):
         return ("X", None)
     return ("X", value)
+
+
+def signature(t: ShardedTensor) -> tuple:
+    """A ShardedTensor's template entry ("T", shape, dtype, strides, storage offset), read from torch
+    and kept on the tensor (``ShardedTensor._sig``) until its geometry changes.
+
+    Example: ``signature(x.t())[3] == x.t().stride()``.
+    """
+    sig = t._sig = ("T", tuple(t.shape), t.dtype, t.stride(), t.storage_offset())
+    return sig
 
 
 def device_mismatch(value):
@@ -83,9 +93,16 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
     f = facts(func)
     refs: list = []
     slots = f.scalar_slots | runtime_floats if runtime_floats else f.scalar_slots
-    pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
-    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
-    return (pos, kw), refs
+    pos = []
+    for i, a in enumerate(args):
+        if isinstance(a, ShardedTensor) and not a._chain:  # the commonest argument, inline
+            v = a._cell.value
+            refs.append(v if type(v) is Pending else views.base_ref(a._cell))
+            pos.append(a._sig or signature(a))
+        else:
+            pos.append(_encode(a, i in slots, static_scalars, refs))
+    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()) if kwargs else ()
+    return (tuple(pos), kw), refs
 
 
 # --- plans: everything about an op signature that does not depend on values ------------------------
