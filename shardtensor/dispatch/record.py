@@ -113,6 +113,7 @@ class Plan:
     outs: tuple  # (shape, dtype) or None per flat output
     structure: str | tuple  # "one" | "tuple" | "list" | group sizes of a tuple of lists (meta.regroup)
     random: bool
+    single: bool = False  # one tensor result, no random key: the commonest op, with a short path
 
 
 _PLANS: dict = {}
@@ -157,7 +158,8 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         out = tuple(None if d is None else (o if o.dtype == d else o.astype(d)) for o, d in zip(out, expected))
         return out + (key,) if random else out
 
-    return Plan(caller, (func, template), outs, structure, random)
+    single = structure == "one" and not random and outs[0] is not None and len(outs[0]) > 2
+    return Plan(caller, (func, template), outs, structure, random, single)
 
 
 def record(func, args, kwargs):
@@ -172,6 +174,8 @@ def record(func, args, kwargs):
         refs.insert(0, rng.current())
     site = checks.user_site() if lowering.checked and checks.checks_enabled() else None
     node = Node(plan.caller, plan.key, tuple(refs), site)
+    if plan.single:
+        return [Pending(node, 0)], plan
     n = len(plan.outs)
     out_refs = [None if o is None else Pending(node, i) for i, o in enumerate(plan.outs)]
     if plan.random:
@@ -234,7 +238,14 @@ def wrap(func, out_refs, plan=None):
 
 def record_and_wrap(func, args, kwargs):
     """Record ``func`` and return its results as ShardedTensors (or a decomposition's results)."""
-    return wrap(func, *record(func, args, kwargs))
+    out_refs, plan = record(func, args, kwargs)
+    if plan is not None and plan.single and not STATE.eager:  # wrap()'s work for one lazy result
+        ref = out_refs[0]
+        shape, dtype, strides = plan.outs[0][:3]
+        cell = Cell(ref, shape, dtype)
+        set_pending(cell, ref)
+        return ShardedTensor(cell, strides=strides)
+    return wrap(func, out_refs, plan)
 
 
 def new_tensors(refs, metas):

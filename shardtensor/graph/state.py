@@ -18,13 +18,12 @@ the user's JAX keeps its own setting.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
-from shardtensor.runtime import check_not_forked, forked_after_start, with_x64
+from shardtensor.runtime import with_x64
 
 ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
 _THREAD_PENDING: list = []  # weak references to every thread's pending dict
@@ -41,14 +40,7 @@ def locked(fn):
         def manual_seed(seed): ...
     """
 
-    @functools.wraps(fn)
-    def run_locked(*args, **kwargs):
-        if forked_after_start():  # in a forked child the lock may be held by a thread that is gone
-            check_not_forked(f"use {fn.__name__}()")
-        with ENGINE_LOCK:
-            return fn(*args, **kwargs)
-
-    return with_x64(run_locked)
+    return with_x64(fn, lock=ENGINE_LOCK)  # (also checks first that the process was not forked)
 
 
 class _PendingCells(dict):
