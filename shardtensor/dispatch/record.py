@@ -120,9 +120,11 @@ _PLANS: dict = {}
 
 
 def plan_for(func, template, args, kwargs, lowering) -> Plan:
-    key = (func, template)
+    # keyed by id(func): an OpOverload hashes in Python, and this runs for every op (the plan's own
+    # key tells a later op that reuses the id of a deleted custom op apart)
+    key = (id(func), template)
     p = _PLANS.get(key)
-    if p is None:
+    if p is None or p.key[0] is not func:
         p = _PLANS[key] = _make_plan(func, template, args, kwargs, lowering)
     return p
 
