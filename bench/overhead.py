@@ -235,8 +235,8 @@ def bench_floor(ta, tb, args):
     fa, fb = floor(ta), floor(tb)
     torch_chain(fa, fb, args.ops)
     wall, cpu = [], []
-    for _ in range(max(args.steps, 20)):
-        gc.collect()
+    gc.collect()
+    for _ in range(max(args.steps, 20)):  # (no gc.collect() per step: see bench_lazy)
         c0, t0 = time.process_time(), time.perf_counter()
         torch_chain(fa, fb, args.ops)
         cpu.append(time.process_time() - c0)
@@ -247,8 +247,10 @@ def bench_floor(ta, tb, args):
 def bench_lazy(st, a, b, args, want, notes):
     record, step, cpu = [], [], []
     y = None
+    gc.collect()
+    # No gc.collect() per step, as in a user's loop: a full collection also empties Python's free
+    # lists, and the chain recorded next pays to refill them (1-2 us per op here, the floor's too).
     for i in range(args.steps):
-        gc.collect()
         c0, t0 = time.process_time(), time.perf_counter()
         y = torch_chain(a, b, args.ops)
         t1, c1 = time.perf_counter(), time.process_time()

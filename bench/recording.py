@@ -104,9 +104,11 @@ def bench_per_op(args):
     diff = (y.cpu() - want).abs().max().item()
     cpu = {"floor": [], "lazy": []}
     wall = {"floor": [], "lazy": []}
+    gc.collect()
+    # No gc.collect() per rep, as in a user's loop: a full collection also empties Python's free lists,
+    # and the chain that follows pays to refill them (1-2 us per op, the floor's too).
     for _ in range(args.reps):
         for name, x, w in (("floor", fa, fb), ("lazy", a, b)):
-            gc.collect()
             c0, t0 = time.process_time(), time.perf_counter()
             chain(x, w, args.ops)
             c1, t1 = time.process_time(), time.perf_counter()
