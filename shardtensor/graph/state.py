@@ -46,17 +46,17 @@ def locked(fn):
 class _PendingCells(dict):
     """A thread's pending cells: weak reference to cell -> the cell's serial.
 
-    Keyed by the weak reference so that a dying cell removes itself through a callback that is C
-    code (``dict.pop``); a ``WeakValueDictionary`` costs about 1 us of Python per recorded op.
-    Read it only through a ``copy()``: a cell may die (and leave) at any allocation.
+    Keyed by the weak reference so that a dying cell removes itself through a one-line callback; a
+    ``WeakValueDictionary`` costs about 1 us of Python per recorded op. Read it only through a
+    ``copy()``: a cell may die (and leave) at any allocation.
     """
 
     __slots__ = ("__weakref__", "drop")
 
     def __init__(self):
         super().__init__()
-        # a reference's callback: only references still in the dict are alive to call it
-        self.drop = self.pop
+        # a reference's callback (a reference another thread's copy still holds may be gone from here)
+        self.drop = lambda ref, pop=self.pop: pop(ref, None)
 
     def cells(self) -> list:
         """The live cells, in no particular order."""
