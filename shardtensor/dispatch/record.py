@@ -31,7 +31,7 @@ aten = torch.ops.aten
 def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, ShardedTensor):
         refs.append(views.read(value))
-        return ("T", value.shape, value.dtype, value.stride(), value.storage_offset())
+        return value._sig or signature(value)
     if isinstance(value, torch.Tensor):
         if value.dim() == 0 and value.device.type == "cpu":
             refs.append(ScalarLeaf(value.item()))
@@ -50,6 +50,16 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, torch.Generator):
         return ("X", None)
     return ("X", value)
+
+
+def signature(t: ShardedTensor) -> tuple:
+    """A ShardedTensor's template entry ("T", shape, dtype, strides, storage offset), read from torch
+    and kept on the tensor (``ShardedTensor._sig``) until its geometry changes.
+
+    Example: ``signature(x.t())[3] == x.t().stride()``.
+    """
+    sig = t._sig = ("T", tuple(t.shape), t.dtype, t.stride(), t.storage_offset())
+    return sig
 
 
 def device_mismatch(value):
@@ -83,9 +93,16 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
     f = facts(func)
     refs: list = []
     slots = f.scalar_slots | runtime_floats if runtime_floats else f.scalar_slots
-    pos = tuple(_encode(a, i in slots, static_scalars, refs) for i, a in enumerate(args))
-    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items())
-    return (pos, kw), refs
+    pos = []
+    for i, a in enumerate(args):
+        if isinstance(a, ShardedTensor) and not a._chain:  # the commonest argument, inline
+            v = a._cell.value
+            refs.append(v if type(v) is Pending else views.base_ref(a._cell))
+            pos.append(a._sig or signature(a))
+        else:
+            pos.append(_encode(a, i in slots, static_scalars, refs))
+    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()) if kwargs else ()
+    return (tuple(pos), kw), refs
 
 
 # --- plans: everything about an op signature that does not depend on values ------------------------
@@ -96,15 +113,18 @@ class Plan:
     outs: tuple  # (shape, dtype) or None per flat output
     structure: str | tuple  # "one" | "tuple" | "list" | group sizes of a tuple of lists (meta.regroup)
     random: bool
+    single: bool = False  # one tensor result, no random key: the commonest op, with a short path
 
 
 _PLANS: dict = {}
 
 
 def plan_for(func, template, args, kwargs, lowering) -> Plan:
-    key = (func, template)
+    # keyed by id(func): an OpOverload hashes in Python, and this runs for every op (the plan's own
+    # key tells a later op that reuses the id of a deleted custom op apart)
+    key = (id(func), template)
     p = _PLANS.get(key)
-    if p is None:
+    if p is None or p.key[0] is not func:
         p = _PLANS[key] = _make_plan(func, template, args, kwargs, lowering)
     return p
 
@@ -140,7 +160,8 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         out = tuple(None if d is None else (o if o.dtype == d else o.astype(d)) for o, d in zip(out, expected))
         return out + (key,) if random else out
 
-    return Plan(caller, (func, template), outs, structure, random)
+    single = structure == "one" and not random and outs[0] is not None and len(outs[0]) > 2
+    return Plan(caller, (func, template), outs, structure, random, single)
 
 
 def record(func, args, kwargs):
@@ -155,6 +176,8 @@ def record(func, args, kwargs):
         refs.insert(0, rng.current())
     site = checks.user_site() if lowering.checked and checks.checks_enabled() else None
     node = Node(plan.caller, plan.key, tuple(refs), site)
+    if plan.single:
+        return [Pending(node, 0)], plan
     n = len(plan.outs)
     out_refs = [None if o is None else Pending(node, i) for i, o in enumerate(plan.outs)]
     if plan.random:
@@ -217,7 +240,14 @@ def wrap(func, out_refs, plan=None):
 
 def record_and_wrap(func, args, kwargs):
     """Record ``func`` and return its results as ShardedTensors (or a decomposition's results)."""
-    return wrap(func, *record(func, args, kwargs))
+    out_refs, plan = record(func, args, kwargs)
+    if plan is not None and plan.single and not STATE.eager:  # wrap()'s work for one lazy result
+        ref = out_refs[0]
+        shape, dtype, strides = plan.outs[0][:3]
+        cell = Cell(ref, shape, dtype)
+        set_pending(cell, ref)
+        return ShardedTensor(cell, strides=strides)
+    return wrap(func, out_refs, plan)
 
 
 def new_tensors(refs, metas):

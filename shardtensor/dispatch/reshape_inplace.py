@@ -67,7 +67,7 @@ def _retarget(func, t, cell, chain, shape, strides, offset, storage_of=None, fre
     ext.set_geometry(t, list(shape), list(strides), int(offset))
     if t._is_view():
         ext.forget_view_replay(t)
-    t._cell, t._chain, t._vcache = cell, chain, None
+    t._cell, t._chain, t._vcache, t._sig = cell, chain, None, None
     return t
 
 

@@ -18,13 +18,12 @@ the user's JAX keeps its own setting.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
-from shardtensor.runtime import check_not_forked, with_x64
+from shardtensor.runtime import with_x64
 
 ENGINE_LOCK = threading.RLock()  # re-entrant: a run may start inside an op (.item(), eager mode)
 _THREAD_PENDING: list = []  # weak references to every thread's pending dict
@@ -41,13 +40,27 @@ def locked(fn):
         def manual_seed(seed): ...
     """
 
-    @functools.wraps(fn)
-    def run_locked(*args, **kwargs):
-        check_not_forked(f"use {fn.__name__}()")  # in a forked child the lock may be held by a thread that is gone
-        with ENGINE_LOCK:
-            return fn(*args, **kwargs)
+    return with_x64(fn, lock=ENGINE_LOCK)  # (also checks first that the process was not forked)
 
-    return with_x64(run_locked)
+
+class _PendingCells(dict):
+    """A thread's pending cells: weak reference to cell -> the cell's serial.
+
+    Keyed by the weak reference so that a dying cell removes itself through a one-line callback; a
+    ``WeakValueDictionary`` costs about 1 us of Python per recorded op. Read it only through a
+    ``copy()``: a cell may die (and leave) at any allocation.
+    """
+
+    __slots__ = ("__weakref__", "drop")
+
+    def __init__(self):
+        super().__init__()
+        # a reference's callback (a reference another thread's copy still holds may be gone from here)
+        self.drop = lambda ref, pop=self.pop: pop(ref, None)
+
+    def cells(self) -> list:
+        """The live cells, in no particular order."""
+        return [c for c in (r() for r in self.copy()) if c is not None]
 
 
 class _State(threading.local):
@@ -60,7 +73,7 @@ class _State(threading.local):
     trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
 
     def __init__(self):
-        self.pending: weakref.WeakValueDictionary[int, Cell] = weakref.WeakValueDictionary()  # serial -> cell
+        self.pending = _PendingCells()
         with ENGINE_LOCK:
             _THREAD_PENDING[:] = [r for r in _THREAD_PENDING if r() is not None]
             _THREAD_PENDING.append(weakref.ref(self.pending))
@@ -85,8 +98,7 @@ class UnexpectedExecutionError(RuntimeError):
 def set_pending(cell: Cell, ref: Pending) -> None:
     """Give ``cell`` a new (lazy) value."""
     pending = STATE.pending
-    # the first op of a new graph (.data, WeakValueDictionary's own dict: a C-speed test; typeshed omits it)
-    if STATE.trace_start is None or not pending.data:  # type: ignore[attr-defined]
+    if STATE.trace_start is None or not pending:  # the first op of a new graph
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
     if cell.sharding is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
@@ -96,7 +108,7 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     cell.value = ref
     cell.version += 1
     cell._leaf = None
-    pending[cell.serial] = cell
+    pending[weakref.ref(cell, pending.drop)] = cell.serial  # (an equal key already there stays)
 
 
 def set_concrete(cell: Cell, array, owned: bool) -> None:
@@ -105,14 +117,14 @@ def set_concrete(cell: Cell, array, owned: bool) -> None:
     cell.version += 1
     cell._leaf = None
     cell.owned = owned
-    STATE.pending.pop(cell.serial, None)
+    STATE.pending.pop(weakref.ref(cell), None)
 
 
 def set_failed(cell: Cell, failed) -> None:
     """Give ``cell`` the ``Failed`` value of a graph that could not compute it."""
     cell.value = failed
     cell._leaf = None
-    STATE.pending.pop(cell.serial, None)
+    STATE.pending.pop(weakref.ref(cell), None)
 
 
 def set_computed(cell: Cell, array, owned: bool) -> None:
@@ -120,7 +132,7 @@ def set_computed(cell: Cell, array, owned: bool) -> None:
     cell.value = array
     cell._leaf = None
     cell.owned = owned
-    STATE.pending.pop(cell.serial, None)
+    STATE.pending.pop(weakref.ref(cell), None)
 
 
 def pending_cells() -> list:
@@ -128,14 +140,14 @@ def pending_cells() -> list:
 
     (A cell another thread has computed since is left out.)
     """
-    items = list(STATE.pending.items())
-    items.sort(key=lambda kv: kv[0])
-    return [c for _, c in items if c.is_pending()]
+    cells = [c for c in STATE.pending.cells() if c.is_pending()]
+    cells.sort(key=lambda c: c.serial)
+    return cells
 
 
 def has_pending() -> bool:
     """Whether any live cell this thread recorded is still pending."""
-    return any(c.is_pending() for c in STATE.pending.values())
+    return any(c.is_pending() for c in STATE.pending.cells())
 
 
 def forget_pending() -> None:
@@ -156,7 +168,7 @@ def has_only_pending(cells) -> bool:
     needs this graph's inputs, so they may be donated)."""
     chosen = {id(c) for c in cells}
     mine = STATE.pending
-    if not all(id(c) in chosen or not c.is_pending() for c in mine.values()):
+    if not all(id(c) in chosen or not c.is_pending() for c in mine.cells()):
         return False
     return not others_pending(mine)
 
@@ -166,6 +178,6 @@ def others_pending(mine=None) -> bool:
     mine = STATE.pending if mine is None else mine
     for ref in _THREAD_PENDING:
         other = ref()
-        if other is not None and other is not mine and any(c.is_pending() for c in list(other.values())):
+        if other is not None and other is not mine and any(c.is_pending() for c in other.cells()):
             return True
     return False

@@ -139,17 +139,29 @@ def cell_storage(cell):
     return strides, offset, storage_extent(cell.shape, strides, offset)
 
 
+_CONTIGUOUS: dict = {}  # shape -> strides (a program has few shapes; cleared if it ever grows large)
+
+
 def contiguous_strides(shape) -> tuple:
     """torch's strides of a contiguous tensor of ``shape`` (what ``make_contiguous_strides_for``
     gives, without its symbolic-size machinery: this runs for every new tensor, and that costs ~25 us).
 
     Example: ``contiguous_strides((2, 3)) == (3, 1)``.
     """
+    if not isinstance(shape, tuple):
+        shape = tuple(shape)
+    found = _CONTIGUOUS.get(shape)
+    if found is not None:
+        return found
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
         acc *= max(n, 1)
-    return tuple(reversed(strides))
+    found = tuple(reversed(strides))
+    if len(_CONTIGUOUS) >= 4096:
+        _CONTIGUOUS.clear()
+    _CONTIGUOUS[shape] = found
+    return found
 
 
 def _is_contiguous(shape, strides) -> bool:

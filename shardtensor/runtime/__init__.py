@@ -165,14 +165,35 @@ class x64_scope:
         return False
 
 
-def with_x64(fn):
+def with_x64(fn, lock=None):
     """``fn`` running under `x64_scope` (the decorator form, one flag read when already inside).
+
+    With ``lock``, ``fn`` also runs holding it, taken only after checking that this process was not
+    forked from one running JAX (`check_not_forked`; the lock may be held by a thread that is gone):
+    one wrapper for an engine entry, which runs for every op on a shardtensor tensor.
 
     Example::
 
         @with_x64
         def upload(host, sharding): return jax.device_put(host, sharding)
     """
+    if lock is not None:
+        what = f"use {getattr(fn, '__name__', fn)}()"
+
+        @functools.wraps(fn)
+        def run_locked_with_x64(*args, **kwargs):
+            if _FORKED_AFTER_START[0]:
+                check_not_forked(what)
+            with lock:
+                if _X64.value:
+                    return fn(*args, **kwargs)
+                previous = _X64.swap_local(True)
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _X64.set_local(previous)
+
+        return run_locked_with_x64
 
     @functools.wraps(fn)
     def run_with_x64(*args, **kwargs):

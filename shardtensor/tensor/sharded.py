@@ -79,6 +79,10 @@ class ShardedTensor(torch.Tensor):
 
     _cell: Cell
     _chain: tuple  # view ops from the cell's value to this tensor's value
+    # ("T", shape, dtype, strides, storage offset): this tensor's entry in a recorded op's template
+    # (dispatch.record), known when the tensor is made; None when not known (then read from torch).
+    # Whatever changes the geometry in place (.data =, the in-place view ops) sets it back to None.
+    _sig: tuple | None = None
 
     @staticmethod
     def __new__(
@@ -92,28 +96,33 @@ class ShardedTensor(torch.Tensor):
         storage_offset: int = 0,
     ) -> ShardedTensor:
         shape = tuple(cell.shape if shape is None else shape)
+        dtype = dtype or cell.dtype
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
         # the values themselves are always logical jax arrays
-        r = torch.Tensor._make_wrapper_subclass(
-            cls,
-            shape,
-            strides=strides or contiguous_strides(shape),
-            storage_offset=storage_offset,
-            dtype=dtype or cell.dtype,
-            device=torch_device.device(),
-            requires_grad=requires_grad,
-        )
-        if (
-            not chain
-            and cell.root is None
-            and (strides or storage_offset)
-            and (tuple(strides or ()) != contiguous_strides(shape) or storage_offset)
-        ):
-            # the storage layout of the cell (as_strided and resize_ address storage)
-            cell.root = (tuple(strides or contiguous_strides(shape)), storage_offset)
+        contiguous = contiguous_strides(shape)
+        strides = tuple(strides) if strides else contiguous
+        if strides == contiguous and not storage_offset:
+            # (the shortest call: torch makes these strides itself; this runs for every op's result)
+            r = torch.Tensor._make_wrapper_subclass(
+                cls, shape, dtype=dtype, device=torch_device._DEVICE, requires_grad=requires_grad
+            )
+        else:
+            r = torch.Tensor._make_wrapper_subclass(
+                cls,
+                shape,
+                strides=strides,
+                storage_offset=storage_offset,
+                dtype=dtype,
+                device=torch_device._DEVICE,
+                requires_grad=requires_grad,
+            )
+            if not chain and cell.root is None:
+                # the storage layout of the cell (as_strided and resize_ address storage)
+                cell.root = (strides, storage_offset)
         r._cell = cell
         r._chain = chain
         r._vcache = None
+        r._sig = ("T", shape, dtype, strides, storage_offset)
         return r
 
     # (torch's documented way for a subclass; its stubs give the two attributes other types)
@@ -213,6 +222,7 @@ class ShardedTensor(torch.Tensor):
     def data(self, value: torch.Tensor) -> None:
         # torch's set_data swaps the C++ impl but not our Python attributes: move those too
         torch._C.TensorBase.data.__set__(self, value)  # type: ignore[attr-defined]
+        self._sig = None  # a new geometry
         if isinstance(value, ShardedTensor):
             self._cell, self._chain, self._vcache = value._cell, value._chain, None
 
