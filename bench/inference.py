@@ -21,8 +21,9 @@ its error in the table's cell; the rest of the run goes on.
 Generation: ``model.generate(ids, max_new_tokens=N)`` (greedy) of tiny random GPT-2 and Llama
 configs, with the default dynamic KV cache and ``cache_implementation="static"``, in eager torch and
 in lazy shardtensor (the ids on the device: a program per token), then through ``st.generate``
-(static cache, and its growing cache for "dynamic"): tokens/s of the first call (compiles included) and of a second call with the
-same prompt (eager: the faster of two calls), the programs compiled by each
+(static cache, and its growing cache for "dynamic"): tokens/s of the first call (compiles
+included) and of a second call with the same prompt (eager: the faster of two calls), the programs
+compiled by each
 (``st.counter_value("UncachedCompile")``), and whether the tokens equal eager torch's. The generation
 part runs on 8 devices only by default (``--gen-devices``).
 
