@@ -40,6 +40,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import shardtensor as st  # noqa: E402
+from overhead import _floor_class  # noqa: E402  (bench/overhead.py's floor and program)
+from overhead import torch_chain as chain  # noqa: E402
 
 TARGET_US_PER_OP = 8.0
 TARGET_INFERENCE_RATIO = 1.1
@@ -61,42 +63,14 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- per op
 
 
-def chain(y, b, n_ops):
-    """n_ops elementwise ops (bench/overhead.py's program)."""
-    for i in range(n_ops):
-        k = i % 4
-        if k == 0:
-            y = y + b
-        elif k == 1:
-            y = y * b
-        elif k == 2:
-            y = torch.tanh(y)
-        else:
-            y = y * 0.5
-    return y
-
-
-class Floor(torch.Tensor):
-    """The cheapest tensor subclass with a Python ``__torch_dispatch__``: every op returns its first argument."""
-
-    @staticmethod
-    def __new__(cls, t):
-        return torch.Tensor._make_wrapper_subclass(cls, t.shape, dtype=t.dtype, device=t.device)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # type: ignore[override]
-        return args[0]
-
-
 def bench_per_op(args):
     n = st.global_runtime_device_count()
     mesh = st.Mesh(range(n), (n // 2, 2) if n >= 4 else (n, 1), ("x", "y"))
     torch.manual_seed(0)
     ta, tb = torch.randn(64, 64), torch.randn(64, 64)
     a, b = st.shard(ta, mesh, ("x", None)), st.shard(tb, mesh, ("x", None))
-    fa, fb = Floor(ta), Floor(tb)
+    floor = _floor_class()
+    fa, fb = floor(ta), floor(tb)
     want = chain(ta, tb, args.ops)
     for _ in range(2):  # warm-up: the graph compiles, the plans are memoised
         y = chain(a, b, args.ops)
