@@ -136,3 +136,21 @@ def test_local_shard_renamed_with_deprecated_alias():
         (DeprecationWarning, "shardtensor.tensor.sharded.Shard"),
     }
     assert st.Shard is Shard and st.Shard is not LocalShard
+
+
+def test_redistribute_inside_compile_and_a_lazy_step():
+    mesh = _mesh((4, 2), ("x", "y"))
+    t = torch.randn(8, 6)
+    x = st.distribute_tensor(t, mesh, [Shard(0), Shard(1)])
+
+    @st.compile
+    def twice_replicated_over_x(a):
+        return a.redistribute(mesh, [Replicate(), Shard(0)]) * 2
+
+    y = twice_replicated_over_x(x)
+    assert y.placements == (Replicate(), Shard(0))
+    torch.testing.assert_close(y.full_tensor(), t * 2)
+    with st.step():
+        z = (x + 1).redistribute(mesh, [Shard(1), Replicate()])
+    assert z.placements == (Shard(1), Replicate())
+    torch.testing.assert_close(z.full_tensor(), t + 1)
