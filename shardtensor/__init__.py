@@ -31,7 +31,7 @@ from shardtensor.graph.memory import OutOfDeviceMemoryError, set_device_memory_l
 from shardtensor.graph.waiting import ExecutionFailedError  # noqa: F401
 from shardtensor.graph.aliasing import set_param_aliasing, param_aliasing_enabled  # noqa: F401
 from shardtensor.graph.inflight import ConsumedInputError  # noqa: F401
-from shardtensor.tensor import ShardedTensor, Shard  # noqa: F401
+from shardtensor.tensor import ShardedTensor, LocalShard  # noqa: F401
 from shardtensor.tensor.device import device, devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
@@ -61,6 +61,8 @@ from shardtensor.distributed import all_reduce, all_gather, reduce_scatter, all_
 from shardtensor.distributed import REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX  # noqa: F401
 from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F401
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
+from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
+from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -106,9 +108,17 @@ __all__ = [
     "ShardingSpec",
     "ShardingSpecError",
     "ShardingType",
+    # DTensor's words (shardtensor.tensor_parallel)
+    "Shard",
+    "Replicate",
+    "Partial",
+    "distribute_tensor",
+    "init_device_mesh",
+    "placements_to_spec",
+    "spec_to_placements",
     # tensors and the device
     "ShardedTensor",
-    "Shard",
+    "LocalShard",
     "device",
     "devices",
     "shard",

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from types import EllipsisType
 from typing import Any, cast
@@ -41,6 +42,9 @@ def _no_handler(func: Any, args: tuple, kwargs: dict) -> Any:
 # what __torch_dispatch__ calls: (func, args, kwargs) -> result; set by the dispatch layer
 _HANDLER: Callable[[Any, tuple, dict], Any] = _no_handler
 _DYNAMO_UNFLATTEN = None  # Dynamo's __tensor_unflatten__, set by shardtensor.dynamo_backend
+# DTensor's words (.placements, .redistribute) are L7's (shardtensor.tensor_parallel): it fills these slots
+_PLACEMENTS_FROM_SPEC: Callable[[Mesh, Any, int], Any] | None = None
+_REDISTRIBUTE: Callable[[Any, Any, Any], Any] | None = None
 
 
 def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
@@ -56,6 +60,22 @@ def set_dynamo_unflatten(unflatten) -> None:
     """Install ``__tensor_unflatten__`` for Dynamo (the torch.compile backend's)."""
     global _DYNAMO_UNFLATTEN
     _DYNAMO_UNFLATTEN = unflatten
+
+
+def set_placement_hooks(placements_from_spec: Callable[[Mesh, Any, int], Any], redistribute: Callable) -> None:
+    """Install DTensor's placement words: ``placements_from_spec(mesh, spec, ndim)`` and
+    ``redistribute(tensor, mesh, placements)`` (shardtensor.tensor_parallel's).
+
+    Example: ``set_placement_hooks(placements.spec_to_placements, distribute.redistribute)``.
+    """
+    global _PLACEMENTS_FROM_SPEC, _REDISTRIBUTE
+    _PLACEMENTS_FROM_SPEC, _REDISTRIBUTE = placements_from_spec, redistribute
+
+
+def _placement_hook(hook):
+    if hook is None:
+        raise RuntimeError("placements need shardtensor.tensor_parallel, which `import shardtensor` imports")
+    return hook
 
 
 class _OnlyWhileCompiling:
@@ -157,7 +177,39 @@ class ShardedTensor(torch.Tensor):
         return sh.array_sharding(cell.value, len(cell.shape))[0]
 
     @property
-    def local_shards(self) -> list[Shard]:
+    def device_mesh(self) -> Mesh:
+        """The mesh this tensor's data is laid out over (DTensor's ``device_mesh``).
+
+        Example: ``st.shard(torch.ones(8), mesh, ("x",)).device_mesh == mesh``.
+        """
+        return self._layout()[0]
+
+    @property
+    def placements(self) -> tuple:
+        """DTensor's placements, one per mesh axis: ``Shard(dim)`` or ``Replicate()``.
+
+        Example: ``st.shard(torch.ones(8, 4), mesh42, ("x", None)).placements == (Shard(0), Replicate())``.
+        """
+        mesh, spec = self._layout()
+        return _placement_hook(_PLACEMENTS_FROM_SPEC)(mesh, spec, self.dim())
+
+    def redistribute(self, device_mesh: Mesh | None = None, placements: Sequence | None = None) -> ShardedTensor:
+        """A new tensor with the same values laid out as ``placements`` over ``device_mesh``
+        (DTensor's ``redistribute``; the compiler chooses the collectives).
+
+        Example: ``y = x.redistribute(mesh, [st.Replicate(), st.Shard(0)])``.
+        """
+        return _placement_hook(_REDISTRIBUTE)(self, device_mesh, placements)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole value as a CPU torch tensor (DTensor's ``full_tensor``; autograd flows through it).
+
+        Example: ``torch.testing.assert_close(st.distribute_tensor(t, mesh, [st.Shard(0)]).full_tensor(), t)``.
+        """
+        return self.cpu()
+
+    @property
+    def local_shards(self) -> list[LocalShard]:
         """Each addressable device's shard: ``data`` (padded CPU tensor), ``indices``, ``unpadded_data``,
         ``device`` and ``replica_id``.
 
@@ -172,7 +224,7 @@ class ShardedTensor(torch.Tensor):
         for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
             p = by_id[runtime.device_id(s.device)]
             data = numpy_to_torch(np.asarray(s.data))
-            shards.append(Shard(data, p.indices, f"{s.device.platform.upper()}:{p.device_id}", p.replica_id))
+            shards.append(LocalShard(data, p.indices, f"{s.device.platform.upper()}:{p.device_id}", p.replica_id))
         counters.increment("TransferFromDevice")
         return shards
 
@@ -319,8 +371,8 @@ def _guarded_hook(hook):
 
 
 @dataclasses.dataclass
-class Shard:
-    """One device's piece of a ShardedTensor (PyTorch/XLA's XLAShard)."""
+class LocalShard:
+    """One device's piece of a ShardedTensor (PyTorch/XLA's XLAShard; ``Shard`` before DTensor's ``Shard``)."""
 
     data: torch.Tensor  # padded to the shard shape
     indices: tuple[slice, ...] | EllipsisType  # slices into the global tensor, or Ellipsis when replicated
@@ -345,3 +397,15 @@ class Shard:
 #    to torch.utils.swap_tensors (which fails whenever autograd still references a parameter).
 # The inner "tensor" is a meta tensor of the same shape, dtype and strides: Dynamo fakeifies it and
 # traces with shardtensor.dynamo_backend._TracingShardedTensor. See shardtensor/dynamo_backend.py.
+
+
+def __getattr__(name: str) -> Any:
+    # the old name of LocalShard, kept for a while: st.Shard is now DTensor's placement
+    if name == "Shard":
+        warnings.warn(
+            "shardtensor.tensor.sharded.Shard was renamed LocalShard (st.Shard is now DTensor's placement)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return LocalShard
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
