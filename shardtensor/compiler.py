@@ -21,10 +21,12 @@ replays) has JAX's 64-bit types on; ``fn``'s own Python runs with the caller's J
 from __future__ import annotations
 
 import functools
+import hashlib
 import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -221,8 +223,10 @@ class _Trace:
         program = execution.program if execution else None
         sources, targets = [], []
         if program is not None:
+            donated = set(program.donated)
             for leaf_i, cell in enumerate(execution.leaf_cells):
-                sources.append(_source(cell, execution.arrays[leaf_i], arg_cells, first_serial))
+                array = execution.arrays[leaf_i]
+                sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
             new_count = 0
             for cell in execution.cells:
                 if id(cell) in arg_cells:
@@ -266,12 +270,29 @@ def _hashable(values):
         return repr(values)
 
 
-def _source(cell, array, arg_cells, first_serial):
+_CONSTANT_BYTES_COMPARED = 1 << 20  # host-made inputs up to this size are compared by value
+
+
+def _source(cell, array, arg_cells, first_serial, donated):
+    """Where input ``array`` comes from: ("arg", position, None), ("old", id, weak cell) or
+    ("const", identity, array) for a value made during the call (``torch.tensor(data, device=...)``,
+    a CPU tensor moved to the device).
+
+    A constant's identity is its value (shape, dtype, layout and a digest of its bytes) when it is
+    small and the program does not donate it: the same host data each call then gives equal traces,
+    which freeze and replay that value — exactly what the Python would make again, as for a Python
+    number. A value that changes from call to call makes every trace differ, so the Python keeps
+    running and recomputes it (never a stale replay). Larger constants keep their object's identity:
+    never frozen, nothing hashed.
+    """
     if cell is not None and id(cell) in arg_cells:
         return ("arg", arg_cells[id(cell)], None)
     if cell is not None and cell.serial < first_serial:
         return ("old", id(cell), weakref.ref(cell))
-    return ("const", id(array), array)
+    if donated or array.size * array.dtype.itemsize > _CONSTANT_BYTES_COMPARED:
+        return ("const", id(array), array)
+    digest = hashlib.blake2b(np.ascontiguousarray(np.asarray(array)).tobytes(), digest_size=16).digest()
+    return ("const", (tuple(array.shape), str(array.dtype), array.sharding, digest), array)
 
 
 class _Frozen:
