@@ -47,9 +47,25 @@ def test_a_host_tensor_that_changes_is_never_replayed_stale():
 
     compiled = st.compile(step)
     x = torch.zeros(3, 2)
+    replays = _count("CompileReplay")
     for n in range(1, 6):
         assert_close(compiled(x.to(st.device())).cpu(), x + torch.tensor([float(n), 0.0]))
-    assert calls[0] == 5  # the Python ran on every call
+    assert calls[0] == 5 and _count("CompileReplay") == replays  # the Python ran on every call
+
+
+def test_a_large_host_tensor_is_a_new_input_each_call():
+    # too large to compare by value: never frozen, even when a freed array's id is reused
+    calls = [0]
+
+    def step(x):
+        calls[0] += 1
+        return x + torch.full((300_000,), float(calls[0])).to(x.device)
+
+    compiled = st.compile(step)
+    x = torch.zeros(300_000)
+    for n in range(1, 4):
+        assert_close(compiled(x.to(st.device())).cpu(), x + n)
+    assert calls[0] == 3
 
 
 def test_debug_names_the_line_where_traces_differ(monkeypatch, capsys):
@@ -59,7 +75,7 @@ def test_debug_names_the_line_where_traces_differ(monkeypatch, capsys):
     def step(x):
         calls[0] += 1
         y = x * 2
-        return y + torch.tensor([float(calls[0])], device=x.device)  # DIFFERS
+        return y + torch.tensor([float(calls[0])], device=x.device)
 
     compiled = st.compile(step)
     x = torch.ones(4).to(st.device())
@@ -67,8 +83,27 @@ def test_debug_names_the_line_where_traces_differ(monkeypatch, capsys):
     for _ in range(3):
         compiled(x)
     err = capsys.readouterr().err
-    import inspect
+    lineno = step.__code__.co_firstlineno + 3  # the torch.tensor line
+    reports = [ln for ln in err.splitlines() if "not frozen" in ln]
+    assert len(reports) == 2, err  # calls 2 and 3 each differ from the one before
+    report = reports[-1]
+    assert f"at test_compile_host_constants.py:{lineno}, op" in report, err
+    assert "made on the host during the call" in report and "its value changed" in report
 
-    line = next(i for i, text in enumerate(inspect.getsource(step).splitlines()) if "# DIFFERS" in text)
-    lineno = step.__code__.co_firstlineno + line
-    assert f"test_compile_host_constants.py:{lineno}" in err, err
+
+def test_debug_names_a_changed_python_number(monkeypatch, capsys):
+    monkeypatch.setenv("SHARDTENSOR_DEBUG", "1")
+    calls = [0]
+
+    def step(x):
+        calls[0] += 1
+        return x * float(calls[0])
+
+    compiled = st.compile(step)
+    x = torch.ones(5).to(st.device())
+    capsys.readouterr()
+    compiled(x)
+    compiled(x)
+    err = capsys.readouterr().err
+    lineno = step.__code__.co_firstlineno + 2
+    assert f"test_compile_host_constants.py:{lineno}, op 0 (aten.mul.Tensor): Python number 1.0 -> 2.0" in err, err
