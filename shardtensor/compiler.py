@@ -8,6 +8,15 @@ CPU tensors such as Adam's default step counters), the program is frozen: later 
 current values in, run the executable and write the results back, running no Python of ``fn``.
 Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
 
+Tensors made on the host inside ``fn`` (``torch.tensor(data, device=st.device())``, a CPU tensor
+moved to the device) are inputs of the program, as Python numbers are, and like Python numbers they
+count by value: two traces whose host-made tensors hold the same bytes (up to 1 MiB each) are equal
+and freeze, the replay feeding that value again. One whose value changes from call to call keeps
+the Python running, so each call computes it afresh. As for numbers, a value that stays the same
+for two calls and changes later (``torch.tensor(step > 100)``) is not seen once frozen: pass it as
+an argument. With ``SHARDTENSOR_DEBUG=1``, a trace that differs from the previous one says where:
+the user's file and line of the first op that differs, and what (``trace_diff``).
+
 A frozen replay is exact: it runs only while the Python state the trace depended on is unchanged
 (``replay_guard``: gradients present on entry, ``requires_grad``, hooks, parameters, optimizer
 groups and hyperparameters, training mode, grad mode); otherwise the call runs ``fn`` again. A
@@ -20,22 +29,27 @@ replays) has JAX's 64-bit types on; ``fn``'s own Python runs with the caller's J
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
+import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
+from shardtensor import trace_diff
 from shardtensor.graph import checks, execute, inflight, memory, recompile, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
 from shardtensor.graph.interrupts import deferred_interrupts
-from shardtensor.graph.ir import Cell, Failed
+from shardtensor.graph.ir import Cell, Failed, noting_sites
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import (
     check_execution_allowed,
@@ -90,6 +104,7 @@ class CompiledFunction:
         self._frozen: dict = {}
         self._last_trace: dict = {}
         self._watched: dict = {}  # signature -> the Guard taken after its last trace
+        self._last_summary: dict = {}  # signature -> trace_diff summary of its last trace (debug mode)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,7 +138,9 @@ class CompiledFunction:
                 "move .item()/.cpu()/printing and data-dependent control flow out of it, or use "
                 "full_graph=False."
             )
-        with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor:
+        debug = recompile.enabled()
+        sites = noting_sites(inflight.user_site) if debug else contextlib.nullcontext()
+        with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor, sites:
             monitor.watched = watched
             out = self.fn(*args, **kwargs)
         broken = seen.broken or monitor.reason
@@ -153,9 +170,23 @@ class CompiledFunction:
         if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
             self._frozen[signature] = trace.freeze(exit_guard)
             counters.increment("CompileFrozen")
-        elif trace.broken is not None and recompile.enabled():
+        elif trace.broken is not None and debug:
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
+        self._report_difference(signature, trace, last, debug)
         return out
+
+    def _report_difference(self, signature, trace, last, debug) -> None:
+        """In debug mode: a trace that differs from the previous one (so nothing freezes) says where."""
+        previous = self._last_summary.pop(signature, None)
+        if not debug:
+            return
+        summary = self._last_summary[signature] = trace_diff.summarize(trace)
+        froze = signature in self._frozen  # (a trace differing only in scalars from a stale one freezes)
+        if previous is not None and trace.broken is None and last != trace.fingerprint and not froze:
+            where = trace_diff.first_difference(previous, summary)
+            recompile.emit(
+                f"st.compile({self.name}): not frozen: this call's trace differs from the previous one {where}"
+            )
 
 
 _STALE = object()
@@ -221,8 +252,10 @@ class _Trace:
         program = execution.program if execution else None
         sources, targets = [], []
         if program is not None:
+            donated = set(program.donated)
             for leaf_i, cell in enumerate(execution.leaf_cells):
-                sources.append(_source(cell, execution.arrays[leaf_i], arg_cells, first_serial))
+                array = execution.arrays[leaf_i]
+                sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
             new_count = 0
             for cell in execution.cells:
                 if id(cell) in arg_cells:
@@ -266,12 +299,31 @@ def _hashable(values):
         return repr(values)
 
 
-def _source(cell, array, arg_cells, first_serial):
+_CONSTANT_BYTES_COMPARED = 1 << 20  # host-made inputs up to this size are compared by value
+_UNCOMPARED = itertools.count()
+
+
+def _source(cell, array, arg_cells, first_serial, donated):
+    """Where input ``array`` comes from: ("arg", position, None), ("old", id, weak cell) or
+    ("const", identity, array) for a value made during the call (``torch.tensor(data, device=...)``,
+    a CPU tensor moved to the device).
+
+    A constant's identity is its value (shape, dtype, layout and a digest of its bytes) when it is
+    small and the program does not donate it: the same host data each call then gives equal traces,
+    which freeze and replay that value — exactly what the Python would make again, as for a Python
+    number. A value that changes from call to call makes every trace differ, so the Python keeps
+    running and recomputes it (never a stale replay). Larger constants keep their object's identity:
+    never frozen, nothing hashed.
+    """
     if cell is not None and id(cell) in arg_cells:
         return ("arg", arg_cells[id(cell)], None)
     if cell is not None and cell.serial < first_serial:
         return ("old", id(cell), weakref.ref(cell))
-    return ("const", id(array), array)
+    if donated or array.size * array.dtype.itemsize > _CONSTANT_BYTES_COMPARED:
+        # a number no other trace has (an id could be reused once this array is freed)
+        return ("const", next(_UNCOMPARED), array)
+    digest = hashlib.blake2b(np.ascontiguousarray(np.asarray(array)).tobytes(), digest_size=16).digest()
+    return ("const", (tuple(array.shape), str(array.dtype), array.sharding, digest), array)
 
 
 class _Frozen:

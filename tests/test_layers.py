@@ -27,6 +27,7 @@ LAYERS = [
             "annotate",
             "compiler",
             "replay_guard",
+            "trace_diff",
             "exporter",
             "explain",
             "debug",

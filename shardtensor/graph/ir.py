@@ -8,6 +8,7 @@ in-place ops replace the Cell's value.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 
@@ -27,7 +28,31 @@ class Node:
         self.caller = caller
         self.key = key
         self.inputs = inputs  # tuple of Pending | Leaf | ScalarLeaf
-        self.site = site  # (file, line) of the user's code, kept for ops with on-device checks
+        if site is None and _SITE_FINDERS:
+            site = _SITE_FINDERS[-1]()
+        # (file, line) of the user's code, kept for ops with on-device checks (and every op while
+        # ``noting_sites`` is active)
+        self.site = site
+
+
+_SITE_FINDERS: list = []  # while not empty: every new node notes the site the last one returns
+
+
+@contextlib.contextmanager
+def noting_sites(find_site):
+    """Every node recorded inside the block (by any thread) notes ``find_site()``, the user's
+    (file, line) that made it: ``st.compile``'s debug report names where two traces differ.
+
+    Example::
+
+        with noting_sites(inflight.user_site):
+            y = x * 2          # its node's site: this line
+    """
+    _SITE_FINDERS.append(find_site)
+    try:
+        yield
+    finally:
+        _SITE_FINDERS.remove(find_site)
 
 
 class Pending:

@@ -171,6 +171,16 @@ def _op_label(node_key) -> str:
     return _split(node_key)[0]
 
 
+def op_label(node_key) -> str:
+    """The op a node key records, for people.
+
+    Example::
+
+        op_label(program.key[0][0][0])   # 'aten.mul.Tensor'
+    """
+    return _split(node_key)[0]
+
+
 def _render(encoded) -> str:
     """One argument as the dispatcher encoded it, for people."""
     if isinstance(encoded, tuple) and encoded:
