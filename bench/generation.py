@@ -22,9 +22,12 @@ with other jobs the times are indicative: compare the compile counts, and the ti
 array arguments). After a generation it calls the captured decode graph back to back (each call a
 frozen replay), then the program it replays directly, then a ``jax.jit`` of a trivial function with
 the same arguments (shapes, shardings, donation) and as many outputs, and prints microseconds per
-call of each. shardtensor's host overhead is the replay minus the direct call (same device work)
-plus the trivial call (jax's own dispatch of that many arguments); the ratio divides it by the
-trivial call. This part reads shardtensor internals (the frozen program) to build the baseline.
+call of each (the fastest of ``--reps`` runs: the least disturbed by other jobs). shardtensor's own
+host time is the replay minus the time inside the program's call (``ExecuteTime``; the CPU backend
+runs small programs within the call, and a replay reads its on-device checks before it returns, so
+replays do not overlap as direct calls do); its host overhead is that plus the trivial call (jax's
+own dispatch of that many arguments), and the ratio divides it by the trivial call. This part reads
+shardtensor internals (the frozen program) to build the baseline.
 
 Usage::
 
@@ -135,8 +138,6 @@ def timed(way, model, ids, tokens):
 def decode_overhead(kind, args):
     """Microseconds per call of the frozen decode step, of its program called directly and of a
     trivial ``jax.jit`` call with the same arguments; prints them and the overhead ratio."""
-    import statistics
-
     import jax
     import jax.numpy as jnp
 
@@ -175,15 +176,19 @@ def decode_overhead(kind, args):
         st.sync(wait=True)
 
     def per_call(fn):
-        times = []
+        """us per call and us inside programs' calls (ExecuteTime) per call, of the fastest run."""
+        runs = []
         for _ in range(args.reps):
             reset()
+            executed = (st.metric_data("ExecuteTime") or (0, 0.0))[1]
             begin = time.perf_counter()
             for _ in range(args.calls):
                 out = fn()
             jax.block_until_ready(out)
-            times.append((time.perf_counter() - begin) / args.calls * 1e6)
-        return statistics.median(times)
+            elapsed = time.perf_counter() - begin
+            inside = (st.metric_data("ExecuteTime") or (0, 0.0))[1] - executed
+            runs.append((elapsed / args.calls * 1e6, inside / args.calls / 1e3))
+        return min(runs)
 
     def replay():
         graph(*call_args)
@@ -215,15 +220,12 @@ def decode_overhead(kind, args):
         return call
 
     replays = st.counter_value("CompileReplay") or 0
-    executed = st.metric_data("ExecuteTime")
     with torch.no_grad():
-        t_replay = per_call(replay)
+        t_replay, t_inside = per_call(replay)
     replays = (st.counter_value("CompileReplay") or 0) - replays
-    executed_now = st.metric_data("ExecuteTime")
-    t_inside = (executed_now[1] - executed[1]) / max(1, executed_now[0] - executed[0]) / 1e3
     direct = caller(frozen.executable)
     outs = direct()
-    t_direct = per_call(direct)
+    t_direct = per_call(direct)[0]
     shapes = [(o.shape, o.dtype) for o in outs]
     overwrites = dict(frozen.overwrites)
     donated_at = {leaf: k for k, leaf in enumerate(program.donated)}
@@ -235,15 +237,15 @@ def decode_overhead(kind, args):
         ]
 
     jitted = jax.jit(trivial, donate_argnums=(0,), out_shardings=[o.sharding for o in outs])
-    t_jit = per_call(caller(jitted))
-    own = t_replay - t_direct
+    t_jit = per_call(caller(jitted))[0]
+    own = t_replay - t_inside
     print(
         f"{kind}: frozen decode step, {len(frozen.sources)} array arguments ({len(program.donated)} donated), "
         f"{len(shapes)} outputs; {replays} replays of {args.reps * args.calls} calls"
     )
     print(
         f"  us per call: frozen replay {t_replay:.0f}, its program called directly {t_direct:.0f}, "
-        f"trivial jax.jit {t_jit:.0f}; inside the program's call in a replay (ExecuteTime) {t_inside:.0f}"
+        f"trivial jax.jit {t_jit:.0f}; in a replay, inside the program's call (ExecuteTime) {t_inside:.0f}"
     )
     print(
         f"  host overhead: shardtensor {own:.0f} + jax dispatch {t_jit:.0f} = {own + t_jit:.0f} us, "
