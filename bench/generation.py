@@ -17,10 +17,23 @@ Each row prints the compiles (``UncachedCompile``) and the wall time of the firs
 included) and of the second prompt's call, and that call's time per token. On a CPU host shared
 with other jobs the times are indicative: compare the compile counts, and the times between rows.
 
+``--overhead`` measures instead the host overhead per token of the frozen decode step of
+``st.generate(..., compile_decode=True)`` (issue 16: at most 1.2x a ``jax.jit`` call with as many
+array arguments). After a generation it calls the captured decode graph back to back (each call a
+frozen replay), then the program it replays directly, then a ``jax.jit`` of a trivial function with
+the same arguments (shapes, shardings, donation) and as many outputs, and prints microseconds per
+call of each (the fastest of ``--reps`` runs: the least disturbed by other jobs). shardtensor's own
+host time is the replay minus the time inside the program's call (``ExecuteTime``; the CPU backend
+runs small programs within the call, and a replay reads its on-device checks before it returns, so
+replays do not overlap as direct calls do); its host overhead is that plus the trivial call (jax's
+own dispatch of that many arguments), and the ratio divides it by the trivial call. This part reads
+shardtensor internals (the frozen program) to build the baseline.
+
 Usage::
 
     python bench/generation.py
     python bench/generation.py --tokens 50 --devices 1
+    python bench/generation.py --overhead --models gpt2
 
 It uses only shardtensor's public API.
 """
@@ -41,6 +54,10 @@ def _args():
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--devices", type=int, default=8)
     p.add_argument("--models", default="gpt2,llama")
+    p.add_argument("--overhead", action="store_true", help="the frozen decode step's host overhead per token")
+    p.add_argument("--calls", type=int, default=40, help="--overhead: calls per timed run (fit the cache)")
+    p.add_argument("--reps", type=int, default=7, help="--overhead: timed runs (the median is printed)")
+    p.add_argument("--no-checks", action="store_true", help="st.set_checks(False): no on-device check read per call")
     p.add_argument(
         "--ways", default="eager,dynamic,static,static-host,st.generate,st.generate-dynamic,st.generate-compiled"
     )
@@ -118,7 +135,131 @@ def timed(way, model, ids, tokens):
     return out, time.perf_counter() - start, (st.counter_value("UncachedCompile") or 0) - compiles
 
 
+def decode_overhead(kind, args):
+    """Microseconds per call of the frozen decode step, of its program called directly and of a
+    trivial ``jax.jit`` call with the same arguments; prints them and the overhead ratio."""
+    import jax
+    import jax.numpy as jnp
+
+    from shardtensor.generation import _decode_compile_config
+    from shardtensor.graph import execute
+
+    model = build(kind, args.layers, args.width).to(st.device())
+    captured = []
+
+    def capturing(gm, example_inputs, **kwargs):  # shardtensor's backend, keeping the last call's arguments
+        graph = torch._dynamo.lookup_backend("shardtensor")(gm, example_inputs, **kwargs)
+
+        def run(*call_args):
+            captured[:] = [(graph, call_args)]
+            return graph(*call_args)
+
+        return run
+
+    config = _decode_compile_config()
+    config.backend = capturing
+    torch._dynamo.reset()
+    ids = torch.randint(1, VOCAB, (1, args.prompt))
+    with torch.no_grad():
+        st.generate(model, ids, max_new_tokens=args.tokens, do_sample=False, pad_token_id=0, compile_config=config)
+    graph, call_args = captured[-1]
+    (frozen,) = graph.compiled._frozen.values()  # the decode step froze: one replayable program
+    program = frozen.executable.program
+    # the arguments it updates in place (the cache and its length): reset before each run so the
+    # positions stay inside the static cache
+    updated = {i for kind_, i, _ in frozen.targets if kind_ == "arg"}
+    start = {i: call_args[i].clone() if call_args[i].dim() else torch.zeros_like(call_args[i]) for i in updated}
+
+    def reset():
+        for i, value in start.items():
+            call_args[i].copy_(value)
+        st.sync(wait=True)
+
+    def per_call(fn):
+        """us per call and us inside programs' calls (ExecuteTime) per call, of the fastest run."""
+        runs = []
+        for _ in range(args.reps):
+            reset()
+            executed = (st.metric_data("ExecuteTime") or (0, 0.0))[1]
+            begin = time.perf_counter()
+            for _ in range(args.calls):
+                out = fn()
+            jax.block_until_ready(out)
+            elapsed = time.perf_counter() - begin
+            inside = (st.metric_data("ExecuteTime") or (0, 0.0))[1] - executed
+            runs.append((elapsed / args.calls * 1e6, inside / args.calls / 1e3))
+        return min(runs)
+
+    def replay():
+        graph(*call_args)
+        return frozen_values()
+
+    def frozen_values():  # the program's inputs now (what a replay reads)
+        values = []
+        for kind_, ident, ref in frozen.sources:
+            if kind_ == "arg":
+                values.append(call_args[ident]._cell.value)
+            elif kind_ == "old":
+                values.append(ref().value)
+            else:
+                values.append(ref)
+        return values
+
+    def caller(fn):  # calls fn like the replay calls the program, its outputs fed back as it stores them
+        state = [[jnp.array(a, copy=True) if i in frozen.donated else a for i, a in enumerate(frozen_values())]]
+
+        def call():
+            arrays = list(state[0])
+            outs = fn(*execute._call_arguments(program, arrays, frozen.scalars))
+            outs = outs[0] if program.checks and fn is frozen.executable else outs
+            for j, i in frozen.overwrites:
+                arrays[i] = outs[j]
+            state[0] = arrays
+            return outs
+
+        return call
+
+    replays = st.counter_value("CompileReplay") or 0
+    with torch.no_grad():
+        t_replay, t_inside = per_call(replay)
+    replays = (st.counter_value("CompileReplay") or 0) - replays
+    direct = caller(frozen.executable)
+    outs = direct()
+    t_direct = per_call(direct)[0]
+    shapes = [(o.shape, o.dtype) for o in outs]
+    overwrites = dict(frozen.overwrites)
+    donated_at = {leaf: k for k, leaf in enumerate(program.donated)}
+
+    def trivial(donated, kept, vectors):  # the overwritten inputs returned as they are, zeros otherwise
+        return [
+            donated[donated_at[overwrites[j]]] if donated_at.get(overwrites.get(j, -1)) is not None else jnp.zeros(*s)
+            for j, s in enumerate(shapes)
+        ]
+
+    jitted = jax.jit(trivial, donate_argnums=(0,), out_shardings=[o.sharding for o in outs])
+    t_jit = per_call(caller(jitted))[0]
+    own = t_replay - t_inside
+    print(
+        f"{kind}: frozen decode step, {len(frozen.sources)} array arguments ({len(program.donated)} donated), "
+        f"{len(shapes)} outputs; {replays} replays of {args.reps * args.calls} calls"
+    )
+    print(
+        f"  us per call: frozen replay {t_replay:.0f}, its program called directly {t_direct:.0f}, "
+        f"trivial jax.jit {t_jit:.0f}; in a replay, inside the program's call (ExecuteTime) {t_inside:.0f}"
+    )
+    print(
+        f"  host overhead: shardtensor {own:.0f} + jax dispatch {t_jit:.0f} = {own + t_jit:.0f} us, "
+        f"{(own + t_jit) / t_jit:.2f}x the jax.jit call (goal <= 1.2x)"
+    )
+
+
 def main(args):
+    if args.no_checks:
+        st.set_checks(False)
+    if args.overhead:
+        for kind in args.models.split(","):
+            decode_overhead(kind, args)
+        return
     torch.manual_seed(1)
     prompts = [torch.randint(1, VOCAB, (1, args.prompt)), torch.randint(1, VOCAB, (1, args.second_prompt))]
     print(

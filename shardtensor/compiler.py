@@ -110,8 +110,8 @@ class CompiledFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         check_execution_allowed(f"compiled function {self.name} called inside another")
         run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
-        flat, spec = pytree.tree_flatten((args, kwargs))
-        signature = _signature(flat, spec)
+        flat, structure = _flatten(args, kwargs)
+        signature = _signature(flat, structure)
         frozen = self._frozen.get(signature)
         if frozen is not None:
             result = frozen.replay(flat, self.name)
@@ -219,7 +219,25 @@ def _same_objects(a, b) -> bool:
     return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
-def _signature(flat, spec):
+def _flatten(args, kwargs):
+    """``(flat, structure)``: the leaves of ``(args, kwargs)`` and a hashable key of their nesting
+    (for the signature). Tensors alone (a decode step's call, every token) skip pytree: each is a
+    leaf, and ``("tensors", n)`` hashes at once where a TreeSpec hashes node by node in Python."""
+    nodes = pytree.SUPPORTED_NODES  # (a tensor subclass registered as a node is walked as usual)
+    if not kwargs and all(isinstance(a, torch.Tensor) and type(a) not in nodes for a in args):
+        return list(args), ("tensors", len(args))
+    return pytree.tree_flatten((args, kwargs))
+
+
+def _signature(flat, structure):
+    """What a frozen trace is keyed by: the arguments' nesting, and each leaf's shape, dtype and
+    sharding (a tensor) or value (a plain scalar)."""
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+        parts = _signature_parts(flat)
+    return (structure, tuple(parts))
+
+
+def _signature_parts(flat):
     parts: list[tuple] = []
     for x in flat:
         if isinstance(x, ShardedTensor):
@@ -228,7 +246,7 @@ def _signature(flat, spec):
             parts.append(("C", tuple(x.shape), x.dtype))
         else:
             parts.append(("V", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x)))
-    return (spec, tuple(parts))
+    return parts
 
 
 class _Trace:

@@ -144,6 +144,27 @@ def test_compile_new_input_signature_traces_again():
     assert n("CompileFrozen") == 2
 
 
+def test_compile_tensors_alone_and_nested_arguments_are_apart():
+    """Tensors passed alone (keyed without pytree), by keyword, or in a tuple: each its own
+    signature, each result right, and the same call again replays."""
+    calls = []
+
+    @st.compile
+    def g(x, w=None):
+        calls.append(1)
+        if isinstance(x, tuple):
+            x, w = x
+        return _f(x, w)
+
+    x, w = _data((8, 6), 0), _data((6, 4), 1)
+    dx, dw = x.to(st.device()), w.to(st.device())
+    for _ in range(3):
+        for out in (g(dx, dw), g(dx, w=dw), g((dx, dw))):
+            torch.testing.assert_close(out.cpu(), _f(x, w), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 6  # two traces for each way of passing them, then replays
+    assert n("CompileReplay") == 3
+
+
 def test_compile_python_scalar_argument():
     """A Python number argument is part of the signature: results follow it."""
 
