@@ -58,10 +58,11 @@ os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
-import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+
+from overhead import _set_device_count  # noqa: E402  (the same environment set-up as bench/overhead.py)
 
 ALL_DEVICE_COUNTS = (8, 1)
 MODELS = ("resnet18", "resnet50", "mobilenet_v2", "bert", "vit")
@@ -135,19 +136,6 @@ def _run_all(argv):
             print(f"[inference] the run with {n} device(s) exited with {r.returncode}", file=sys.stderr)
             rc = rc or r.returncode
     return results, rc
-
-
-def _set_device_count(n: int) -> None:
-    """Ask for n simulated CPU devices. Must run before jax is imported."""
-    if "jax" in sys.modules:
-        raise RuntimeError("the device count must be set before jax is imported")
-    os.environ["SHARDTENSOR_CPU_DEVICES"] = str(n)
-    # A count forced through XLA_FLAGS (as tests/conftest.py does) would contradict ours.
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()
-    if flags:
-        os.environ["XLA_FLAGS"] = flags
-    else:
-        os.environ.pop("XLA_FLAGS", None)
 
 
 # ----------------------------------------------------------------------------- models
