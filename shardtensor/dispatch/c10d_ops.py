@@ -40,30 +40,29 @@ def _c10d_op(name: str):
     return getattr(_c10d, name).default
 
 
+def _all_reduce_in_place(b: dict, what: str) -> list:
+    """Each of the op's ``tensors`` replaced in place by its all-reduce over the op's group."""
+    tensors = b["tensors"]
+    check_device_tensors(tensors, what)
+    op = reduce_op_name(b["reduce_op"])
+    groups, size = groups_of(b["process_group"], what)
+    for t in tensors:
+        t.copy_(all_reduce(t, op, groups, size))
+    return tensors
+
+
 def _register_c10d_handlers() -> None:
     @special(_c10d_op("allreduce_"))
     def _allreduce_(func, args, kwargs):
         b = bound(func, args, kwargs)
         if b["sparse_indices"] is not None:
             raise NotImplementedError("dist.all_reduce of sparse tensors: shardtensor tensors are dense.")
-        tensors = b["tensors"]
-        check_device_tensors(tensors, "dist.all_reduce")
-        op = reduce_op_name(b["reduce_op"])
-        groups, size = groups_of(b["process_group"], "dist.all_reduce")
-        for t in tensors:
-            t.copy_(all_reduce(t, op, groups, size))
+        tensors = _all_reduce_in_place(b, "dist.all_reduce")
         return tensors, completed_work(tensors)
 
     @special(_c10d_op("allreduce_coalesced_"))
     def _allreduce_coalesced_(func, args, kwargs):
-        b = bound(func, args, kwargs)
-        tensors = b["tensors"]
-        check_device_tensors(tensors, "dist.all_reduce_coalesced")
-        op = reduce_op_name(b["reduce_op"])
-        groups, size = groups_of(b["process_group"], "dist.all_reduce_coalesced")
-        for t in tensors:
-            t.copy_(all_reduce(t, op, groups, size))
-        return completed_work(tensors)
+        return completed_work(_all_reduce_in_place(bound(func, args, kwargs), "dist.all_reduce_coalesced"))
 
     @special(_c10d_op("allgather_"))
     def _allgather_(func, args, kwargs):
@@ -195,14 +194,7 @@ def _register_c10d_handlers() -> None:
     @special(_c10d_op("reduce_"))
     def _reduce_(func, args, kwargs):
         # every process gets the result: torch leaves the non-destination tensors unspecified
-        b = bound(func, args, kwargs)
-        tensors = b["tensors"]
-        check_device_tensors(tensors, "dist.reduce")
-        op = reduce_op_name(b["reduce_op"])
-        groups, size = groups_of(b["process_group"], "dist.reduce")
-        for t in tensors:
-            t.copy_(all_reduce(t, op, groups, size))
-        return completed_work(tensors)
+        return completed_work(_all_reduce_in_place(bound(func, args, kwargs), "dist.reduce"))
 
     @special(_c10d_op("barrier"))
     def _barrier(func, args, kwargs):
