@@ -63,6 +63,7 @@ from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F4
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements  # noqa: F401
+from shardtensor.tensor_parallel import from_local  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -116,6 +117,7 @@ __all__ = [
     "init_device_mesh",
     "placements_to_spec",
     "spec_to_placements",
+    "from_local",
     # tensors and the device
     "ShardedTensor",
     "LocalShard",

@@ -35,6 +35,14 @@ report["doubled"] = (xs * 2).cpu().tolist()  # a sharded result read back: every
 report["uneven_plus_one"] = (st.shard(X[:13], mesh, ("fsdp", None)) + 1).cpu().tolist()
 report["local_shards"] = [(s.device, s.indices[0].start, s.indices[0].stop) for s in xs.local_shards]
 
+# issue 17: from_local / to_local with this process's block (its 4 devices hold rows 4*pid..4*pid+3)
+local = torch.arange(12.0).reshape(4, 3) + 100 * pid
+from_rows = st.from_local(local, mesh, [st.Shard(0)])
+report["from_local"] = [list(from_rows.shape), from_rows.full_tensor().tolist(), from_rows.to_local().tolist()]
+summed = st.from_local(local, mesh, [st.Partial()])  # each process's block is a summand
+report["partial_sum"] = [summed.to_local().tolist(), summed.redistribute(mesh, [st.Replicate()]).full_tensor().tolist()]
+report["partial_scatter"] = summed.redistribute(mesh, [st.Shard(0)]).to_local().tolist()
+
 # MpDeviceLoader with minibatch: each process feeds its half of the global batch of 16
 spec = st.ShardingSpec(mesh, ("fsdp", None), minibatch=True)
 (batch,) = list(st.MpDeviceLoader([X[8 * pid : 8 * (pid + 1)]], st.device(), input_sharding=spec))

@@ -98,6 +98,17 @@ def test_uploads_and_readback_match_torch(reports):
         assert r["local_shards"] == [[f"CPU:{d}", 2 * d, 2 * d + 2] for d in range(4 * pid, 4 * pid + 4)]
 
 
+def test_from_local_and_to_local_with_two_processes(reports):
+    blocks = [torch.arange(12.0).reshape(4, 3) + 100 * pid for pid in range(2)]
+    total = blocks[0] + blocks[1]
+    for pid in range(2):
+        shape, full, local = reports[pid]["from_local"]
+        assert shape == [8, 3] and full == torch.cat(blocks).tolist() and local == blocks[pid].tolist()
+        mine, replicated = reports[pid]["partial_sum"]
+        assert mine == blocks[pid].tolist() and replicated == total.tolist()  # the all-reduced sum
+        assert reports[pid]["partial_scatter"] == total[4 * pid : 4 * pid + 4].tolist()  # its rows of the sum
+
+
 def test_loader_minibatches_form_the_global_batch(reports):
     X, _, _ = _reference()
     for r in reports:

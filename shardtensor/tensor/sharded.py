@@ -45,6 +45,8 @@ _DYNAMO_UNFLATTEN = None  # Dynamo's __tensor_unflatten__, set by shardtensor.dy
 # DTensor's words (.placements, .redistribute) are L7's (shardtensor.tensor_parallel): it fills these slots
 _PLACEMENTS_FROM_SPEC: Callable[[Mesh, Any, int], Any] | None = None
 _REDISTRIBUTE: Callable[[Any, Any, Any], Any] | None = None
+_TO_LOCAL: Callable[[Any], torch.Tensor] | None = None
+_FROM_LOCAL: Callable[..., Any] | None = None
 
 
 def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
@@ -62,14 +64,24 @@ def set_dynamo_unflatten(unflatten) -> None:
     _DYNAMO_UNFLATTEN = unflatten
 
 
-def set_placement_hooks(placements_from_spec: Callable[[Mesh, Any, int], Any], redistribute: Callable) -> None:
-    """Install DTensor's placement words: ``placements_from_spec(mesh, spec, ndim)`` and
-    ``redistribute(tensor, mesh, placements)`` (shardtensor.tensor_parallel's).
+def set_placement_hooks(
+    placements_from_spec: Callable[[Mesh, Any, int], Any],
+    redistribute: Callable,
+    to_local: Callable[[Any], torch.Tensor] | None = None,
+    from_local: Callable[..., Any] | None = None,
+) -> None:
+    """Install DTensor's placement words: ``placements_from_spec(mesh, spec, ndim)``,
+    ``redistribute(tensor, mesh, placements)``, ``to_local(tensor)`` and ``from_local(local, mesh,
+    placements, ...)`` (shardtensor.tensor_parallel's).
 
     Example: ``set_placement_hooks(placements.spec_to_placements, distribute.redistribute)``.
     """
-    global _PLACEMENTS_FROM_SPEC, _REDISTRIBUTE
+    global _PLACEMENTS_FROM_SPEC, _REDISTRIBUTE, _TO_LOCAL, _FROM_LOCAL
     _PLACEMENTS_FROM_SPEC, _REDISTRIBUTE = placements_from_spec, redistribute
+    if to_local is not None:
+        _TO_LOCAL = to_local
+    if from_local is not None:
+        _FROM_LOCAL = from_local
 
 
 def _placement_hook(hook):
@@ -182,16 +194,29 @@ class ShardedTensor(torch.Tensor):
 
         Example: ``st.shard(torch.ones(8), mesh, ("x",)).device_mesh == mesh``.
         """
-        return self._layout()[0]
+        partial = self._partial_state()
+        return partial.mesh if partial is not None else self._layout()[0]
 
     @property
     def placements(self) -> tuple:
-        """DTensor's placements, one per mesh axis: ``Shard(dim)`` or ``Replicate()``.
+        """DTensor's placements, one per mesh axis: ``Shard(dim)``, ``Replicate()`` or, for a
+        partial tensor (``st.from_local``/``st.distribute_tensor`` with ``Partial()``), ``Partial()``.
 
         Example: ``st.shard(torch.ones(8, 4), mesh42, ("x", None)).placements == (Shard(0), Replicate())``.
         """
+        partial = self._partial_state()
+        if partial is not None:
+            return partial.placements
         mesh, spec = self._layout()
         return _placement_hook(_PLACEMENTS_FROM_SPEC)(mesh, spec, self.dim())
+
+    def _partial_state(self):
+        """The record of this tensor's pending reduction (shardtensor.tensor_parallel.partial), or None;
+        an in-place change (or ``.data =``) since it was made leaves an ordinary tensor."""
+        state = self.__dict__.get("_partial")
+        if state is None or state.cell is not self._cell or state.version != self._version or self._chain:
+            return None
+        return state
 
     def redistribute(self, device_mesh: Mesh | None = None, placements: Sequence | None = None) -> ShardedTensor:
         """A new tensor with the same values laid out as ``placements`` over ``device_mesh``
@@ -200,6 +225,35 @@ class ShardedTensor(torch.Tensor):
         Example: ``y = x.redistribute(mesh, [st.Replicate(), st.Shard(0)])``.
         """
         return _placement_hook(_REDISTRIBUTE)(self, device_mesh, placements)
+
+    def to_local(self, *, grad_placements: Sequence | None = None) -> torch.Tensor:
+        """This process's block of the value as a CPU torch tensor (DTensor's ``to_local``, where a
+        process drives several devices): the whole value in a job of one process, the part the
+        process's devices hold together in a job of several; a partial tensor's: this process's
+        summand. Autograd flows through (``grad_placements`` is accepted for DTensor's signature).
+
+        Example: ``st.from_local(t, mesh, [st.Shard(0)]).to_local()`` is ``t`` in every process.
+        """
+        return _placement_hook(_TO_LOCAL)(self)
+
+    @staticmethod
+    def from_local(
+        local_tensor: torch.Tensor,
+        device_mesh: Mesh | None = None,
+        placements: Sequence | None = None,
+        *,
+        run_check: bool = False,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+    ) -> ShardedTensor:
+        """A global tensor from each process's block ``local_tensor`` laid out as ``placements``
+        (DTensor's ``from_local``; see ``st.from_local``).
+
+        Example: ``x = ShardedTensor.from_local(torch.ones(4, 2), mesh, [st.Shard(0)])``.
+        """
+        return _placement_hook(_FROM_LOCAL)(
+            local_tensor, device_mesh, placements, run_check=run_check, shape=shape, stride=stride
+        )
 
     def full_tensor(self) -> torch.Tensor:
         """The whole value as a CPU torch tensor (DTensor's ``full_tensor``; autograd flows through it).
@@ -211,12 +265,15 @@ class ShardedTensor(torch.Tensor):
     @property
     def local_shards(self) -> list[LocalShard]:
         """Each addressable device's shard: ``data`` (padded CPU tensor), ``indices``, ``unpadded_data``,
-        ``device`` and ``replica_id``.
+        ``device`` and ``replica_id`` (of a partial tensor: each device's summand piece).
 
         Example::
 
             [s.indices for s in x.local_shards]
         """
+        partial = self._partial_state()
+        if partial is not None:  # each device's summand piece, as DTensor's rank there holds it
+            return partial.local_shards()
         array = self._concrete_array()
         mesh, spec = self._layout()
         by_id = {p.device_id: p for p in sh.placements(self.shape, mesh, spec)}

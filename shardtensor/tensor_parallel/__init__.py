@@ -1,9 +1,12 @@
 """L7, DTensor's vocabulary over shardtensor: placements (``Shard``, ``Replicate``, ``Partial``)
 and their PartitionSpecs (``placements``), ``init_device_mesh`` and ``distribute_tensor``
-(``distribute``). Importing it fills ShardedTensor's ``.placements``/``.redistribute`` slots."""
+(``distribute``), partial values (``partial``), a process's local data (``local``: ``to_local``,
+``from_local``). Importing it fills ShardedTensor's ``.placements``/``.redistribute``/``.to_local``/
+``from_local`` slots."""
 
 from shardtensor.tensor.sharded import set_placement_hooks
 from shardtensor.tensor_parallel.distribute import distribute_tensor, init_device_mesh, redistribute
+from shardtensor.tensor_parallel.local import from_local, to_local
 from shardtensor.tensor_parallel.placements import (
     Partial,
     Placement,
@@ -13,7 +16,7 @@ from shardtensor.tensor_parallel.placements import (
     spec_to_placements,
 )
 
-set_placement_hooks(spec_to_placements, redistribute)
+set_placement_hooks(spec_to_placements, redistribute, to_local, from_local)
 
 __all__ = [
     "Partial",
@@ -21,6 +24,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "distribute_tensor",
+    "from_local",
     "init_device_mesh",
     "placements_to_spec",
     "spec_to_placements",

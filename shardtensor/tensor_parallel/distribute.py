@@ -10,8 +10,17 @@ import torch
 
 from shardtensor.annotate import shard
 from shardtensor.mesh import Mesh, default_mesh
+from shardtensor.sharding import ShardingSpecError
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor_parallel.placements import Placement, Replicate, placements_to_spec
+from shardtensor.tensor_parallel.partial import distribute_partial, is_partial_placements, redistribute_partial
+from shardtensor.tensor_parallel.placements import (
+    Partial,
+    Placement,
+    Replicate,
+    _axis_label,
+    _checked_placements,
+    placements_to_spec,
+)
 
 
 def init_device_mesh(
@@ -38,7 +47,9 @@ def distribute_tensor(
     tensor: torch.Tensor, device_mesh: Mesh | None = None, placements: Sequence[Placement] | None = None
 ) -> ShardedTensor:
     """A new ShardedTensor holding ``tensor`` laid out as ``placements`` over ``device_mesh``
-    (DTensor's ``distribute_tensor``; defaults: the global mesh, replicated).
+    (DTensor's ``distribute_tensor``; defaults: the global mesh, replicated). With ``Partial()`` on
+    a mesh axis, DTensor's meaning too: each device along it holds ``tensor / n`` (``Partial("avg")``:
+    ``tensor``), and the result is a partial tensor whose value is ``tensor``.
 
     Example::
 
@@ -46,9 +57,11 @@ def distribute_tensor(
         x = st.distribute_tensor(torch.randn(8, 6), mesh, [st.Shard(0), st.Replicate()])
         x.placements   # (Shard(dim=0), Replicate())
     """
-    mesh = _as_mesh(device_mesh)
+    mesh = as_mesh(device_mesh)
     if placements is None:
         placements = [Replicate() for _ in mesh.mesh_shape]
+    if is_partial_placements(placements):
+        return distribute_partial(tensor, mesh, placements)
     return shard(tensor, mesh, placements_to_spec(placements, mesh, tensor.dim()))
 
 
@@ -56,17 +69,29 @@ def redistribute(
     tensor: ShardedTensor, device_mesh: Mesh | None, placements: Sequence[Placement] | None
 ) -> ShardedTensor:
     """A new tensor with ``tensor``'s values laid out as ``placements`` over ``device_mesh`` (by
-    default its own mesh and placements); what ``ShardedTensor.redistribute`` calls.
+    default its own mesh and placements); what ``ShardedTensor.redistribute`` calls. A partial
+    tensor's ``Partial`` axes that become ``Replicate()`` or ``Shard(d)`` are reduced.
 
     Example: ``redistribute(x, mesh, [st.Replicate(), st.Shard(1)])``.
     """
-    mesh = tensor.device_mesh if device_mesh is None else _as_mesh(device_mesh)
+    mesh = tensor.device_mesh if device_mesh is None else as_mesh(device_mesh)
     if placements is None:
         placements = tensor.placements
+    partial = tensor._partial_state()
+    if partial is not None:
+        return redistribute_partial(tensor, partial, mesh, placements)
+    for axis, p in enumerate(_checked_placements(placements, mesh)):
+        if isinstance(p, Partial):
+            raise ShardingSpecError(
+                f"cannot redistribute a {tensor.placements[axis]!r} tensor to {p!r} on mesh axis "
+                f"{_axis_label(mesh, axis)}: a tensor becomes partial only from st.from_local, "
+                "st.distribute_tensor or a manual region (DTensor's rule too). Redistribute it to "
+                "Replicate() or Shard(dim)."
+            )
     return shard(tensor, mesh, placements_to_spec(placements, mesh, tensor.dim()))
 
 
-def _as_mesh(mesh) -> Mesh:
+def as_mesh(mesh) -> Mesh:
     """``mesh`` as a st.Mesh: a st.Mesh, a DeviceMesh-shaped object (``shape``, ``mesh_dim_names``) or
     None (the global mesh)."""
     if mesh is None:
