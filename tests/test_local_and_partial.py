@@ -84,6 +84,11 @@ def test_partial_sum_and_avg_against_torch_sums():
     torch.testing.assert_close(q1.full_tensor(), t)
     torch.testing.assert_close(q1.redistribute(mesh, [Replicate(), Shard(0)]).full_tensor(), t)
     assert q.redistribute(mesh, [Partial(), Partial()]) is q
+    u = torch.randn(5, 3)  # uneven over x
+    torch.testing.assert_close(
+        st.distribute_tensor(u, mesh, [Partial(), Replicate()]).redistribute(mesh, [Shard(0), Shard(1)]).full_tensor(),
+        u,
+    )
 
 
 def test_partial_redistribute_lowers_to_one_all_reduce():

@@ -52,7 +52,7 @@ def test_reprs_and_equality():
 
 def test_errors():
     mesh = _mesh((4, 2), ("x", "y"))
-    with pytest.raises(st.ShardingSpecError, match="partial value exists only inside a program"):
+    with pytest.raises(st.ShardingSpecError, match="partial value exists only as a partial tensor"):
         st.placements_to_spec([Partial(), Replicate()], mesh, 2)
     with pytest.raises(st.ShardingSpecError, match="out of range for a tensor with 2"):
         st.placements_to_spec([Shard(2), Replicate()], mesh, 2)

@@ -80,7 +80,8 @@ _REDUCE_OPS = ("sum", "avg", "product", "min", "max")
 @dataclasses.dataclass(frozen=True)
 class Partial:
     """Devices along this mesh axis hold parts still to be reduced with ``reduce_op`` (DTensor's
-    ``Partial``). A stored tensor is never partial; a PartitionSpec cannot say it.
+    ``Partial``): a partial tensor comes from ``st.from_local`` or ``st.distribute_tensor``, and
+    reading it resolves it; a PartitionSpec cannot say it. Supported as a value: "sum" and "avg".
 
     Example: ``Partial()`` (a pending sum), ``Partial("max")``.
     """
@@ -131,7 +132,8 @@ def placements_to_spec(placements: Sequence[Placement], mesh: Mesh, ndim: int) -
         if isinstance(p, Partial):
             raise ShardingSpecError(
                 f"{p!r} on mesh axis {_axis_label(mesh, axis)} has no PartitionSpec: a partial value exists "
-                "only inside a program. Redistribute it to Replicate() or Shard(dim) first."
+                "only as a partial tensor (st.from_local or st.distribute_tensor with Partial()), not as a "
+                "layout. Redistribute it to Replicate() or Shard(dim) first."
             )
         if isinstance(p, Shard):
             dim = p.dim + ndim if p.dim < 0 else p.dim
