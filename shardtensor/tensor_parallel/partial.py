@@ -5,9 +5,9 @@ of its *summands*: one array with a hidden leading dimension per ``Partial`` mes
 order), each hidden dimension split over its own mesh axis, so that every device holds exactly the
 piece DTensor's rank at that mesh coordinate would hold. Reading the tensor (``.cpu()``,
 ``full_tensor()``, any op on it) reads the reduction; ``redistribute`` to ``Replicate()`` or
-``Shard(d)`` reduces the summands over the hidden dimensions under the target sharding, which XLA
-partitions into an all-reduce (with a local slice for ``Shard``; XLA's GPU and TPU pipelines turn
-all-reduce + slice into a reduce-scatter, its CPU pipeline keeps the all-reduce).
+``Shard(d)`` reduces the summands over the hidden dimensions: an all-reduce or a reduce-scatter over
+the mesh axis (``reduce``), or, where the layouts do not fit that, a sum under the target sharding
+that XLA partitions (an all-reduce and a local slice).
 
 Only ``"sum"`` and ``"avg"`` are supported; the record goes stale when the tensor is changed in
 place (the tensor is then an ordinary one, its placements derived from its layout).
@@ -35,6 +35,7 @@ from shardtensor.tensor_parallel.placements import (
     _checked_placements,
     placements_to_spec,
 )
+from shardtensor.tensor_parallel.reduce import plan
 
 SUPPORTED_REDUCE_OPS = ("sum", "avg")
 
@@ -173,10 +174,15 @@ class _FromSummands(torch.autograd.Function):
         mesh = state.mesh
         axes = state.partial_axes
         reduced = tuple(i for i, a in enumerate(axes) if not isinstance(placements[a], Partial))
-        summands = reduce_hidden(state.summands, reduced, state.reduce_op)
         kept = [a for a in axes if isinstance(placements[a], Partial)]
         hidden = tuple(_axis_label(mesh, a) for a in kept)
         spec = hidden + tuple(placements_to_spec(without_partial(placements), mesh, x.dim()))
+        source_spec = summand_spec(mesh, state.placements, x.dim())
+        layout = plan(mesh, state.placements, placements, source_spec, spec, tuple(x.shape))
+        if layout is not None:  # explicit all-reduce / reduce-scatter instructions
+            summands = torch.ops.shardtensor.partial_reduce(state.summands, layout)
+        else:  # a sum under the target sharding: XLA partitions it (an all-reduce)
+            summands = reduce_hidden(state.summands, reduced, state.reduce_op)
         # a fresh result: on a pending value this is a sharding constraint the reduction is partitioned by
         mark_sharding(cast(ShardedTensor, summands), mesh, spec)
         if kept:
