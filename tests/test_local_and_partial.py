@@ -77,6 +77,11 @@ def test_partial_sum_and_avg_against_torch_sums():
     a = st.distribute_tensor(t, mesh, [Replicate(), Partial("avg")])
     assert all(torch.equal(s.unpadded_data, t) for s in a.local_shards)
     torch.testing.assert_close(a.redistribute(mesh, [Replicate(), Shard(0)]).full_tensor(), t)
+    b = st.from_local(t, mesh, [Partial("avg"), Shard(-1)])  # one process: its summand is the mean
+    torch.testing.assert_close(b.to_local(), t)
+    b01 = b.redistribute(mesh, [Shard(-2), Shard(-1)])
+    assert b01.placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(b01.full_tensor(), t)
     # two partial axes, one reduced at a time
     q = st.distribute_tensor(t, mesh, [Partial(), Partial()])
     q1 = q.redistribute(mesh, [Partial(), Shard(0)])
@@ -152,5 +157,7 @@ def test_partial_in_place_change_and_errors():
         st.distribute_tensor(t, mesh).redistribute(mesh, [Replicate(), Partial()])
     with pytest.raises(ValueError, match="its own mesh"):
         q.redistribute(st.init_device_mesh("cpu", (8,)), [Replicate()])
+    scalar = st.distribute_tensor(torch.tensor(3.0), mesh, [Partial(), Replicate()])
+    assert scalar.to_local().shape == () and scalar.redistribute(mesh, [Replicate(), Replicate()]).item() == 3.0
     ints = st.from_local(torch.arange(4), mesh, [Partial(), Replicate()])  # a sum of integers is exact
     assert ints.dtype == torch.int64 and ints.cpu().tolist() == [0, 1, 2, 3]

@@ -197,7 +197,7 @@ def _local_value(x: ShardedTensor) -> torch.Tensor:
             total[region] = data
     if op == "avg":
         total = (total / np.maximum(count, 1)).astype(array.dtype)
-    return numpy_to_torch(np.ascontiguousarray(total))
+    return numpy_to_torch(np.array(total, order="C"))  # (ascontiguousarray would make a 0-d array 1-d)
 
 
 @rt.with_x64  # int64 / float64 blocks stay 64-bit

@@ -205,7 +205,10 @@ def redistribute_partial(x: ShardedTensor, state: PartialState, mesh: Mesh, plac
             f"a partial tensor redistributes within its own mesh {dict(state.mesh.shape())}; redistribute it "
             f"to Replicate()/Shard(dim) first, then to the mesh {dict(mesh.shape())}"
         )
-    placements = _checked_placements(placements, mesh)
+    ndim = x.dim()
+    placements = tuple(
+        Shard(p.dim + ndim) if isinstance(p, Shard) and p.dim < 0 else p for p in _checked_placements(placements, mesh)
+    )
     for a, (src, dst) in enumerate(zip(state.placements, placements)):
         if isinstance(dst, Partial) and src != dst:
             raise ShardingSpecError(
