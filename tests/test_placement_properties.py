@@ -99,3 +99,20 @@ def test_each_device_holds_dtensors_local_tensor(layout, seed):
         coordinate = np.unravel_index(positions[int(s.device.split(":")[1])], mesh_shape)
         expected = _dtensor_piece(t, mesh_shape, placements, coordinate)
         torch.testing.assert_close(s.unpadded_data, expected, rtol=0, atol=0)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layouts(partial=True), hs.data())
+def test_redistribute_keeps_the_value(layout, data):
+    """From any layout (partial ones too) to any other: the same value, the placements asked for."""
+    mesh_shape, names, placements, shape = layout
+    mesh = st.init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    ndim = len(shape)
+    target = []
+    for p in placements:
+        choices = [Replicate()] + [Shard(d) for d in range(ndim)] + ([p] if isinstance(p, Partial) else [])
+        target.append(data.draw(hs.sampled_from(choices)))
+    t = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    y = st.distribute_tensor(t, mesh, placements).redistribute(mesh, target)
+    assert y.placements == _normalized(target, ndim)
+    torch.testing.assert_close(y.full_tensor(), t)

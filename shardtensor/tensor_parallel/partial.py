@@ -196,7 +196,8 @@ class _FromSummands(torch.autograd.Function):
 
 def redistribute_partial(x: ShardedTensor, state: PartialState, mesh: Mesh, placements) -> ShardedTensor:
     """``x`` (partial as ``state`` says) laid out as ``placements``: the Partial axes that become
-    ``Replicate()`` or ``Shard(d)`` are reduced (an all-reduce), those that stay ``Partial`` stay.
+    ``Replicate()`` or ``Shard(d)`` are reduced (an all-reduce or a reduce-scatter), those that stay
+    ``Partial`` stay.
 
     Example: ``x.redistribute(mesh, [st.Replicate()])`` on ``x`` partial over the mesh's one axis.
     """

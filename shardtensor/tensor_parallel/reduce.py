@@ -43,15 +43,12 @@ def plan(
                 scatter.append((axis, None))
         elif src != dst:
             return None  # a data axis moves too: XLA's resharding
-    h = sum(isinstance(p, Partial) for p in source)
-    full = tuple(mesh.mesh_shape[a] for a, p in enumerate(source) if isinstance(p, Partial)) + tuple(shape)
-    kept = len(out_spec) - len(shape)
-    if tuple(sh.padded_shape(full, mesh, summand_spec)) != full:
-        return None  # uneven summands: the padded layout is XLA's
-    if tuple(sh.padded_shape(full[:kept] + tuple(shape), mesh, out_spec)) != full[:kept] + tuple(shape):
-        return None
     partial_axes = [a for a, p in enumerate(source) if isinstance(p, Partial)]
     reduced = [i for i, a in enumerate(partial_axes) if not isinstance(target[a], Partial)]
+    full = tuple(mesh.mesh_shape[a] for a in partial_axes) + tuple(shape)
+    out = tuple(mesh.mesh_shape[a] for a in partial_axes if isinstance(target[a], Partial)) + tuple(shape)
+    if tuple(sh.padded_shape(full, mesh, summand_spec)) != full or tuple(sh.padded_shape(out, mesh, out_spec)) != out:
+        return None  # uneven: the padded layout is XLA's
     op = next(p.reduce_op for p in source if isinstance(p, Partial))
     return json.dumps(
         {
@@ -62,7 +59,7 @@ def plan(
             ],
             "in": _plain(summand_spec),
             "out": _plain(out_spec),
-            "hidden": h,
+            "hidden": len(partial_axes),
             "reduced": reduced,
             "steps": scatter,
             "op": op,
