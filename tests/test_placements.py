@@ -113,6 +113,16 @@ def test_placements_of_shard_and_computed_tensors():
     torch.testing.assert_close(y.full_tensor(), torch.full((4, 8), 3.0))
 
 
+def test_redistribute_keeps_autograd():
+    t = torch.randn(8, 4)
+    mesh = _mesh((4, 2), ("x", "y"))
+    x = st.distribute_tensor(t, mesh, [Shard(0), Shard(1)]).requires_grad_(True)
+    y = x.redistribute(mesh, [Replicate(), Shard(0)])
+    assert y.requires_grad and y.placements == (Replicate(), Shard(0))
+    (y * y).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), 2 * t)
+
+
 def test_full_tensor_keeps_autograd():
     t = torch.randn(8, 4)
     x = st.distribute_tensor(t, _mesh((8,), ("x",)), [Shard(0)]).requires_grad_(True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -88,7 +89,20 @@ def redistribute(
                 "st.distribute_tensor or a manual region (DTensor's rule too). Redistribute it to "
                 "Replicate() or Shard(dim)."
             )
-    return shard(tensor, mesh, placements_to_spec(placements, mesh, tensor.dim()))
+    return cast(ShardedTensor, _Redistribute.apply(tensor, mesh, placements_to_spec(placements, mesh, tensor.dim())))
+
+
+class _Redistribute(torch.autograd.Function):
+    """``st.shard`` of a tensor to a new layout, with the gradient passing through (DTensor's
+    redistribute is differentiable; the gradient's layout is left to XLA)."""
+
+    @staticmethod
+    def forward(ctx, tensor, mesh, spec):
+        return shard(tensor, mesh, spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
 
 
 def as_mesh(mesh) -> Mesh:
