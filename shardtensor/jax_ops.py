@@ -64,9 +64,9 @@ def call_jax(jax_fn: Callable, *tensors: torch.Tensor, **static: Any) -> Any:
 def jax_op(
     jax_fn: Callable | None = None,
     *,
-    mesh=None,
+    mesh: mesh_lib.Mesh | jax.sharding.Mesh | None = None,
     in_specs: Sequence | None = None,
-    out_specs=None,
+    out_specs: Any = None,
 ) -> Any:
     """A JAX function as a torch-callable op: ``@st.jax_op`` or ``@st.jax_op(mesh=..., in_specs=..., out_specs=...)``.
 

@@ -38,6 +38,7 @@ LAYERS = [
             "distributed",
             "serialization",
             "jax_ops",
+            "manual",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),

@@ -20,6 +20,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     linalg_eig,
     linalg_solve,
     loss,
+    manual_collectives,
     matmul,
     nn,
     norm,

@@ -4,6 +4,7 @@ and their PartitionSpecs (``placements``), ``init_device_mesh`` and ``distribute
 
 from shardtensor.tensor.sharded import set_placement_hooks
 from shardtensor.tensor_parallel.distribute import distribute_tensor, init_device_mesh, redistribute
+from shardtensor.tensor_parallel.local_map import local_map
 from shardtensor.tensor_parallel.placements import (
     Partial,
     Placement,
@@ -22,6 +23,7 @@ __all__ = [
     "Shard",
     "distribute_tensor",
     "init_device_mesh",
+    "local_map",
     "placements_to_spec",
     "spec_to_placements",
 ]
