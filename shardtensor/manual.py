@@ -38,8 +38,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -238,6 +240,9 @@ def shard_map(fn: Callable, mesh: Mesh | jax.sharding.Mesh, in_specs: Sequence, 
             return outs
 
     name = getattr(fn, "__qualname__", None) or repr(fn)
+    region = _RegionSpec(fn, name, jmesh, ins, out_for)
+    region_id = next(_REGION_IDS)
+    _REGION_SPECS[region_id] = region
 
     def mapped(*tensors: torch.Tensor) -> Any:
         if len(tensors) != len(ins):
@@ -248,19 +253,43 @@ def shard_map(fn: Callable, mesh: Mesh | jax.sharding.Mesh, in_specs: Sequence, 
         for i, t in enumerate(tensors):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"st.shard_map({name}): argument {i} is a {type(t).__name__}, not a tensor.")
-        local = [_local_shape(name, i, t, spec, jmesh) for i, (t, spec) in enumerate(zip(tensors, ins))]
-        region, ndims = _capture(fn, name, jmesh, local, [t.dtype for t in tensors])
-        specs = out_for(ndims)
-        _check_out_specs(name, specs, ndims)
-        key = jax_call.key_for(jax_call.JaxCall(region, (), jmesh, ins, specs))
+        key = _region_key(region_id, tuple(tuple(t.shape) for t in tensors), tuple(t.dtype for t in tensors))
         out = torch.ops.shardtensor.call_jax(list(tensors), key)
-        return out[0] if jax_call.returns_single(key) else tuple(out)
+        return out[0] if jax_ops._returns_single(key) else tuple(out)
 
+    # the table holds the region weakly: it lives as long as the function
+    mapped._region = region  # type: ignore[attr-defined]
     return mapped
 
 
-def _local_shape(name, i, t, spec, jmesh) -> tuple:
-    shape = list(t.shape)
+class _RegionSpec:
+    """What st.shard_map was given (the table below holds it while its function lives)."""
+
+    def __init__(self, fn, name, jmesh, ins, out_for):
+        self.fn, self.name, self.jmesh, self.ins, self.out_for = fn, name, jmesh, ins, out_for
+
+
+_REGION_IDS = itertools.count()
+_REGION_SPECS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _region_key(region_id: int, shapes: tuple, dtypes: tuple) -> int:
+    """The call_jax key of a region on arguments of these global shapes and dtypes: captures the
+    region's function on its local blocks. Dynamo runs it at trace time (``_dynamo_marked_constant``,
+    as for ``jax_ops._key``), so under torch.compile a region is one call_jax op, not a graph break."""
+    r = _REGION_SPECS[region_id]
+    local = [_local_shape(r.name, i, shape, spec, r.jmesh) for i, (shape, spec) in enumerate(zip(shapes, r.ins))]
+    captured, ndims = _capture(r.fn, r.name, r.jmesh, local, list(dtypes))
+    specs = r.out_for(ndims)
+    _check_out_specs(r.name, specs, ndims)
+    return jax_call.key_for(jax_call.JaxCall(captured, (), r.jmesh, r.ins, specs))
+
+
+_region_key._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _local_shape(name, i, global_shape, spec, jmesh) -> tuple:
+    shape = list(global_shape)
     if len(spec) > len(shape):
         raise ValueError(
             f"st.shard_map({name}): the spec {spec} of argument {i} names {len(spec)} dimensions, but the tensor "

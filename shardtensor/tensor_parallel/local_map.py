@@ -84,7 +84,10 @@ def local_map(
 
         return shard_map(local, mesh, in_specs, out_specs)(*[args[i] for i in tensor_at])
 
-    return mapped
+    # Dynamo cannot trace the setting up of a region on each call: under torch.compile the call is a
+    # graph break and runs as it does outside (st.shard_map itself is one op under torch.compile).
+    # torch.compiler.disable imports torch._dynamo (once, about 3 s) on the first st.local_map.
+    return torch.compiler.disable(mapped, reason="st.local_map sets its region up in Python on each call")
 
 
 def _is_placements(p) -> bool:
