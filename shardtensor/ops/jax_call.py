@@ -181,6 +181,11 @@ def _input_structs(args) -> list:
             jd = to_jax(a.dtype)
         except TypeError:
             raise TypeError(f"call_jax: input {i} has dtype {a.dtype}, which JAX cannot hold.") from None
+        if not all(type(n) is int for n in a.shape):
+            raise TypeError(
+                f"call_jax: input {i} has a symbolic shape {tuple(a.shape)}; a JAX function needs static shapes "
+                "(use torch.compile(..., dynamic=False))."
+            )
         structs.append(jax.ShapeDtypeStruct(tuple(a.shape), jd))
     return structs
 
