@@ -52,11 +52,11 @@ from jax._src.lax.lax import _convert_element_type
 
 from shardtensor import jax_ops
 from shardtensor.dtypes import to_jax
-from shardtensor.graph import views
+from shardtensor.graph import rng, views
 from shardtensor.graph.capture import capture
 from shardtensor.graph.ir import Cell, Failed, Leaf, Node, Pending, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, scalar_kind
-from shardtensor.graph.state import set_failed, set_pending
+from shardtensor.graph.state import set_concrete, set_failed, set_pending
 from shardtensor.mesh import Mesh
 from shardtensor.ops import jax_call
 from shardtensor.tensor import ShardedTensor
@@ -372,18 +372,26 @@ class _Region:
 def _capture(fn, name, jmesh, local_shapes, dtypes):
     """(the region as a jax function, the rank of each result: an int for a single result)."""
     guard = f"st.shard_map({name}): a manual region cannot read values (.item(), printing, bool(tensor))"
-    with _inside(jmesh), torch.no_grad(), capture(guard=guard) as seen:
-        placeholders, nodes = [], {}
-        for i, (shape, dtype) in enumerate(zip(local_shapes, dtypes)):
-            node = Node(_never_run, ("manual_region_argument", i, shape, dtype), ())
-            ref = Pending(node, 0)
-            to_jax(dtype)  # a clear error for a dtype JAX cannot hold
-            cell = Cell(ref, shape, dtype)
-            set_pending(cell, ref)
-            placeholders.append(ShardedTensor(cell))
-            nodes[id(node)] = i
-        out = fn(*placeholders)
+    key_cell = rng._cell()  # the random key: a draw inside the region is refused, and the key kept as it was
+    key_before = (key_cell.value, key_cell.version, key_cell.is_pending())
+    seen = None
     try:
+        with _inside(jmesh), torch.no_grad(), capture(guard=guard) as seen:
+            placeholders, nodes = [], {}
+            for i, (shape, dtype) in enumerate(zip(local_shapes, dtypes)):
+                node = Node(_never_run, ("manual_region_argument", i, shape, dtype), ())
+                ref = Pending(node, 0)
+                to_jax(dtype)  # a clear error for a dtype JAX cannot hold
+                cell = Cell(ref, shape, dtype)
+                set_pending(cell, ref)
+                placeholders.append(ShardedTensor(cell))
+                nodes[id(node)] = i
+            out = fn(*placeholders)
+        if key_cell.version != key_before[1]:
+            raise RuntimeError(
+                f"st.shard_map({name}): the function draws random numbers; a manual region cannot (draw them "
+                "outside and pass them in as an argument)."
+            )
         single = isinstance(out, torch.Tensor)
         flat = [out] if single else list(out) if isinstance(out, (tuple, list)) else None
         if not flat or not all(isinstance(o, ShardedTensor) for o in flat):
@@ -401,20 +409,35 @@ def _capture(fn, name, jmesh, local_shapes, dtypes):
         if updated:
             raise RuntimeError(
                 f"st.shard_map({name}): the function updates {len(updated)} tensor(s) from outside the region in "
-                "place, or draws random numbers; a region may do neither (return new values instead)."
+                "place; a region only returns values (return the new values instead)."
             )
         region = _build(name, [views.read(o) for o in flat], nodes, single)
         ndims = flat[0].dim() if single else tuple(o.dim() for o in flat)
     finally:
-        _forget(seen, name)
+        _restore_key(key_cell, key_before)
+        if seen is not None:  # (also when fn raised: nothing of the region may stay pending)
+            _forget(seen, name, key_cell)
     return region, ndims
 
 
-def _forget(seen, name) -> None:
-    """Take the region's own values out of the pending graph: they exist only inside the region."""
+def _restore_key(cell, before) -> None:
+    value, version, was_pending = before
+    if cell.version == version:
+        return
+    if was_pending:
+        set_pending(cell, value)
+    else:
+        set_concrete(cell, value, cell.owned)
+    cell.version = version
+
+
+def _forget(seen, name, keep) -> None:
+    """Take the region's own values out of the pending graph: they exist only inside the region
+    (as do an outside tensor's in-place updates made by the region, which was refused)."""
     gone = Failed(RuntimeError(f"this tensor was computed inside the manual region {name}; use the region's results"))
     for cell in seen.pending():
-        set_failed(cell, gone)
+        if cell is not keep:
+            set_failed(cell, gone)
 
 
 def _build(name, out_refs, arg_nodes, single) -> _Region:

@@ -238,3 +238,19 @@ def test_ring_attention_matches_sdpa_forward_and_backward():
     ref.square().sum().backward()
     for a, r in zip(args, leaves):
         torch.testing.assert_close(a.grad.cpu(), r.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_a_refused_region_leaves_the_step_and_the_random_key_intact():
+    mesh = mesh_8()
+    x = torch.randn(8, 4)
+    xs = st.shard(x, mesh, ("d", None))
+    before = xs * 3  # pending work of the step
+    with pytest.raises(st.UnexpectedExecutionError):
+        st.shard_map(lambda a: a * a.sum().item(), mesh, (st.P("d", None),), st.P("d", None))(xs)
+    st.manual_seed(0)
+    expected = torch.rand(3, device=st.device()).cpu()
+    st.manual_seed(0)
+    with pytest.raises(RuntimeError, match="draws random numbers"):
+        st.shard_map(lambda a: a + torch.rand_like(a), mesh, (st.P("d", None),), st.P("d", None))(xs)
+    torch.testing.assert_close(torch.rand(3, device=st.device()).cpu(), expected)
+    torch.testing.assert_close(before.cpu(), x * 3)
