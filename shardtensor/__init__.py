@@ -36,6 +36,9 @@ from shardtensor.tensor.device import device, devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
+from shardtensor.jax_ops import call_jax, jax_op  # noqa: F401
+from shardtensor import manual  # noqa: F401  (st.manual.all_reduce ...: collectives inside a manual region)
+from shardtensor.manual import shard_map  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor.metrics import (  # noqa: F401
@@ -62,8 +65,8 @@ from shardtensor.distributed import REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_O
 from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F401
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
-from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements  # noqa: F401
 from shardtensor.tensor_parallel import from_local  # noqa: F401
+from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements, local_map  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -118,6 +121,7 @@ __all__ = [
     "placements_to_spec",
     "spec_to_placements",
     "from_local",
+    "local_map",
     # tensors and the device
     "ShardedTensor",
     "LocalShard",
@@ -148,6 +152,12 @@ __all__ = [
     "param_aliasing_enabled",
     "compile",
     "CompiledFunction",
+    # JAX functions and kernels as torch ops (shardtensor.jax_ops)
+    "call_jax",
+    "jax_op",
+    # manual regions (shardtensor.manual)
+    "shard_map",
+    "manual",
     "export",
     "deserialize",
     "ExportedProgram",

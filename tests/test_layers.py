@@ -37,6 +37,8 @@ LAYERS = [
             "checkpoint",
             "distributed",
             "serialization",
+            "jax_ops",
+            "manual",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),

@@ -7,6 +7,7 @@ and their PartitionSpecs (``placements``), ``init_device_mesh`` and ``distribute
 from shardtensor.tensor.sharded import set_placement_hooks
 from shardtensor.tensor_parallel.distribute import distribute_tensor, init_device_mesh, redistribute
 from shardtensor.tensor_parallel.local import from_local, to_local
+from shardtensor.tensor_parallel.local_map import local_map
 from shardtensor.tensor_parallel.placements import (
     Partial,
     Placement,
@@ -26,6 +27,7 @@ __all__ = [
     "distribute_tensor",
     "from_local",
     "init_device_mesh",
+    "local_map",
     "placements_to_spec",
     "spec_to_placements",
 ]
