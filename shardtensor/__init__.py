@@ -63,6 +63,7 @@ from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F4
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements  # noqa: F401
+from shardtensor import kernels  # noqa: F401  (Pallas kernels as JAX functions and torch ops: st.kernels)
 # isort: on
 
 P = PartitionSpec

@@ -39,7 +39,7 @@ LAYERS = [
             "serialization",
         },
     ),
-    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),
+    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "kernels"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
 
