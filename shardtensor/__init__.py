@@ -36,6 +36,7 @@ from shardtensor.tensor.device import device, devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
+from shardtensor.jax_ops import call_jax, jax_op  # noqa: F401
 from shardtensor.exporter import export, deserialize, ExportedProgram, ExportError  # noqa: F401
 from shardtensor.metrics import counter_value, counter_names, counters, clear_counters  # noqa: F401
 from shardtensor.metrics import (  # noqa: F401
@@ -147,6 +148,9 @@ __all__ = [
     "param_aliasing_enabled",
     "compile",
     "CompiledFunction",
+    # JAX functions and kernels as torch ops (shardtensor.jax_ops)
+    "call_jax",
+    "jax_op",
     "export",
     "deserialize",
     "ExportedProgram",

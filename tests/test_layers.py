@@ -37,6 +37,7 @@ LAYERS = [
             "checkpoint",
             "distributed",
             "serialization",
+            "jax_ops",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "kernels"}),

@@ -15,6 +15,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     grouped_mm,
     histogram,
     indexing,
+    jax_call,
     linalg,
     linalg_eig,
     linalg_solve,
