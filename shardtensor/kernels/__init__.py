@@ -17,5 +17,6 @@ Example::
 from shardtensor.kernels.flash_attention import flash_attention_jax
 from shardtensor.kernels.mode import resolve_interpret
 from shardtensor.kernels.silu import silu_jax
+from shardtensor.kernels.torch_ops import flash_attention, silu
 
-__all__ = ["flash_attention_jax", "resolve_interpret", "silu_jax"]
+__all__ = ["flash_attention", "flash_attention_jax", "resolve_interpret", "silu", "silu_jax"]
