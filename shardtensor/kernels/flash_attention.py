@@ -24,12 +24,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from shardtensor.kernels.mode import accumulation_dtype, check_floating, resolve_interpret
+from shardtensor.kernels.mode import accumulation_dtype, check_floating, compiler_params, resolve_interpret
 
 # Default block sizes: 128 suits the TPU's lanes and GPU tensor cores; short sequences use one
-# block of their length rounded up to a power of two (at least 8, a TPU sublane tile).
+# block of their length rounded up to a power of two (at least 16: Triton's smallest dot).
 DEFAULT_BLOCK = 128
-MIN_BLOCK = 8
+MIN_BLOCK = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
 
     def step(j, carry):
         row_max, row_sum, out = carry
-        k_start = j * cfg.block_k
+        k_start = pl.multiple_of(j * cfg.block_k, cfg.block_k)  # an alignment hint for Mosaic/Triton
         k = k_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         v = v_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         s = _masked_scores(_dot_nt(q, k, acc), q_start, k_start, cfg)
@@ -105,7 +105,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
     # Key 0 is visible to every row (causal is top-left aligned), so after the first block the max is finite.
     row_max, row_sum, out = lax.fori_loop(0, _key_blocks_for(q_start, n_key_blocks, cfg), step, init)
     o_ref[...] = (out / row_sum[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = row_max + jnp.log(row_sum)
+    lse_ref[...] = (row_max + jnp.log(row_sum))[:, None]
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config):
@@ -119,14 +119,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 
     def step(i, carry):
         dk, dv = carry
-        q_start = i * cfg.block_q
+        q_start = pl.multiple_of(i * cfg.block_q, cfg.block_q)
         rows = pl.ds(q_start, cfg.block_q)
         q = q_ref[rows, :].astype(acc) * cfg.scale
         do = do_ref[rows, :].astype(acc)
         s = _masked_scores(_dot_nt(q, k, acc), q_start, k_start, cfg)
-        p = jnp.exp(s - lse_ref[rows][:, None])
+        p = jnp.exp(s - lse_ref[rows, :])
         dp = _dot_nt(do, v, acc)
-        ds = p * (dp - delta_ref[rows][:, None])
+        ds = p * (dp - delta_ref[rows, :])
         return dk + _dot_tn(ds, q, acc), dv + _dot_tn(p, do, acc)
 
     init = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
@@ -145,12 +145,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     n_key_blocks = k_ref.shape[0] // cfg.block_k
 
     def step(j, dq):
-        k_start = j * cfg.block_k
+        k_start = pl.multiple_of(j * cfg.block_k, cfg.block_k)  # an alignment hint for Mosaic/Triton
         k = k_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         v = v_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         s = _masked_scores(_dot_nt(q, k, acc), q_start, k_start, cfg)
-        p = jnp.exp(s - lse[:, None])
-        ds = p * (_dot_nt(do, v, acc) - delta[:, None])
+        p = jnp.exp(s - lse)
+        ds = p * (_dot_nt(do, v, acc) - delta)
         return dq + _dot(ds, k, acc)
 
     dq = lax.fori_loop(0, _key_blocks_for(q_start, n_key_blocks, cfg), step, jnp.zeros(q.shape, acc))
@@ -158,20 +158,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
 
 
 def _block(size: int, dims: int):
-    """A BlockSpec over (batch, heads, ...): one batch and head per grid step, ``size`` rows of the
-    sequence at the step's block index (or the whole sequence if ``size`` is None)."""
-    if size is None:
-        return pl.BlockSpec((None, None, None, dims), lambda b, h, i: (b, h, 0, 0))
+    """A BlockSpec over (batch, heads, seq, dims): one batch element and head per grid step, the
+    ``size`` sequence rows at the step's block index. Per-row statistics (log-sum-exp, delta) are
+    stored as (batch, heads, seq, 1): TPU blocks need their last two dimensions whole or tiled by
+    (8, 128), which a trailing 1 (the whole dimension) satisfies."""
     return pl.BlockSpec((None, None, size, dims), lambda b, h, i: (b, h, i, 0))
 
 
 def _whole(seq: int, dims: int):
     return pl.BlockSpec((None, None, seq, dims), lambda b, h, i: (b, h, 0, 0))
-
-
-def _rows(size: int):
-    """A BlockSpec over a (batch, heads, seq) array of per-row statistics (log-sum-exp, delta)."""
-    return pl.BlockSpec((None, None, size), lambda b, h, i: (b, h, i))
 
 
 def _forward(q, k, v, cfg: _Config):
@@ -182,12 +177,13 @@ def _forward(q, k, v, cfg: _Config):
         functools.partial(_forward_kernel, cfg=cfg),
         out_shape=(
             jax.ShapeDtypeStruct((batch, heads, seq_q, dv), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads, seq_q), acc),
+            jax.ShapeDtypeStruct((batch, heads, seq_q, 1), acc),
         ),
         grid=(batch, heads, seq_q // cfg.block_q),
         in_specs=[_block(cfg.block_q, d), _whole(seq_k, d), _whole(seq_k, dv)],
-        out_specs=(_block(cfg.block_q, dv), _rows(cfg.block_q)),
+        out_specs=(_block(cfg.block_q, dv), _block(cfg.block_q, 1)),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_forward",
     )(q, k, v)
 
@@ -198,7 +194,7 @@ def _backward(cfg: _Config, residuals, do):
     seq_k, dv = k.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
     # delta_i = sum_j P_ij dP_ij = do_i . o_i: one cheap reduction, shared by both kernels.
-    delta = jnp.sum(do.astype(acc) * o.astype(acc), axis=-1)
+    delta = jnp.sum(do.astype(acc) * o.astype(acc), axis=-1, keepdims=True)
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
@@ -208,11 +204,12 @@ def _backward(cfg: _Config, residuals, do):
             _block(cfg.block_k, d),
             _block(cfg.block_k, dv),
             _whole(seq_q, dv),
-            _rows_whole(seq_q),
-            _rows_whole(seq_q),
+            _whole(seq_q, 1),
+            _whole(seq_q, 1),
         ],
         out_specs=(_block(cfg.block_k, d), _block(cfg.block_k, dv)),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_dkdv",
     )(q, k, v, do, lse, delta)
     dq = pl.pallas_call(
@@ -224,18 +221,15 @@ def _backward(cfg: _Config, residuals, do):
             _whole(seq_k, d),
             _whole(seq_k, dv),
             _block(cfg.block_q, dv),
-            _rows(cfg.block_q),
-            _rows(cfg.block_q),
+            _block(cfg.block_q, 1),
+            _block(cfg.block_q, 1),
         ],
         out_specs=_block(cfg.block_q, d),
         interpret=cfg.interpret,
+        compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_dq",
     )(q, k, v, do, lse, delta)
     return dq, dk, dv_
-
-
-def _rows_whole(seq: int):
-    return pl.BlockSpec((None, None, seq), lambda b, h, i: (b, h, 0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -314,7 +308,7 @@ def flash_attention_jax(
     head_dim_v); returns (batch, heads, seq_q, head_dim_v) in q's dtype. ``scale`` defaults to
     ``1/sqrt(head_dim)`` and ``causal`` is ``is_causal`` of ``F.scaled_dot_product_attention``.
     ``block_q``/``block_k`` are the query and key rows one kernel step holds; a given size must
-    divide the sequence length, ``None`` picks min(128, seq rounded up to a power of two) and pads
+    divide the sequence length, ``None`` picks min(128, seq rounded up to a power of two, at least 16) and pads
     the sequence (padded keys are masked, padded queries dropped). ``interpret=None`` interprets on
     CPU and compiles the real kernel on GPU/TPU.
 

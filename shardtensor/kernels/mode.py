@@ -26,6 +26,25 @@ def resolve_interpret(interpret: bool | None) -> bool:
     return interpret
 
 
+def compiler_params(interpret: bool):
+    """Pallas compiler parameters for the backend: Triton's on GPU, None (the default) elsewhere.
+
+    JAX 0.10 lowers a ``pallas_call`` on GPU to Mosaic GPU unless told otherwise, and Mosaic GPU wants
+    kernels in its own warpgroup style (its ``pallas_call`` path is deprecated); these kernels are
+    written in the block style Triton compiles, so they ask for Triton explicitly. TPU has one
+    compiler (Mosaic) and interpretation needs none.
+
+    Example::
+
+        pl.pallas_call(kernel, ..., interpret=interpret, compiler_params=compiler_params(interpret))
+    """
+    if interpret or jax.default_backend() != "gpu":
+        return None
+    from jax.experimental.pallas import triton as pallas_triton  # the GPU backend's module, only there
+
+    return pallas_triton.CompilerParams(num_warps=4, num_stages=2)
+
+
 def accumulation_dtype(dtype) -> jnp.dtype:
     """The dtype a kernel computes in: float32 for half types and float32, float64 for float64.
 

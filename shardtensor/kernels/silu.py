@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from shardtensor.kernels.mode import accumulation_dtype, check_floating, resolve_interpret
+from shardtensor.kernels.mode import accumulation_dtype, check_floating, compiler_params, resolve_interpret
 
 LANES = 128
 DEFAULT_BLOCK_ROWS = 8
@@ -51,6 +51,7 @@ def _elementwise_call(kernel, arrays, block_rows: int, interpret: bool):
         in_specs=[spec] * len(tiles),
         out_specs=spec,
         interpret=interpret,
+        compiler_params=compiler_params(interpret),
         name=kernel.__name__.strip("_"),
     )(*tiles)
     return out.reshape(-1)[:n].reshape(shape)
