@@ -67,6 +67,7 @@ from shardtensor.generation import generate  # noqa: F401  (Hugging Face generat
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import from_local  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements, local_map  # noqa: F401
+from shardtensor import kernels  # noqa: F401  (Pallas kernels as JAX functions and torch ops: st.kernels)
 # isort: on
 
 P = PartitionSpec

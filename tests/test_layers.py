@@ -41,7 +41,7 @@ LAYERS = [
             "manual",
         },
     ),
-    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),
+    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "kernels"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
 
