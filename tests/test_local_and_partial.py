@@ -89,6 +89,10 @@ def test_partial_sum_and_avg_against_torch_sums():
     torch.testing.assert_close(q1.full_tensor(), t)
     torch.testing.assert_close(q1.redistribute(mesh, [Replicate(), Shard(0)]).full_tensor(), t)
     assert q.redistribute(mesh, [Partial(), Partial()]) is q
+    # a partial axis kept, another axis moving: the summands are laid out anew, none reduced
+    r = st.distribute_tensor(t, mesh, [Partial(), Replicate()]).redistribute(mesh, [Partial(), Shard(0)])
+    assert r.placements == (Partial(), Shard(0))
+    torch.testing.assert_close(r.full_tensor(), t)
     u = torch.randn(5, 3)  # uneven over x
     torch.testing.assert_close(
         st.distribute_tensor(u, mesh, [Partial(), Replicate()]).redistribute(mesh, [Shard(0), Shard(1)]).full_tensor(),

@@ -62,7 +62,7 @@ def to_local(x: ShardedTensor) -> torch.Tensor:
 
 def from_local(
     local_tensor: torch.Tensor,
-    device_mesh=None,
+    device_mesh: Mesh | None = None,
     placements: Sequence[Placement] | None = None,
     *,
     run_check: bool = False,

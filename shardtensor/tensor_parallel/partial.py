@@ -183,6 +183,8 @@ class _FromSummands(torch.autograd.Function):
             summands = torch.ops.shardtensor.partial_reduce(state.summands, layout)
         else:  # a sum under the target sharding: XLA partitions it (an all-reduce)
             summands = reduce_hidden(state.summands, reduced, state.reduce_op)
+        if summands is state.summands:  # nothing reduced: a copy to lay out anew, not the stored summands
+            summands = summands.clone()
         # a fresh result: on a pending value this is a sharding constraint the reduction is partitioned by
         mark_sharding(cast(ShardedTensor, summands), mesh, spec)
         if kept:
