@@ -63,6 +63,9 @@ from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F4
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements  # noqa: F401
+from shardtensor.tensor_parallel import parallelize_module, loss_parallel, ParallelStyle  # noqa: F401
+from shardtensor.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel  # noqa: F401
+from shardtensor.tensor_parallel import PrepareModuleInput, PrepareModuleOutput  # noqa: F401
 # isort: on
 
 P = PartitionSpec
@@ -116,6 +119,14 @@ __all__ = [
     "init_device_mesh",
     "placements_to_spec",
     "spec_to_placements",
+    "parallelize_module",
+    "loss_parallel",
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
     # tensors and the device
     "ShardedTensor",
     "LocalShard",

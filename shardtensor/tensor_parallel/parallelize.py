@@ -1,0 +1,146 @@
+"""``st.parallelize_module``: apply a tensor-parallel plan (module paths -> styles), and
+``st.loss_parallel``: cross-entropy on logits split over the vocabulary."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from fnmatch import fnmatch
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+import shardtensor as st
+from shardtensor.tensor_parallel.distribute import _as_mesh
+from shardtensor.tensor_parallel.layouts import TensorParallelMesh, relayout
+from shardtensor.tensor_parallel.placements import Shard
+from shardtensor.tensor_parallel.style import ParallelStyle
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh=None,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
+    *,
+    tp_axis: str | int | None = None,
+) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` (DTensor's ``parallelize_module``) and return it.
+
+    ``parallelize_plan`` is one style (for ``module`` itself) or a dict from module paths to styles;
+    each dot-separated part of a path is matched against child names with ``fnmatch``
+    (``"layers.*.self_attn.q_proj"``), ``""`` is ``module`` itself. Unlike DTensor, which warns and
+    skips, a path that matches no submodule is an error.
+
+    ``device_mesh`` is a ``st.Mesh`` (default: the global mesh). Styles speak of one axis of it, the
+    tensor-parallel one: ``tp_axis``, else the only axis of a 1-D mesh, else the axis named ``"tp"``.
+    Other axes are data parallel: parameters keep what they do (wrap with ``FSDPv2`` before or after
+    to shard them over ``"fsdp"`` too) and activations keep dim 0 (the batch) split over them.
+    Parameters not in the plan stay as they are; the module then moves to ``st.device()``.
+
+    Example::
+
+        mesh = st.init_device_mesh("cpu", (4, 2), mesh_dim_names=("fsdp", "tp"))
+        st.parallelize_module(model, mesh, {
+            "layers.*.mlp.up_proj": st.ColwiseParallel(),
+            "layers.*.mlp.down_proj": st.RowwiseParallel(),
+        })
+        model.layers[0].mlp.up_proj.weight.partition_spec   # PartitionSpec('tp', None)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"parallelize_module takes an nn.Module, got {type(module).__name__}")
+    tp = TensorParallelMesh.of(_as_mesh(device_mesh), tp_axis)
+    if isinstance(parallelize_plan, ParallelStyle):
+        parallelize_plan.apply(module, tp)
+    elif isinstance(parallelize_plan, Mapping):
+        for path, style in parallelize_plan.items():
+            if not isinstance(path, str):
+                raise TypeError(f"parallelize_plan keys are module paths (strings), got {path!r}")
+            if not isinstance(style, ParallelStyle):
+                raise TypeError(
+                    f"parallelize_plan[{path!r}] is {style!r}, not a style (st.ColwiseParallel(), "
+                    "st.RowwiseParallel(), st.SequenceParallel(), st.PrepareModuleInput/Output(...))"
+                )
+            for sub in _matching_modules(module, path):
+                style.apply(sub, tp)
+    else:
+        raise TypeError(
+            f"parallelize_plan must be a style or a dict {{module path: style}}, got {type(parallelize_plan).__name__}"
+        )
+    module.to(st.device())
+    return module
+
+
+def _matching_modules(root: nn.Module, path: str) -> list[nn.Module]:
+    """The submodules of ``root`` that ``path`` names, each part matched with fnmatch."""
+    found = [root]
+    done: list[str] = []
+    for token in path.split(".") if path else []:
+        children = [c for m in found for name, c in m.named_children() if fnmatch(name, token)]
+        if not children:
+            known = sorted({name for m in found for name, _ in m.named_children()})
+            where = ".".join(done) or "the module"
+            raise ValueError(
+                f"parallelize_plan key {path!r}: no submodule of {where} matches {token!r} "
+                f"(its children: {known or 'none'}); check the path against model.named_modules()"
+            )
+        found = children
+        done.append(token)
+    return found
+
+
+class _VocabParallelCrossEntropy(TorchFunctionMode):
+    """Under ``loss_parallel``: the logits of ``F.cross_entropy`` keep their vocabulary split, in
+    forward and for their gradient (so the compiler reduces per-row maxima and sums, small, instead
+    of gathering the logits)."""
+
+    def __init__(self, tp: TensorParallelMesh | None):
+        super().__init__()
+        self.tp = tp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.cross_entropy and args and isinstance(args[0], st.ShardedTensor):
+            args = (self._vocab_split(args[0]), *args[1:])
+        return func(*args, **kwargs)
+
+    def _vocab_split(self, logits: torch.Tensor) -> torch.Tensor:
+        tp = self.tp or _tp_of(logits)
+        if tp is None or logits.dim() < 1:
+            return logits
+        class_dim = 1 if logits.dim() >= 2 else 0  # cross_entropy's classes: dim 1 of (N, C, ...)
+        return relayout(logits, tp, (Shard(class_dim),), "logits of cross_entropy")
+
+
+def _tp_of(t: torch.Tensor) -> TensorParallelMesh | None:
+    """The tensor-parallel axis of a tensor whose last dim is split over one mesh axis, if any."""
+    if not isinstance(t, st.ShardedTensor) or t.partition_spec is None:
+        return None
+    for axis, p in enumerate(t.placements):
+        if isinstance(p, Shard) and p.dim in (-1, t.dim() - 1):
+            return TensorParallelMesh(t.device_mesh, axis)
+    return None
+
+
+@contextlib.contextmanager
+def loss_parallel(device_mesh=None, *, tp_axis: str | int | None = None) -> Iterator[None]:
+    """A context in which ``F.cross_entropy`` computes on logits split over the vocabulary
+    (DTensor's ``loss_parallel``); run the loss and its ``backward()`` inside it.
+
+    The result is the same with or without it (the compiler partitions any cross-entropy
+    correctly); inside it the logits' classes stay split over the tensor-parallel axis, in forward
+    and for their gradient, so only per-row maxima and sums cross devices. That axis is
+    ``tp_axis`` of ``device_mesh`` when given, else the one the logits' last dimension is split over
+    (give the head ``ColwiseParallel(output_layouts=st.Shard(-1))``). A 3-D ``(batch, seq, vocab)``
+    logits must be flattened to ``(N, vocab)`` first, as for any cross-entropy.
+
+    Example::
+
+        with st.loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+            loss.backward()
+    """
+    tp = None if device_mesh is None and tp_axis is None else TensorParallelMesh.of(_as_mesh(device_mesh), tp_axis)
+    with _VocabParallelCrossEntropy(tp):
+        yield
