@@ -77,6 +77,18 @@ def test_colwise_then_rowwise_linear_is_one_all_reduce():
     assert out.placements == (Shard(0), Replicate())  # output_layouts=Replicate(); the batch stays split
 
 
+def test_one_axis_mesh_in_compile_and_eager_mode():
+    mesh = st.init_device_mesh("cpu", (8,), mesh_dim_names=("tp",))
+    ref, model = _pair(MLP)
+    st.parallelize_module(model, mesh, MLP_PLAN)
+    assert model.up.weight.partition_spec == P("tp", None) and model.down.weight.partition_spec == P(None, "tp")
+    x = torch.randn(4, 16)
+    compiled = st.compile(model)
+    torch.testing.assert_close(compiled(st.shard(x, mesh, (None, None))).cpu(), ref(x), rtol=1e-5, atol=1e-5)
+    with st.eager_mode():
+        _check_forward_backward(ref, model, x, st.shard(x, mesh, (None, None)))
+
+
 def test_embedding_styles():
     mesh = _mesh()
     ids = torch.randint(0, 12, (8, 5), generator=torch.Generator().manual_seed(0))

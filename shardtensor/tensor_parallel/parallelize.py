@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import shardtensor as st
+from shardtensor.mesh import Mesh
 from shardtensor.tensor_parallel.distribute import _as_mesh
 from shardtensor.tensor_parallel.layouts import TensorParallelMesh, relayout
 from shardtensor.tensor_parallel.placements import Shard
@@ -21,7 +22,7 @@ from shardtensor.tensor_parallel.style import ParallelStyle
 
 def parallelize_module(
     module: nn.Module,
-    device_mesh=None,
+    device_mesh: Mesh | None = None,
     parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
     *,
     tp_axis: str | int | None = None,
@@ -124,7 +125,7 @@ def _tp_of(t: torch.Tensor) -> TensorParallelMesh | None:
 
 
 @contextlib.contextmanager
-def loss_parallel(device_mesh=None, *, tp_axis: str | int | None = None) -> Iterator[None]:
+def loss_parallel(device_mesh: Mesh | None = None, *, tp_axis: str | int | None = None) -> Iterator[None]:
     """A context in which ``F.cross_entropy`` computes on logits split over the vocabulary
     (DTensor's ``loss_parallel``); run the loss and its ``backward()`` inside it.
 

@@ -14,7 +14,10 @@ whole value laid out as ``output_layouts``.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -22,6 +25,9 @@ import torch.nn as nn
 import shardtensor as st
 from shardtensor.tensor_parallel.layouts import TensorParallelMesh, checked_layouts, mark_tensor_parallel, relayout
 from shardtensor.tensor_parallel.placements import Placement, Replicate, Shard
+
+# one placement, or one per input/output (None: that one is left alone)
+Layouts = Placement | Sequence[Placement | None] | None
 
 
 class ParallelStyle(ABC):
@@ -54,20 +60,20 @@ def _place(module: nn.Module, name: str, tp: TensorParallelMesh, placement: Plac
     setattr(module, name, new)
 
 
-def _first_input_hook(tp: TensorParallelMesh, layouts: tuple):
-    def hook(module, args):
-        if not args:
-            raise ValueError(f"{type(module).__name__} got no positional input to lay out")
-        return (relayout(args[0], tp, layouts, f"input of {type(module).__name__}"), *args[1:])
-
-    return hook
+# Hooks are partials of module-level functions, not closures, so a parallelized model pickles.
+def _lay_out_first_input(tp: TensorParallelMesh, layouts: tuple, module: nn.Module, args: tuple) -> tuple:
+    if not args:
+        raise ValueError(f"{type(module).__name__} got no positional input to lay out")
+    return (relayout(args[0], tp, layouts, f"input of {type(module).__name__}"), *args[1:])
 
 
-def _output_hook(tp: TensorParallelMesh, layouts: tuple):
-    def hook(module, args, output):
-        return relayout(output, tp, layouts, f"output of {type(module).__name__}")
+def _lay_out_output(tp: TensorParallelMesh, layouts: tuple, module: nn.Module, args: tuple, output: Any) -> Any:
+    return relayout(output, tp, layouts, f"output of {type(module).__name__}")
 
-    return hook
+
+def _add_hooks(module: nn.Module, tp: TensorParallelMesh, inputs: tuple, outputs: tuple) -> None:
+    module.register_forward_pre_hook(functools.partial(_lay_out_first_input, tp, inputs))
+    module.register_forward_hook(functools.partial(_lay_out_output, tp, outputs))
 
 
 class ColwiseParallel(ParallelStyle):
@@ -82,7 +88,9 @@ class ColwiseParallel(ParallelStyle):
         st.parallelize_module(mlp, mesh, {"up": st.ColwiseParallel(), "down": st.RowwiseParallel()})
     """
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+    def __init__(
+        self, *, input_layouts: Layouts = None, output_layouts: Layouts = None, use_local_output: bool = True
+    ) -> None:
         self.input_layouts = checked_layouts(input_layouts or Replicate(), "input_layouts")
         self.output_layouts = checked_layouts(output_layouts or Shard(-1), "output_layouts")
         self.desired_input_layouts = (Replicate(),)
@@ -97,8 +105,7 @@ class ColwiseParallel(ParallelStyle):
             _place(module, "weight", tp, Shard(1))
         else:
             raise _wrong_module(self, module, "nn.Linear and nn.Embedding")
-        module.register_forward_pre_hook(_first_input_hook(tp, self.input_layouts + self.desired_input_layouts))
-        module.register_forward_hook(_output_hook(tp, self.output_layouts))
+        _add_hooks(module, tp, self.input_layouts + self.desired_input_layouts, self.output_layouts)
         return module
 
 
@@ -116,7 +123,9 @@ class RowwiseParallel(ParallelStyle):
         st.RowwiseParallel(output_layouts=st.Shard(1))   # o_proj / down_proj before a SequenceParallel norm
     """
 
-    def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output: bool = True):
+    def __init__(
+        self, *, input_layouts: Layouts = None, output_layouts: Layouts = None, use_local_output: bool = True
+    ) -> None:
         self.input_layouts = checked_layouts(input_layouts or Shard(-1), "input_layouts")
         self.output_layouts = checked_layouts(output_layouts or Replicate(), "output_layouts")
         self.use_local_output = use_local_output
@@ -133,8 +142,7 @@ class RowwiseParallel(ParallelStyle):
             desired = Replicate()
         else:
             raise _wrong_module(self, module, "nn.Linear and nn.Embedding")
-        module.register_forward_pre_hook(_first_input_hook(tp, self.input_layouts + (desired,)))
-        module.register_forward_hook(_output_hook(tp, self.output_layouts))
+        _add_hooks(module, tp, self.input_layouts + (desired,), self.output_layouts)
         return module
 
 
@@ -149,7 +157,7 @@ class SequenceParallel(ParallelStyle):
         plan = {"layers.*.input_layernorm": st.SequenceParallel(), "norm": st.SequenceParallel()}
     """
 
-    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False):
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
         self.sequence_sharding = (Shard(sequence_dim),)
         self.use_local_output = use_local_output
 
@@ -158,8 +166,7 @@ class SequenceParallel(ParallelStyle):
         for name, _ in list(module.named_parameters()):
             owner, _, leaf = name.rpartition(".")
             _place(module.get_submodule(owner), leaf, tp, Replicate())
-        module.register_forward_pre_hook(_first_input_hook(tp, self.sequence_sharding))
-        module.register_forward_hook(_output_hook(tp, self.sequence_sharding))
+        _add_hooks(module, tp, self.sequence_sharding, self.sequence_sharding)
         return module
 
 
@@ -181,12 +188,12 @@ class PrepareModuleInput(ParallelStyle):
     def __init__(
         self,
         *,
-        input_layouts=None,
-        desired_input_layouts=None,
-        input_kwarg_layouts: dict | None = None,
-        desired_input_kwarg_layouts: dict | None = None,
+        input_layouts: Layouts = None,
+        desired_input_layouts: Layouts = None,
+        input_kwarg_layouts: dict[str, Placement] | None = None,
+        desired_input_kwarg_layouts: dict[str, Placement] | None = None,
         use_local_output: bool = False,
-    ):
+    ) -> None:
         self.input_layouts = _per_input(input_layouts, "input_layouts")
         self.desired_input_layouts = _per_input(desired_input_layouts, "desired_input_layouts")
         if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
@@ -210,34 +217,27 @@ class PrepareModuleInput(ParallelStyle):
 
     def apply(self, module: nn.Module, tp: TensorParallelMesh) -> nn.Module:
         """Add the input hook. Example: ``PrepareModuleInput(...).apply(attn, tp)``."""
-        module.register_forward_pre_hook(self._hook(tp), with_kwargs=True)
+        module.register_forward_pre_hook(functools.partial(self._lay_out, tp), with_kwargs=True)
         return module
 
-    def _hook(self, tp: TensorParallelMesh):
-        def hook(module, args, kwargs):
-            if self.input_layouts is not None:
-                if len(args) < len(self.input_layouts):
-                    raise ValueError(
-                        f"PrepareModuleInput on {type(module).__name__} has layouts for {len(self.input_layouts)} "
-                        f"positional inputs, the call passed {len(args)} (keyword inputs take input_kwarg_layouts)"
-                    )
-                laid_out = [
-                    relayout(a, tp, (given, want), f"input {i} of {type(module).__name__}") if want is not None else a
-                    for i, (a, given, want) in enumerate(
-                        zip(args, self.input_layouts, self.desired_input_layouts or ())
-                    )
-                ]
-                args = (*laid_out, *args[len(laid_out) :])
-            kwargs = dict(kwargs)
-            for name, given in self.input_kwarg_layouts.items():
-                if name in kwargs:
-                    want = self.desired_input_kwarg_layouts[name]
-                    kwargs[name] = relayout(
-                        kwargs[name], tp, (given, want), f"input {name!r} of {type(module).__name__}"
-                    )
-            return args, kwargs
-
-        return hook
+    def _lay_out(self, tp: TensorParallelMesh, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.input_layouts is not None:
+            if len(args) < len(self.input_layouts):
+                raise ValueError(
+                    f"PrepareModuleInput on {type(module).__name__} has layouts for {len(self.input_layouts)} "
+                    f"positional inputs, the call passed {len(args)} (keyword inputs take input_kwarg_layouts)"
+                )
+            laid_out = [
+                relayout(a, tp, (given, want), f"input {i} of {type(module).__name__}") if want is not None else a
+                for i, (a, given, want) in enumerate(zip(args, self.input_layouts, self.desired_input_layouts or ()))
+            ]
+            args = (*laid_out, *args[len(laid_out) :])
+        kwargs = dict(kwargs)
+        for name, given in self.input_kwarg_layouts.items():
+            if name in kwargs:
+                want = self.desired_input_kwarg_layouts[name]
+                kwargs[name] = relayout(kwargs[name], tp, (given, want), f"input {name!r} of {type(module).__name__}")
+        return args, kwargs
 
 
 class PrepareModuleOutput(ParallelStyle):
@@ -249,7 +249,9 @@ class PrepareModuleOutput(ParallelStyle):
         st.PrepareModuleOutput(output_layouts=st.Shard(1), desired_output_layouts=st.Replicate())
     """
 
-    def __init__(self, *, output_layouts, desired_output_layouts, use_local_output: bool = True):
+    def __init__(
+        self, *, output_layouts: Layouts, desired_output_layouts: Layouts, use_local_output: bool = True
+    ) -> None:
         self.output_layouts = checked_layouts(output_layouts, "output_layouts", allow_none=True)
         self.desired_output_layouts = checked_layouts(desired_output_layouts, "desired_output_layouts", allow_none=True)
         if len(self.output_layouts) != len(self.desired_output_layouts):
@@ -261,23 +263,20 @@ class PrepareModuleOutput(ParallelStyle):
 
     def apply(self, module: nn.Module, tp: TensorParallelMesh) -> nn.Module:
         """Add the output hook. Example: ``PrepareModuleOutput(...).apply(block, tp)``."""
-        module.register_forward_hook(self._hook(tp))
+        module.register_forward_hook(functools.partial(self._lay_out, tp))
         return module
 
-    def _hook(self, tp: TensorParallelMesh):
-        def hook(module, args, output):
-            single = isinstance(output, torch.Tensor)
-            outputs = (output,) if single else output
-            if not isinstance(outputs, tuple) or len(outputs) != len(self.output_layouts):
-                raise ValueError(
-                    f"PrepareModuleOutput on {type(module).__name__} has layouts for {len(self.output_layouts)} "
-                    f"output(s); the module returned {type(output).__name__}"
-                    + ("" if not isinstance(output, tuple) else f" of {len(output)}")
-                )
-            laid_out = tuple(
-                relayout(o, tp, (given, want), f"output {i} of {type(module).__name__}") if want is not None else o
-                for i, (o, given, want) in enumerate(zip(outputs, self.output_layouts, self.desired_output_layouts))
+    def _lay_out(self, tp: TensorParallelMesh, module: nn.Module, args: tuple, output: Any) -> Any:
+        single = isinstance(output, torch.Tensor)
+        outputs = (output,) if single else output
+        if not isinstance(outputs, tuple) or len(outputs) != len(self.output_layouts):
+            raise ValueError(
+                f"PrepareModuleOutput on {type(module).__name__} has layouts for {len(self.output_layouts)} "
+                f"output(s); the module returned {type(output).__name__}"
+                + ("" if not isinstance(output, tuple) else f" of {len(output)}")
             )
-            return laid_out[0] if single else laid_out
-
-        return hook
+        laid_out = tuple(
+            relayout(o, tp, (given, want), f"output {i} of {type(module).__name__}") if want is not None else o
+            for i, (o, given, want) in enumerate(zip(outputs, self.output_layouts, self.desired_output_layouts))
+        )
+        return laid_out[0] if single else laid_out
