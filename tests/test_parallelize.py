@@ -203,6 +203,35 @@ def test_bad_plans_are_clear_errors():
         model(torch.randn(2, 16))
 
 
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8, bias=False)
+        self.b = nn.Linear(8, 8, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_tied_parameters_stay_tied_or_are_a_clear_error():
+    mesh = _mesh()
+    ref, model = _pair(Tied)
+    plan = {"a": st.ColwiseParallel(output_layouts=Replicate()), "b": st.ColwiseParallel()}
+    st.parallelize_module(model, mesh, plan)
+    assert model.a.weight is model.b.weight and model.a.weight.partition_spec == P("tp", None)
+    x = torch.randn(8, 8)
+    _check_forward_backward(ref, model, x, st.shard(x, mesh, ("dp", None)))
+    with pytest.raises(ValueError, match=r"tied parameters \['a.weight', 'b.weight'\].*different layouts"):
+        st.parallelize_module(Tied(), mesh, {"a": st.ColwiseParallel(), "b": st.RowwiseParallel()})
+    with pytest.raises(ValueError, match="not in the plan"):
+        st.parallelize_module(Tied(), mesh, {"a": st.ColwiseParallel()})
+    untouched = Tied()
+    with pytest.raises(TypeError, match="not to Tied"):  # the plan is checked before anything is placed
+        st.parallelize_module(untouched, mesh, {"a": st.ColwiseParallel(), "": st.RowwiseParallel()})
+    assert untouched.a.weight.device.type == "cpu" and not untouched.a._forward_hooks
+
+
 def test_composes_with_fsdp_both_orders():
     mesh = _mesh("fsdp")
     x = torch.randn(8, 16)

@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 import shardtensor as st
 from shardtensor.mesh import Mesh
 from shardtensor.tensor_parallel.distribute import _as_mesh
-from shardtensor.tensor_parallel.layouts import TensorParallelMesh, relayout
+from shardtensor.tensor_parallel.layouts import TensorParallelMesh, is_tensor_parallel, relayout
 from shardtensor.tensor_parallel.placements import Shard
 from shardtensor.tensor_parallel.style import ParallelStyle
 
@@ -52,25 +52,60 @@ def parallelize_module(
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module takes an nn.Module, got {type(module).__name__}")
     tp = TensorParallelMesh.of(_as_mesh(device_mesh), tp_axis)
-    if isinstance(parallelize_plan, ParallelStyle):
-        parallelize_plan.apply(module, tp)
-    elif isinstance(parallelize_plan, Mapping):
-        for path, style in parallelize_plan.items():
-            if not isinstance(path, str):
-                raise TypeError(f"parallelize_plan keys are module paths (strings), got {path!r}")
-            if not isinstance(style, ParallelStyle):
-                raise TypeError(
-                    f"parallelize_plan[{path!r}] is {style!r}, not a style (st.ColwiseParallel(), "
-                    "st.RowwiseParallel(), st.SequenceParallel(), st.PrepareModuleInput/Output(...))"
-                )
-            for sub in _matching_modules(module, path):
-                style.apply(sub, tp)
-    else:
-        raise TypeError(
-            f"parallelize_plan must be a style or a dict {{module path: style}}, got {type(parallelize_plan).__name__}"
-        )
+    # resolve and check the whole plan first, so a bad entry leaves the module untouched
+    steps = [(style, sub) for path, style in _plan_items(parallelize_plan) for sub in _matching_modules(module, path)]
+    for style, sub in steps:
+        style.check(sub)
+    owners = _owners_of_shared_parameters(module)
+    for style, sub in steps:
+        style.apply(sub, tp)
+    _retie(owners)
     module.to(st.device())
     return module
+
+
+def _plan_items(plan) -> list[tuple[str, ParallelStyle]]:
+    """``plan`` as (module path, style) pairs, each checked."""
+    if isinstance(plan, ParallelStyle):
+        return [("", plan)]
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize_plan must be a style or a dict {{module path: style}}, got {type(plan).__name__}")
+    for path, style in plan.items():
+        if not isinstance(path, str):
+            raise TypeError(f"parallelize_plan keys are module paths (strings), got {path!r}")
+        if not isinstance(style, ParallelStyle):
+            raise TypeError(
+                f"parallelize_plan[{path!r}] is {style!r}, not a style (st.ColwiseParallel(), "
+                "st.RowwiseParallel(), st.SequenceParallel(), st.PrepareModuleInput/Output(...))"
+            )
+    return list(plan.items())
+
+
+def _owners_of_shared_parameters(module: nn.Module) -> list[list[tuple[str, nn.Module, str]]]:
+    """For each parameter held by several modules (tied weights): its (path, module, name) owners."""
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    for path, sub in module.named_modules(remove_duplicate=False):
+        for name, p in sub.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((f"{path}.{name}" if path else name, sub, name))
+    return [group for group in owners.values() if len({id(m) for _, m, _ in group}) > 1]
+
+
+def _retie(groups: list[list[tuple[str, nn.Module, str]]]) -> None:
+    """Tied parameters that the plan placed apart are tied again when their layouts agree; two
+    different layouts for one tensor are an error."""
+    for group in groups:
+        held = [(path, getattr(m, name)) for path, m, name in group]
+        placed = [(path, p) for path, p in held if is_tensor_parallel(p)]
+        if not placed or len({id(p) for _, p in held}) == 1:
+            continue
+        layouts = {path: p.partition_spec if is_tensor_parallel(p) else "not in the plan" for path, p in held}
+        if len({str(v) for v in layouts.values()}) > 1:
+            raise ValueError(
+                f"the tied parameters {list(layouts)} (one tensor) got different layouts from the plan: {layouts}. "
+                "Give their modules styles that place the tensor alike, or untie them first."
+            )
+        for _, m, name in group:
+            setattr(m, name, placed[0][1])
 
 
 def _matching_modules(root: nn.Module, path: str) -> list[nn.Module]:

@@ -37,16 +37,27 @@ class ParallelStyle(ABC):
     def apply(self, module: nn.Module, tp: TensorParallelMesh) -> nn.Module:
         """Place ``module``'s parameters and add its hooks; returns ``module``."""
 
+    def check(self, module: nn.Module) -> None:
+        """Raise a clear error if this style cannot apply to ``module`` (any module, by default).
+
+        Example: ``ColwiseParallel().check(nn.LayerNorm(4))`` raises a TypeError.
+        """
+        return None
+
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
         return f"{type(self).__name__}({fields})"
 
 
-def _wrong_module(style: ParallelStyle, module: nn.Module, supported: str) -> TypeError:
-    return TypeError(
-        f"{type(style).__name__} applies to {supported}, not to {type(module).__name__}; give this module "
-        "another style (SequenceParallel, PrepareModuleInput/Output) or plan its Linear/Embedding children"
-    )
+class _LinearOrEmbeddingStyle(ParallelStyle):
+    def check(self, module: nn.Module) -> None:
+        """A TypeError unless ``module`` is an nn.Linear or nn.Embedding. Example: ``style.check(fc)``."""
+        if not isinstance(module, (nn.Linear, nn.Embedding)):
+            raise TypeError(
+                f"{type(self).__name__} applies to nn.Linear and nn.Embedding, not to {type(module).__name__}; "
+                "give this module another style (SequenceParallel, PrepareModuleInput/Output) or plan its "
+                "Linear/Embedding children"
+            )
 
 
 def _place(module: nn.Module, name: str, tp: TensorParallelMesh, placement: Placement) -> None:
@@ -76,7 +87,7 @@ def _add_hooks(module: nn.Module, tp: TensorParallelMesh, inputs: tuple, outputs
     module.register_forward_hook(functools.partial(_lay_out_output, tp, outputs))
 
 
-class ColwiseParallel(ParallelStyle):
+class ColwiseParallel(_LinearOrEmbeddingStyle):
     """Split an ``nn.Linear``'s output features (weight and bias ``Shard(0)``) or an
     ``nn.Embedding``'s embedding dimension (weight ``Shard(1)``) over the tensor-parallel axis.
 
@@ -98,18 +109,17 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, tp: TensorParallelMesh) -> nn.Module:
         """Place the parameters and add the hooks. Example: ``ColwiseParallel().apply(fc, tp)``."""
+        self.check(module)
         if isinstance(module, nn.Linear):
             _place(module, "weight", tp, Shard(0))
             _place(module, "bias", tp, Shard(0))
-        elif isinstance(module, nn.Embedding):
+        else:  # an nn.Embedding (check)
             _place(module, "weight", tp, Shard(1))
-        else:
-            raise _wrong_module(self, module, "nn.Linear and nn.Embedding")
         _add_hooks(module, tp, self.input_layouts + self.desired_input_layouts, self.output_layouts)
         return module
 
 
-class RowwiseParallel(ParallelStyle):
+class RowwiseParallel(_LinearOrEmbeddingStyle):
     """Split an ``nn.Linear``'s input features (weight ``Shard(1)``, bias replicated) or an
     ``nn.Embedding``'s rows, the vocabulary (weight ``Shard(0)``), over the tensor-parallel axis.
 
@@ -132,16 +142,15 @@ class RowwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, tp: TensorParallelMesh) -> nn.Module:
         """Place the parameters and add the hooks. Example: ``RowwiseParallel().apply(fc, tp)``."""
+        self.check(module)
         desired: Placement
         if isinstance(module, nn.Linear):
             _place(module, "weight", tp, Shard(1))
             _place(module, "bias", tp, Replicate())
             desired = Shard(-1)
-        elif isinstance(module, nn.Embedding):
+        else:  # an nn.Embedding (check)
             _place(module, "weight", tp, Shard(0))
             desired = Replicate()
-        else:
-            raise _wrong_module(self, module, "nn.Linear and nn.Embedding")
         _add_hooks(module, tp, self.input_layouts + (desired,), self.output_layouts)
         return module
 
