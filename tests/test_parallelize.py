@@ -173,6 +173,16 @@ def test_loss_parallel_cross_entropy_on_vocab_split_logits():
     torch.testing.assert_close(model.weight.grad.cpu(), ref.weight.grad)
     assert model.weight.grad.partition_spec in (P("tp", None), None)
 
+    def loss_of_float_logits(inp, tgt):  # .float() drops the head's annotation: the mesh names the axis
+        with st.loss_parallel(mesh):
+            loss = F.cross_entropy(model(inp).float(), tgt)
+            loss.backward()
+        return loss
+
+    sx, st_target = st.shard(x, mesh, ("dp", None)), st.shard(target, mesh, ("dp",))
+    assert all(kind == "all-reduce" for kind, _ in _collective_ops(loss_of_float_logits, sx, st_target))
+    st.sync()
+
 
 def test_bad_plans_are_clear_errors():
     mesh = _mesh()
@@ -318,7 +328,7 @@ def test_llama_tensor_and_sequence_parallel_trains_like_eager(with_fsdp):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
 
     def train_step(x):
-        with st.loss_parallel():
+        with st.loss_parallel(mesh):  # (HF's loss sees logits.float().view(-1, vocab): name the mesh)
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
         optimizer.step()

@@ -142,19 +142,20 @@ class _VocabParallelCrossEntropy(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _vocab_split(self, logits: torch.Tensor) -> torch.Tensor:
-        tp = self.tp or _tp_of(logits)
-        if tp is None or logits.dim() < 1:
-            return logits
         class_dim = 1 if logits.dim() >= 2 else 0  # cross_entropy's classes: dim 1 of (N, C, ...)
+        tp = self.tp or _tp_of(logits, class_dim)
+        if tp is None:
+            return logits
         return relayout(logits, tp, (Shard(class_dim),), "logits of cross_entropy")
 
 
-def _tp_of(t: torch.Tensor) -> TensorParallelMesh | None:
-    """The tensor-parallel axis of a tensor whose last dim is split over one mesh axis, if any."""
-    if not isinstance(t, st.ShardedTensor) or t.partition_spec is None:
+def _tp_of(t: torch.Tensor, dim: int) -> TensorParallelMesh | None:
+    """The mesh axis that the annotation of ``t`` splits dimension ``dim`` over, if any (a tensor
+    computed from an annotated one, e.g. by ``.float()`` or a view, has no annotation: None)."""
+    if not isinstance(t, st.ShardedTensor) or t.partition_spec is None or t.dim() == 0:
         return None
     for axis, p in enumerate(t.placements):
-        if isinstance(p, Shard) and p.dim in (-1, t.dim() - 1):
+        if isinstance(p, Shard) and p.dim % t.dim() == dim:
             return TensorParallelMesh(t.device_mesh, axis)
     return None
 
@@ -166,14 +167,16 @@ def loss_parallel(device_mesh: Mesh | None = None, *, tp_axis: str | int | None 
 
     The result is the same with or without it (the compiler partitions any cross-entropy
     correctly); inside it the logits' classes stay split over the tensor-parallel axis, in forward
-    and for their gradient, so only per-row maxima and sums cross devices. That axis is
-    ``tp_axis`` of ``device_mesh`` when given, else the one the logits' last dimension is split over
-    (give the head ``ColwiseParallel(output_layouts=st.Shard(-1))``). A 3-D ``(batch, seq, vocab)``
-    logits must be flattened to ``(N, vocab)`` first, as for any cross-entropy.
+    and for their gradient, so only per-row maxima and sums cross devices. That axis is the
+    tensor-parallel axis of ``device_mesh`` when given (``tp_axis``, the only axis, or ``"tp"``, as
+    for ``parallelize_module``); without a mesh it is the axis the logits' annotation splits their
+    classes over — a head's output carries one, a tensor computed from it (``.float()``, a view, as
+    in Hugging Face's loss) does not, and is then left to the compiler. The classes are dim 1 of
+    cross_entropy's input, as always: flatten ``(batch, seq, vocab)`` logits to ``(N, vocab)``.
 
     Example::
 
-        with st.loss_parallel():
+        with st.loss_parallel(mesh):
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
     """
