@@ -67,6 +67,9 @@ from shardtensor.generation import generate  # noqa: F401  (Hugging Face generat
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import from_local  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements, local_map  # noqa: F401
+from shardtensor.tensor_parallel import parallelize_module, loss_parallel, ParallelStyle  # noqa: F401
+from shardtensor.tensor_parallel import ColwiseParallel, RowwiseParallel, SequenceParallel  # noqa: F401
+from shardtensor.tensor_parallel import PrepareModuleInput, PrepareModuleOutput  # noqa: F401
 from shardtensor import kernels  # noqa: F401  (Pallas kernels as JAX functions and torch ops: st.kernels)
 # isort: on
 
@@ -123,6 +126,14 @@ __all__ = [
     "spec_to_placements",
     "from_local",
     "local_map",
+    "parallelize_module",
+    "loss_parallel",
+    "ParallelStyle",
+    "ColwiseParallel",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
     # tensors and the device
     "ShardedTensor",
     "LocalShard",

@@ -25,6 +25,7 @@ from shardtensor.fsdp.state_dict import (
     restore_parameter_layouts,
 )
 from shardtensor.fsdp.wrap import recursive_wrap
+from shardtensor.tensor_parallel import is_tensor_parallel, mark_tensor_parallel
 
 
 class _ModuleForwardSignature:
@@ -59,7 +60,9 @@ class FSDPv2(nn.Module):
     choose arguments by it (Hugging Face ``Trainer``'s unused-column filter) see the real names.
 
     The module is moved to ``st.device()``. Parameters that already carry a sharding (given by
-    ``st.shard``/``st.mark_sharding``, or by an inner FSDPv2) are left alone; every other parameter is
+    ``st.shard``/``st.mark_sharding``, or by an inner FSDPv2) are left alone, but for those that a
+    tensor-parallel plan (``st.parallelize_module`` on the same mesh) placed over another axis: they
+    are also sharded over ``'fsdp'``, on their largest dimension the plan left whole. Every other parameter is
     sharded over ``'fsdp'`` on its largest dimension (ties: the lowest index; 0-d parameters are
     replicated). CPU parameters go to the devices already sharded, so a model too big to replicate
     on one device can still be wrapped.
@@ -223,7 +226,42 @@ def _shard_parameters(module: nn.Module, mesh: st.Mesh) -> None:
                 replaced[id(p)] = new
             setattr(sub, name, new)
     module.to(st.device())
-    for p in module.parameters():
-        if isinstance(p, st.ShardedTensor) and p.partition_spec is None:
-            with torch.no_grad():
-                st.mark_sharding(p, mesh, largest_dim_spec(p.shape))
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            if not isinstance(p, st.ShardedTensor):
+                continue
+            if p.partition_spec is None:
+                with torch.no_grad():
+                    st.mark_sharding(p, mesh, largest_dim_spec(p.shape))
+            elif is_tensor_parallel(p) and "fsdp" not in _axes_of(p):
+                new = replaced.get(id(p))
+                if new is None:
+                    new = _also_over_fsdp(p, mesh)
+                    replaced[id(p)] = new
+                setattr(sub, name, new)
+
+
+def _axes_of(p: st.ShardedTensor) -> set:
+    return {a for e in p.partition_spec or () for a in (e if isinstance(e, tuple) else (e,)) if a is not None}
+
+
+def _also_over_fsdp(p: Any, mesh: st.Mesh) -> nn.Parameter:
+    """A tensor-parallel parameter (``st.parallelize_module``) sharded over ``'fsdp'`` as well: on its
+    largest dimension the plan left whole (ties: the lowest), else on its largest dimension, split
+    over both axes. The plan must have used FSDPv2's mesh: one program spans one mesh."""
+    if p.device_mesh != mesh:
+        raise ValueError(
+            f"a parameter placed by st.parallelize_module on the mesh {p.device_mesh} cannot be sharded by an "
+            f"FSDPv2 on the mesh {mesh}: give both the same 2-D mesh (e.g. axes ('fsdp', 'tp'))"
+        )
+    placements = list(p.placements)
+    taken = {q.dim for q in placements if isinstance(q, st.Shard)}
+    free = [d for d in range(p.dim()) if d not in taken] or list(range(p.dim()))
+    if not free:
+        return p  # a 0-d parameter stays as the plan placed it
+    dim = max(free, key=lambda d: (p.shape[d], -d))
+    placements[(mesh.axis_names or ()).index("fsdp")] = st.Shard(dim)
+    spec = st.placements_to_spec(placements, mesh, p.dim())
+    new = nn.Parameter(st.shard(p.detach(), mesh, spec), requires_grad=p.requires_grad)
+    mark_tensor_parallel(new)
+    return new
