@@ -7,9 +7,9 @@ and their PartitionSpecs (``placements``), ``init_device_mesh`` and ``distribute
 
 from shardtensor.tensor.sharded import set_placement_hooks
 from shardtensor.tensor_parallel.distribute import distribute_tensor, init_device_mesh, redistribute
+from shardtensor.tensor_parallel.layouts import is_tensor_parallel, mark_tensor_parallel
 from shardtensor.tensor_parallel.local import from_local, to_local
 from shardtensor.tensor_parallel.local_map import local_map
-from shardtensor.tensor_parallel.layouts import is_tensor_parallel, mark_tensor_parallel
 from shardtensor.tensor_parallel.parallelize import loss_parallel, parallelize_module
 from shardtensor.tensor_parallel.placements import (
     Partial,

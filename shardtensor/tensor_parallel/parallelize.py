@@ -14,7 +14,7 @@ from torch.overrides import TorchFunctionMode
 
 import shardtensor as st
 from shardtensor.mesh import Mesh
-from shardtensor.tensor_parallel.distribute import _as_mesh
+from shardtensor.tensor_parallel.distribute import as_mesh
 from shardtensor.tensor_parallel.layouts import TensorParallelMesh, is_tensor_parallel, relayout
 from shardtensor.tensor_parallel.placements import Shard
 from shardtensor.tensor_parallel.style import ParallelStyle
@@ -51,7 +51,7 @@ def parallelize_module(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"parallelize_module takes an nn.Module, got {type(module).__name__}")
-    tp = TensorParallelMesh.of(_as_mesh(device_mesh), tp_axis)
+    tp = TensorParallelMesh.of(as_mesh(device_mesh), tp_axis)
     # resolve and check the whole plan first, so a bad entry leaves the module untouched
     steps = [(style, sub) for path, style in _plan_items(parallelize_plan) for sub in _matching_modules(module, path)]
     for style, sub in steps:
@@ -180,6 +180,6 @@ def loss_parallel(device_mesh: Mesh | None = None, *, tp_axis: str | int | None 
             loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
             loss.backward()
     """
-    tp = None if device_mesh is None and tp_axis is None else TensorParallelMesh.of(_as_mesh(device_mesh), tp_axis)
+    tp = None if device_mesh is None and tp_axis is None else TensorParallelMesh.of(as_mesh(device_mesh), tp_axis)
     with _VocabParallelCrossEntropy(tp):
         yield
