@@ -9,6 +9,7 @@ from shardtensor.dispatch import (  # noqa: F401  (fill the tables)
     c10d_ops,
     factories,
     functional_collectives,
+    fused_attention,
     host,
     nested,
     reshape_inplace,

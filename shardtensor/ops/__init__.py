@@ -12,6 +12,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     elementwise,
     fft,
     foreach,
+    fused_attention,
     grouped_mm,
     histogram,
     indexing,

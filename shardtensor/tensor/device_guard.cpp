@@ -16,10 +16,17 @@
 // needed for forget_view_replay). Loading it registers nothing: register_backend() does, once the
 // Python side has checked TORCH_VERSION and SOURCE_ID, so a module built for another torch, or from
 // an older version of this file (an editable install), is never used.
+//
+// It also picks F.scaled_dot_product_attention's backend for the device: torch asks a C++ stub
+// (not a dispatcher op), and without an answer it decomposes SDPA into matmul/reshape/bmm before
+// __torch_dispatch__ sees it. "overrideable" makes SDPA reach shardtensor as one op
+// (_scaled_dot_product_fused_attention_overrideable, lowered in ops/attention.py).
 #include <Python.h>
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/detail/PrivateUse1HooksInterface.h>
+#include <ATen/native/transformers/attention.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/DeviceType.h>
@@ -155,6 +162,17 @@ void forget_view_replay(const at::Tensor& t) {
   }
 }
 
+// F.scaled_dot_product_attention's backend on this device: the one fused op (no dropout: its mask
+// would have to be replayed in backward, so dropout keeps torch's math path and its random ops),
+// unless torch.nn.attention.sdpa_kernel / torch.backends.cuda.enable_*_sdp turned it off.
+int64_t choose_sdpa_backend(const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            double dropout_p, bool, std::optional<double>, bool) {
+  const auto& ctx = at::globalContext();
+  if (dropout_p == 0.0 && ctx.userEnabledOverrideableSDP()) return static_cast<int64_t>(at::SDPBackend::overrideable);
+  if (ctx.userEnabledMathSDP()) return static_cast<int64_t>(at::SDPBackend::math);
+  return static_cast<int64_t>(at::SDPBackend::error);  // torch then says no backend is enabled
+}
+
 // Register the guard and the hooks above (once per process; torch keeps the pointers).
 void register_backend() {
   static const bool registered = [] {
@@ -163,6 +181,7 @@ void register_backend() {
     at::RegisterPrivateUse1HooksInterface(&hooks);
     static RefusingAllocator allocator;
     c10::SetAllocator(c10::DeviceType::PrivateUse1, &allocator);
+    at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(&choose_sdpa_backend);
     return true;
   }();
   (void)registered;
