@@ -350,6 +350,9 @@ def test_llama_tensor_and_sequence_parallel_trains_like_eager(with_fsdp):
         # forward and again in backward, and the row-wise partial sums (32 = 2 * 16 positions)
         # reduced after them (all-reduce + slice on CPU, a reduce-scatter where XLA makes one)
         assert ops.count(("all-gather", "f32[2,16,64]")) >= 4 * 2
+        # attention keeps the heads split over 'tp' (SDPA is one op, its products batched over
+        # (batch, heads)): the sequence-split activations are the only thing ever gathered
+        assert {t for kind, t in ops if kind == "all-gather"} == {"f32[2,16,64]"}
         assert ops.count(("all-reduce", "f32[32,64]")) >= 2 * 2
     losses = []
     for _ in range(steps):

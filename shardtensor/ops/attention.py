@@ -2,8 +2,9 @@
 ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (causal, additive/bool mask, scale,
 grouped-query heads; dropout_p must be 0 — with dropout torch takes the decomposed math path).
 
-On a device that is neither CPU nor CUDA (PrivateUse1), torch decomposes SDPA itself into
-mul/bmm/``_safe_softmax``/… ops, so these lowerings are not reached there.
+On shardtensor's own device ``F.scaled_dot_product_attention`` becomes another op,
+``_scaled_dot_product_fused_attention_overrideable`` (``fused_attention.py``); these lowerings serve
+programs that call the CPU ops directly (an exported or traced CPU graph).
 
 Semantics of torch's CPU kernel: ``is_causal`` masks key j > query i (top-left aligned); a row with
 every key masked gives output 0 and logsumexp 0; logsumexp is float32 for half inputs.
