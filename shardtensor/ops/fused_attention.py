@@ -25,9 +25,9 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import torch
 from jax import lax
 
-import torch
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.registry import register
 
