@@ -1,6 +1,6 @@
 """L5, what ``__torch_dispatch__`` does with one aten op: recording (``record``), output metadata
 (``meta``), views (``view_ops``), in-place and ``out=`` (``mutation``), the declared special handlers
-(``table``, filled by ``host``, ``nested``, ``reshape_inplace``, and ``c10d_ops`` and
+(``table``, filled by ``host``, ``nested``, ``reshape_inplace``, ``fused_attention``, and ``c10d_ops`` and
 ``functional_collectives`` for torch.distributed's collectives, with ``collectives``), and the factory kernels
 (``factories``).
 Importing it installs the handler into ``ShardedTensor``."""

@@ -4,7 +4,8 @@ kernels are ``shardtensor.dispatch.factories``).
 
 Also: ``torch.manual_seed`` reaches shardtensor's key through the backend module, and a C++ device
 guard (``device_guard.cpp``) keeps autograd from calling Python while it unwinds an error raised
-inside ``backward()`` (see ``backward_errors``).
+inside ``backward()`` (see ``backward_errors``) and answers torch's choice of backend for
+``F.scaled_dot_product_attention`` on the device ("overrideable": one op, ``ops/fused_attention.py``).
 """
 
 from __future__ import annotations
