@@ -83,3 +83,29 @@ def test_dead_pending_cells_leave_the_pending_set():
         assert_close(kept.cpu(), torch.full((8, 4), 2.0))
     finally:
         isolate_lazy_graph()
+
+
+def test_static_numbers_equal_in_python_keep_their_types():
+    """8 == 8.0 == True in Python, but arange(8.0) is float, arange(8) int64 and full(s, True) bool:
+    an op recorded with one must not hand its result type to the other (a cached plan once did)."""
+    d = st.device()
+    calls = [
+        lambda dev: torch.arange(8.0, device=dev),
+        lambda dev: torch.arange(8, device=dev),
+        lambda dev: torch.arange(0, 8, 2.0, device=dev),
+        lambda dev: torch.arange(0, 8, 2, device=dev),
+        lambda dev: torch.full((2,), 1.0, device=dev),
+        lambda dev: torch.full((2,), 1, device=dev),
+        lambda dev: torch.full((2,), True, device=dev),
+    ]
+    for call in calls:
+        got, want = call(d), call("cpu")
+        assert got.dtype == want.dtype
+        assert_close(got.cpu(), want)
+    ints = [torch.arange(4), torch.arange(3)]
+    for scalars in ([1, 2], [1.5, 2.5]):
+        got = torch._foreach_add([st.shard(t, MESH_42, (None,)) for t in ints], scalars)
+        want = torch._foreach_add(ints, scalars)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            assert_close(g.cpu(), w)

@@ -42,14 +42,33 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
             return ("L", tuple(_encode(v, False, False, refs) for v in value))
         if is_scalar_slot and not static_scalars and value and not isinstance(value[0], (list, tuple)):
             refs.extend(ScalarLeaf(v) for v in value)
-            return ("SL", len(value))
-        return ("X", tuple(value))
+            return ("SL", len(value), tuple(map(type, value)))
+        return _static(tuple(value))
     if is_scalar_slot and not static_scalars and isinstance(value, (int, float, bool, complex)):
         refs.append(ScalarLeaf(value))
         return ("S", type(value))
     if isinstance(value, torch.Generator):
         return ("X", None)
+    return _static(value)
+
+
+# 8 == 8.0 == True in Python, but arange(8.0) is float and full(s, True) bool: a static number that is
+# not an int carries its type in the template, so plans (keyed by templates) never mix them up
+_TYPED = (float, bool, complex)
+
+
+def _static(value):
+    if type(value) in _TYPED or (type(value) is tuple and _has_typed(value)):
+        return ("X", value, _types(value))
     return ("X", value)
+
+
+def _has_typed(values: tuple) -> bool:
+    return any(type(v) in _TYPED or (type(v) is tuple and _has_typed(v)) for v in values)
+
+
+def _types(value):
+    return tuple(map(_types, value)) if type(value) is tuple else type(value)
 
 
 def signature(t: ShardedTensor) -> tuple:

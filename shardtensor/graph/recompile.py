@@ -191,11 +191,11 @@ def _render(encoded) -> str:
             return "scalar"
         if tag == "C" and len(encoded) == 2:
             return "cpu scalar"
-        if tag == "SL" and len(encoded) == 2:
+        if tag == "SL" and len(encoded) == 3:
             return f"[{encoded[1]} scalars]"
         if tag == "L" and len(encoded) == 2:
             return "[" + ", ".join(_render(e) for e in encoded[1]) + "]"
-        if tag == "X" and len(encoded) == 2:
+        if tag == "X" and len(encoded) in (2, 3):
             return repr(encoded[1])
     return repr(encoded)
 
