@@ -37,6 +37,7 @@ LAYERS = [
             "checkpoint",
             "distributed",
             "serialization",
+            "integrations",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation"}),
