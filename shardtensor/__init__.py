@@ -64,6 +64,7 @@ from shardtensor.distributed import all_reduce, all_gather, reduce_scatter, all_
 from shardtensor.distributed import REDUCE_SUM, REDUCE_MUL, REDUCE_AND, REDUCE_OR, REDUCE_MIN, REDUCE_MAX  # noqa: F401
 from shardtensor.distributed import optimizer_step, reduce_gradients  # noqa: F401
 from shardtensor.generation import generate  # noqa: F401  (Hugging Face generate in two programs)
+from shardtensor.integrations import transformers as _transformers_integration
 from shardtensor.tensor_parallel import Shard, Replicate, Partial, distribute_tensor, init_device_mesh  # noqa: F401
 from shardtensor.tensor_parallel import from_local  # noqa: F401
 from shardtensor.tensor_parallel import placements_to_spec, spec_to_placements, local_map  # noqa: F401
@@ -72,6 +73,8 @@ from shardtensor.tensor_parallel import ColwiseParallel, RowwiseParallel, Sequen
 from shardtensor.tensor_parallel import PrepareModuleInput, PrepareModuleOutput  # noqa: F401
 from shardtensor import kernels  # noqa: F401  (Pallas kernels as JAX functions and torch ops: st.kernels)
 # isort: on
+
+_transformers_integration.install()  # transformers' mask helpers skip host reads on ShardedTensors
 
 P = PartitionSpec
 

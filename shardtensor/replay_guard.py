@@ -55,7 +55,10 @@ class Watched:
     """The objects a trace touched: modules called, optimizers stepped, leaf tensors needing grad."""
 
     def __init__(self):
-        self.modules: dict = {}  # id -> module, in call order
+        # id -> module, in call order; held weakly: a module made and dropped inside the call (the
+        # CrossEntropyLoss() a Hugging Face model builds in each forward) is gone by the end of the
+        # call, and a replay, which runs none of that Python, does not depend on it
+        self.modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.optimizers: dict = {}
         self.tensors: dict = {}
 
@@ -67,8 +70,9 @@ class Watched:
 
     def objects(self) -> tuple:
         """The objects whose state a replay depends on (the call's arguments apart: see ``Guard``)."""
+        modules = tuple(self.modules.values())  # (the live ones, once)
         tensors = dict(self.tensors)
-        for m in self.modules.values():
+        for m in modules:
             for p in m._parameters.values():
                 if p is not None:
                     tensors.setdefault(id(p), p)
@@ -76,7 +80,7 @@ class Watched:
             for group in opt.param_groups:
                 for p in group["params"]:
                     tensors.setdefault(id(p), p)
-        return tuple(self.modules.values()), tuple(self.optimizers.values()), tuple(tensors.values())
+        return modules, tuple(self.optimizers.values()), tuple(tensors.values())
 
 
 _WATCHING = threading.local()  # .seen: the Watched of the trace running on this thread, or None

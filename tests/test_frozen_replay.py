@@ -220,3 +220,39 @@ def test_a_frozen_function_keeps_no_model_alive():
     del model
     gc.collect()
     assert dropped() is None
+
+
+def test_a_module_made_inside_the_call_does_not_block_freezing():
+    """A loss module built in each call (``CrossEntropyLoss()`` in Hugging Face BERT and T5 forwards)
+    is gone when the call returns: the replay does not depend on it, so the step freezes; a module
+    that outlives the call is still watched (its training flag changes the replay)."""
+    reset_state()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), nn.Dropout(0.0)).to(st.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    @st.compile
+    def step(x, y):
+        loss = nn.CrossEntropyLoss()(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    reference = copy.deepcopy(model).cpu()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    x, y = torch.randn(4, 6), torch.tensor([0, 2, 1, 0])
+    frozen, replays = st.counter_value("CompileFrozen") or 0, st.counter_value("CompileReplay") or 0
+    for _ in range(3):
+        loss = step(x.to(st.device()), y.to(st.device()))
+        expected = nn.CrossEntropyLoss()(reference(x), y)
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert_close(loss.cpu(), expected.detach())
+    assert (st.counter_value("CompileFrozen") or 0) == frozen + 1
+    assert (st.counter_value("CompileReplay") or 0) == replays + 1
+    model.eval()  # a watched module changed: the next call runs the Python again
+    traces = st.counter_value("CompileTrace")
+    step(x.to(st.device()), y.to(st.device()))
+    assert st.counter_value("CompileTrace") == traces + 1

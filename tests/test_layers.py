@@ -39,6 +39,7 @@ LAYERS = [
             "serialization",
             "jax_ops",
             "manual",
+            "integrations",
         },
     ),
     ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "kernels"}),
