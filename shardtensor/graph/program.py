@@ -333,10 +333,18 @@ def _output_layout(cell: Cell, mesh):
     layout its data had before this graph overwrote it, else XLA's choice."""
     if cell.spec is None:
         layout = cell.layout
-        if isinstance(layout, NamedSharding) and layout.mesh == mesh:
-            return None, layout
+        if isinstance(layout, NamedSharding):
+            if layout.mesh == mesh:
+                return None, layout
+            if layout.is_fully_replicated:  # replicated on another mesh: replicated on this one (so
+                return None, _replicated(mesh)  # the next step, now on this mesh, is the same program)
         return None, None
     return _spec_layout(cell.shape, cell.mesh, cell.spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, JaxSpec())
 
 
 @functools.lru_cache(maxsize=4096)
