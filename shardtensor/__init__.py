@@ -27,6 +27,7 @@ from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedE
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.rng import manual_seed  # noqa: F401
 from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
+from shardtensor.graph.mesh_moves import MeshCopyWarning  # noqa: F401
 from shardtensor.graph.memory import OutOfDeviceMemoryError, set_device_memory_limit, device_memory_limit  # noqa: F401
 from shardtensor.graph.waiting import ExecutionFailedError  # noqa: F401
 from shardtensor.graph.aliasing import set_param_aliasing, param_aliasing_enabled  # noqa: F401
@@ -156,6 +157,7 @@ __all__ = [
     "set_executable_cache_size",
     "manual_seed",
     "RecompilationWarning",
+    "MeshCopyWarning",
     "set_checks",
     "checks_enabled",
     "OutOfDeviceMemoryError",

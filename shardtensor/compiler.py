@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
 from shardtensor import trace_diff
-from shardtensor.graph import checks, execute, inflight, memory, recompile, rng
+from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, recompile, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
@@ -393,7 +393,10 @@ class _Frozen:
                 continue
             if cell.is_pending() or isinstance(cell.value, Failed) or (i in self.donated and not cell.owned):
                 return _STALE  # (a failed value raises when the Python reads it)
-            arrays.append(to_mesh(cell.value, self.executable.program.mesh))
+            on_mesh = to_mesh(cell.value, self.executable.program.mesh)
+            if on_mesh is not cell.value:  # copied onto the program's mesh: keep it there if we can
+                mesh_moves.keep_moved(cell, cell.value, on_mesh, self.executable.program.mesh)
+            arrays.append(on_mesh)
         program = self.executable.program
         for a, sig in zip(arrays, self.leaf_sigs):
             if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:

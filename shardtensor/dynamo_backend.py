@@ -257,6 +257,17 @@ def _to_meta(x, fake_mode=None):
     return x
 
 
+def _traced_fresh(t: ShardedTensor):
+    """What ``torch.tensor(data, device=st.device())`` gives while Dynamo traces: the tracing stand-in
+    of the real tensor torch's kernels just made (the graph calls ``torch.tensor`` again when it
+    runs), so what the trace does with it goes through the stand-ins' metadata-only dispatch, as
+    with ``torch.zeros(device=...)`` — never through a real tensor meeting Dynamo's fake ones."""
+    fake_mode = torch._guards.detect_fake_mode()
+    if fake_mode is None:  # not tracing: the real tensor
+        return None
+    return _TracingShardedTensor(fake_mode.from_tensor(t._dynamo_meta))
+
+
 def _wrap_meta(x):
     if isinstance(x, torch.Tensor) and x.device.type == "meta":
         return _TracingShardedTensor(x)
@@ -385,3 +396,4 @@ def _register_when_dynamo_loads() -> None:
 
 _register_when_dynamo_loads()
 set_dynamo_unflatten(unflatten)
+factories.set_traced_fresh(_traced_fresh)

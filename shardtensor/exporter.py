@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from shardtensor import runtime
 from shardtensor.dtypes import torch_to_numpy
+from shardtensor.graph import mesh_moves
 from shardtensor.graph.capture import capture, lower
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Cell
@@ -375,7 +376,10 @@ class ExportedProgram:
             )
             return cell.value
         array = value._concrete_array()
-        return to_mesh(array, mesh.get_jax_mesh())
+        on_mesh = to_mesh(array, mesh.get_jax_mesh())
+        if on_mesh is not array:  # keep the copy in the tensor's storage: the next call finds it there
+            mesh_moves.keep_moved(value._cell, array, on_mesh, mesh.get_jax_mesh())
+        return on_mesh
 
 
 def _with_output_shardings(lowered):

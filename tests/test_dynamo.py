@@ -237,6 +237,27 @@ def test_compiled_fsdpv2_model_trains_like_eager():
         torch.testing.assert_close(q.cpu(), p.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+# --- tensors made from host data inside the compiled function -------------------------------------
+def _fresh_tensors(x, n):
+    dev = x.device
+    made = torch.tensor([1.5, 2.5], device=dev)  # torch's kernels run for real even while tracing
+    counted = torch.tensor([n, n + 1], device=dev)  # n symbolic after a recompile: Dynamo's own fake
+    zeros = torch.zeros(2, device=dev)  # a fake of Dynamo's fake mode while tracing
+    return torch.cat([x * torch.tensor(3.0, device=dev), made + zeros, made * counted])
+
+
+def test_host_data_tensors_inside_a_compiled_function():
+    """``torch.tensor(data, device=st.device())`` in traced code meets Dynamo's fake tensors (from
+    ``torch.zeros(device=...)``, or from ``torch.tensor`` of a symbolic int) and the traced inputs;
+    each call gives eager torch's values."""
+    compiled = torch.compile(_fresh_tensors, backend="shardtensor")
+    x = torch.arange(3.0)
+    for count in (1, 2, 5):  # the second call recompiles with n symbolic
+        expected = _fresh_tensors(x, count)
+        torch.testing.assert_close(compiled(x.to(st.device()), count).cpu(), expected, rtol=0, atol=0)
+    assert graph_breaks() == 0
+
+
 # --- Hugging Face models with their default KV cache ----------------------------------------------
 def _hf_model(name):
     transformers = pytest.importorskip("transformers")
@@ -266,11 +287,16 @@ def test_hugging_face_inference_with_kv_cache(name):
     extra = {"decoder_input_ids": ids[:, :4]} if name == "t5" else {}
     with torch.no_grad():
         expected = ref(input_ids=ids, **extra)
-        out = torch.compile(dev, backend="shardtensor")(
-            input_ids=ids.to(st.device()), **{k: v.to(st.device()) for k, v in extra.items()}
-        )
+        compiled = torch.compile(dev, backend="shardtensor")
+        out = compiled(input_ids=ids.to(st.device()), **{k: v.to(st.device()) for k, v in extra.items()})
     assert out.past_key_values is not None and expected.past_key_values is not None
     torch.testing.assert_close(out.logits.cpu(), expected.logits, rtol=RTOL, atol=ATOL)
+    if name in ("gpt2", "llama"):  # a decode step on the cache the compiled prefill filled
+        step = ids[:, -1:]
+        with torch.no_grad():
+            expected = ref(input_ids=step, cache=expected.past_key_values)
+            out = compiled(input_ids=step.to(st.device()), cache=out.past_key_values)
+        torch.testing.assert_close(out.logits.cpu(), expected.logits, rtol=RTOL, atol=ATOL)
 
 
 # --- graph breaks ----------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ default) trained one step: loss and every gradient.
 torch's CPU kernel needs 16-byte aligned strides, so the shapes here are multiples of 4.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -121,3 +123,48 @@ def test_mixtral_forward_backward_expert_parallel(monkeypatch):
         torch.testing.assert_close(p.grad.cpu(), ref_grads[name], **TOL, msg=name)
     for p in experts.values():
         assert p.partition_spec == st.PartitionSpec("expert", None, None)
+
+
+def test_mixtral_lazy_training_step_is_one_program():
+    """Issue 18: a lazy training step of a tiny Mixtral (default experts: ``_grouped_mm``, lowered)
+    runs as one program and compiles once; losses and updated weights match eager torch. The
+    parameters are moved before any global mesh exists (they land on the default mesh) and the
+    batch is sharded over another mesh: the second step is the first one's program again."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    ref = transformers.MixtralForCausalLM(config)
+    assert ref.config._experts_implementation == "grouped_mm"
+    dev = copy.deepcopy(ref).to(st.device())
+    st.sync()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    dev_opt = torch.optim.SGD(dev.parameters(), lr=0.1)
+    mesh = st.Mesh(range(8), (8,), ("data",))
+    for step in range(2):
+        ids = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(step))
+        expected = ref(input_ids=ids, labels=ids).loss
+        expected.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        runs, compiles = st.counter_value("ExecuteReplicated") or 0, st.counter_value("UncachedCompile") or 0
+        batch = st.shard(ids, mesh, ("data", None))
+        loss = dev(input_ids=batch, labels=batch).loss
+        loss.backward()
+        dev_opt.step()
+        dev_opt.zero_grad()
+        st.sync()
+        assert (st.counter_value("ExecuteReplicated") or 0) - runs == 1  # forward, backward, update
+        assert (st.counter_value("UncachedCompile") or 0) - compiles == (1 if step == 0 else 0)
+        torch.testing.assert_close(loss.detach().cpu(), expected.detach(), **TOL)
+    for (name, p), q in zip(ref.named_parameters(), dev.parameters()):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), **TOL, msg=name)

@@ -4,10 +4,14 @@ registered for the PrivateUse1 key, so they make ShardedTensors lazily (no host 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from shardtensor.dispatch.entry import handle
 from shardtensor.dispatch.record import record_and_wrap, zeros
+from shardtensor.dispatch.table import special
+from shardtensor.dispatch.view_ops import alias
 from shardtensor.graph.state import locked
 from shardtensor.ops import lookup
 from shardtensor.tensor import ShardedTensor
@@ -47,6 +51,32 @@ def _copy_from_kernel(src, dst, non_blocking=False):
     """``torch.tensor(data, device=st.device())`` copies a CPU tensor into a new device tensor."""
     # called with Python dispatch excluded (inside torch.tensor()), so go to our handler directly
     return handle(aten.copy_.default, (dst, src), {})
+
+
+# what a fresh device tensor becomes while Dynamo traces, or None; set by the torch.compile backend
+_TRACED_FRESH: Callable[[ShardedTensor], torch.Tensor | None] | None = None
+
+
+def set_traced_fresh(hook: Callable[[ShardedTensor], torch.Tensor | None] | None) -> None:
+    """Install ``hook(t)``: the value ``torch.tensor(data, device=st.device())`` gives instead of the
+    real ``t`` while Dynamo traces (None: ``t`` itself). torch makes that tensor with Python dispatch
+    excluded, so its device kernels run for real even under Dynamo's fake mode; the tensor passes
+    through ``aten.lift_fresh`` just after, with dispatch back on.
+
+    Example: ``set_traced_fresh(lambda t: None)`` (the torch.compile backend installs its own).
+    """
+    global _TRACED_FRESH
+    _TRACED_FRESH = hook
+
+
+@special(aten.lift_fresh.default)
+def _lift_fresh(func, args, kwargs):
+    t = args[0]
+    if _TRACED_FRESH is not None:
+        traced = _TRACED_FRESH(t)
+        if traced is not None:
+            return traced
+    return alias(func, args, kwargs)
 
 
 @locked  # an engine entry like the dispatch entry: torch calls these kernels directly

@@ -34,8 +34,9 @@ def view_op(func, args, kwargs):
     return regroup(outs, plan.structure)
 
 
-@special(aten.detach.default, aten.alias.default, aten.lift_fresh.default)
-def _alias(func, args, kwargs):
+@special(aten.detach.default, aten.alias.default)
+def alias(func, args, kwargs):
+    """A new tensor over the same storage and view chain as ``args[0]`` (``detach``, ``alias``)."""
     t = args[0]
     return ShardedTensor(
         t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(), storage_offset=t.storage_offset()

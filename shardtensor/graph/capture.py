@@ -134,4 +134,5 @@ def lower(cells, donate: bool = False, checks: bool | None = None) -> Lowered:
     """
     program, arrays, scalars = Program.build(cells, donate, checks)
     leaf_cells, program.leaf_cells = program.leaf_cells, None  # a program must keep no cells alive
+    program.moved = []  # (nor the arrays as they were before a copy onto its mesh)
     return Lowered(program, arrays, scalars, leaf_cells)

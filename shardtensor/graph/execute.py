@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, inflight, memory, recompile
+from shardtensor.graph import checks, inflight, memory, mesh_moves, recompile
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
@@ -258,6 +258,9 @@ class Execution:
             STATE.trace_start = None
         program, arrays, scalars = Program.build(cells, donate)
         leaf_cells, program.leaf_cells = program.leaf_cells, None  # the cache must not keep cells alive
+        moved, program.moved = program.moved, []  # (nor the arrays as they were before a copy)
+        for i, before in moved:  # copied onto the mesh: keep the copy, so the next call need not
+            mesh_moves.keep_moved(leaf_cells[i], before, arrays[i], program.mesh)
         fn = _EXECUTABLES.get(program.key)
         if fn is None:
             counters.increment("UncachedCompile")

@@ -122,6 +122,16 @@ def user_site():
 _IS_LIBRARY: dict[str, bool] = {}
 
 
+def follow_copy(array, copy) -> None:
+    """A cell that held ``array`` now holds ``copy`` of it (the same value on another mesh): if a run
+    in flight computed ``array``, it answers for ``copy`` too, so a failure found later fails or
+    restores that cell as it would have."""
+    for run in _RUNS:
+        if any(o is array for o in run.outputs):
+            run.outputs.append(copy)
+            run.entries = [(ref, copy if out is array else out, old, owned) for ref, out, old, owned in run.entries]
+
+
 def forget() -> None:
     """Stop watching every run in flight (tests reset the engine between cases with it)."""
     _RUNS.clear()

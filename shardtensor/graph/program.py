@@ -65,6 +65,8 @@ class Program:
         self.key = None
         self.aliasing = True  # built while programs could donate (the key tells the two apart)
         self.mesh: jax.sharding.Mesh | None = None
+        # this build's inputs copied onto the mesh: (position, the array before); not a structural fact
+        self.moved: list[tuple[int, jax.Array]] = []
         # on-device checks: whether traced, this build's user lines per step, output -> leaf restored
         # on failure; filled by the trace: the declared checks, outputs depending on a checked op
         self.checks = False
@@ -115,7 +117,11 @@ class Program:
                 constrained.append(node.key[1].mesh)
 
         mesh = _graph_mesh(cells, arrays, constrained)
-        arrays = [to_mesh(a, mesh) for a in arrays]
+        for i, a in enumerate(arrays):
+            on_mesh = to_mesh(a, mesh)
+            if on_mesh is not a:
+                prog.moved.append((i, a))
+                arrays[i] = on_mesh
         out_keys = []
         layouts = [_output_layout(cell, mesh) for cell in cells]
         # No input arrays and no output layout: jit would run on one device, not the mesh, so the
@@ -327,10 +333,18 @@ def _output_layout(cell: Cell, mesh):
     layout its data had before this graph overwrote it, else XLA's choice."""
     if cell.spec is None:
         layout = cell.layout
-        if isinstance(layout, NamedSharding) and layout.mesh == mesh:
-            return None, layout
+        if isinstance(layout, NamedSharding):
+            if layout.mesh == mesh:
+                return None, layout
+            if layout.is_fully_replicated:  # replicated on another mesh: replicated on this one (so
+                return None, _replicated(mesh)  # the next step, now on this mesh, is the same program)
         return None, None
     return _spec_layout(cell.shape, cell.mesh, cell.spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _replicated(mesh) -> NamedSharding:
+    return NamedSharding(mesh, JaxSpec())
 
 
 @functools.lru_cache(maxsize=4096)
