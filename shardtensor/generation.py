@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from shardtensor.integrations.generate_on_host import encoder_outputs_on_device
+
 # The smallest prompt bucket: shorter prompts all share one prefill program.
 MIN_BUCKET = 16
 
@@ -153,11 +155,7 @@ def generate(
     if model.config.is_encoder_decoder and "encoder_outputs" not in kwargs:
         # transformers runs the encoder on the inputs as they are (it moves only the decoder's per-step
         # inputs to the model's device): run it here, on the device, once
-        on_device = {
-            k: v.to(_model_device(model)) for k, v in (("input_ids", ids), ("attention_mask", mask)) if v is not None
-        }
-        with torch.no_grad():
-            kwargs["encoder_outputs"] = model.get_encoder()(**on_device, return_dict=True)
+        kwargs["encoder_outputs"] = encoder_outputs_on_device(model, ids, mask)
     out = model.generate(ids, **kwargs)
     if model.config.is_encoder_decoder:
         pad = 0  # the result is the decoder's tokens only: no prompt, no padding in it
@@ -176,10 +174,6 @@ def _decode_compile_config() -> Any:
     # transformers compiles only on the devices it lists (cuda, xpu, neuron, tpu) unless told so
     setattr(config, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers)
     return config
-
-
-def _model_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
 
 
 def _pad_token(model: Any, kwargs: dict) -> int:

@@ -219,3 +219,69 @@ def test_bucket_length_and_bad_input():
         st.generate(model, torch.tensor([[1, 2, 3]]), cache_implementation="dynamic", compile_decode=True)
     with pytest.raises(ValueError, match="makes its own cache"):
         st.generate(model, torch.tensor([[1, 2, 3]]), cache=None)
+
+
+def test_model_generate_with_ids_on_device_keeps_the_tokens_on_the_host():
+    """Plain model.generate with input_ids on st.device() and a static cache: the growing token
+    tensors stay on the host (integrations/generate_on_host.py), so the whole generation is two
+    programs; the result comes back on the device (read back without a program), tokens and scores as
+    on CPU."""
+    model = tiny("llama")
+    torch.manual_seed(2)
+    ids = torch.randint(3, VOCAB, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # a left-padded row
+    opts = dict(GREEDY, cache_implementation="static", return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(ids, attention_mask=mask, **opts)
+
+    model.to(st.device())
+    dev_ids, dev_mask = ids.to(st.device()), mask.to(st.device())
+    st.sync()  # the prompt's upload (a program of the caller's) is not counted
+    fresh_executable_cache()
+    before = compiles()
+    out = model.generate(dev_ids, attention_mask=dev_mask, **opts)
+    assert isinstance(out.sequences, st.ShardedTensor)
+    torch.testing.assert_close(out.sequences.cpu(), expected.sequences, rtol=0, atol=0)
+    assert len(out.scores) == NEW_TOKENS and all(isinstance(s, st.ShardedTensor) for s in out.scores)
+    torch.testing.assert_close(out.scores[-1].cpu(), expected.scores[-1], rtol=1e-4, atol=1e-4)
+    assert compiles() - before == 2  # prefill and decode step for all 10 tokens; the reads ran none
+
+    # code of the caller's (a logits processor) may hold device tensors: generate runs as it is, on the
+    # device, one program per token, with the same tokens
+    from transformers import LogitsProcessorList
+
+    three = dict(GREEDY, max_new_tokens=3)  # (a program per token: a few are enough)
+    plain = model.generate(dev_ids, attention_mask=dev_mask, logits_processor=LogitsProcessorList(), **three)
+    torch.testing.assert_close(plain.cpu(), expected.sequences[:, : 7 + 3], rtol=0, atol=0)
+
+
+def test_model_generate_encoder_decoder_with_ids_on_device():
+    """T5's plain generate with input_ids on st.device(): the encoder joins the first decoder step's
+    program, then one decode step: two programs, the tokens of eager torch."""
+    from transformers.generation.utils import GenerationMixin
+
+    assert GenerationMixin.generate._shardtensor_wrapped  # import shardtensor wrapped it
+    torch.manual_seed(0)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=64,
+        d_kv=16,
+        d_ff=128,
+        num_layers=1,
+        num_heads=4,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    model = T5ForConditionalGeneration(config).eval()
+    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    ids = torch.randint(3, VOCAB, (1, 7))
+    expected = model.generate(ids, cache_implementation="static", **greedy)
+
+    model.to(st.device())
+    dev_ids = ids.to(st.device())
+    st.sync()
+    fresh_executable_cache()
+    before = compiles()
+    out = model.generate(dev_ids, cache_implementation="static", **greedy)
+    torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
+    assert compiles() - before == 2

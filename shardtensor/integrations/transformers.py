@@ -21,7 +21,7 @@ gives when ``input_ids`` contain the pad token and no ``attention_mask`` is pass
 
 For tensors that are not ShardedTensors the answer is transformers' own, so importing shardtensor
 changes nothing for other code. The helper is wrapped when ``transformers.masking_utils`` is
-imported (at once if it already is).
+imported (at once if it already is). ``install`` also wraps ``generate`` (``generate_on_host``).
 
 Example::
 
@@ -41,6 +41,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from shardtensor.integrations import generate_on_host
 from shardtensor.tensor import ShardedTensor
 
 MASKING_MODULE = "transformers.masking_utils"
@@ -79,34 +80,48 @@ def wrap_masking_utils(module: Any) -> None:
     module.is_tracing = treats_sharded_tensors_as_traced(current)
 
 
-class _WrapWhenMaskingUtilsLoads(importlib.abc.MetaPathFinder):
-    """Wraps the helper right after ``transformers.masking_utils`` is imported (one shot)."""
+class _WrapWhenLoaded(importlib.abc.MetaPathFinder):
+    """Calls ``wrap(module)`` right after the module ``name`` is imported (one shot)."""
+
+    def __init__(self, name: str, wrap: Callable[[Any], None]):
+        self.name, self.wrap = name, wrap
 
     def find_spec(self, name, path=None, target=None):
-        if name != MASKING_MODULE:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; find the real spec without us
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.loader is not None:
-            run_module = spec.loader.exec_module
+            run_module, wrap = spec.loader.exec_module, self.wrap
 
             def exec_module(module):
                 run_module(module)
-                wrap_masking_utils(module)
+                wrap(module)
 
             spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this one loader's
         return spec
 
 
+def wrap_when_loaded(name: str, wrap: Callable[[Any], None]) -> None:
+    """``wrap(module)`` now if ``name`` is imported, else right after it is (once either way).
+
+    Example::
+
+        wrap_when_loaded("transformers.masking_utils", wrap_masking_utils)
+    """
+    module = sys.modules.get(name)
+    if module is not None:
+        wrap(module)
+    elif not any(isinstance(f, _WrapWhenLoaded) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _WrapWhenLoaded(name, wrap))
+
+
 def install() -> None:
-    """Wrap the helper now if transformers' mask helpers are imported, else when they are.
+    """Wrap transformers' mask helpers and ``generate`` now if they are imported, else when they are.
 
     Example::
 
         install()   # (done by ``import shardtensor``; calling it again does nothing)
     """
-    module = sys.modules.get(MASKING_MODULE)
-    if module is not None:
-        wrap_masking_utils(module)
-    elif not any(isinstance(f, _WrapWhenMaskingUtilsLoads) for f in sys.meta_path):
-        sys.meta_path.insert(0, _WrapWhenMaskingUtilsLoads())
+    wrap_when_loaded(MASKING_MODULE, wrap_masking_utils)
+    wrap_when_loaded(generate_on_host.GENERATION_MODULE, generate_on_host.wrap_generation_utils)
