@@ -407,5 +407,6 @@ def to_mesh(array, mesh):
         return array
     if m is not None and not _is_replicated(array):
         return array  # sharded on another mesh: _graph_mesh already refused a real conflict
-    counters.increment("ReplicateToGraphMesh")
+    if array.size:  # (an empty array moves no data: not a copy worth counting)
+        counters.increment("ReplicateToGraphMesh")
     return jax.device_put(array, NamedSharding(mesh, JaxSpec()))
