@@ -222,6 +222,29 @@ def test_each_device_holds_only_its_padded_shard():
     assert {tuple(b.data.shape) for b in arr.addressable_shards} == {(3, 2)}
 
 
+@pytest.mark.parametrize("spec", [("x", None), (None, None)])
+def test_upload_owns_its_buffers_and_the_host_tensor_stays_the_callers(spec):
+    """Device buffers hold the upload's own aligned copy (which jax's CPU client keeps without a
+    second copy; replicas of a wholly replicated upload may share it, read-only): later in-place
+    changes of the CPU tensor do not show through, and a program that donates the upload leaves the
+    host tensor and every replica right."""
+    from shardtensor.tensor.upload import private_copy
+
+    t = torch.arange(64 * 1024.0).reshape(1024, 64)  # large enough for its own 64-byte aligned block
+    copy_ = private_copy(t.numpy()[3:5])
+    assert copy_.ctypes.data % 64 == 0 and np.array_equal(copy_, t.numpy()[3:5]) and copy_.flags.c_contiguous
+    expected = t.clone()
+    x = st.shard(t, MESH_42, spec)
+    t.mul_(-1)
+    assert_close(x.cpu(), expected, rtol=0, atol=0)
+    assert t.data_ptr() not in [b.data.unsafe_buffer_pointer() for b in x._cell.value.addressable_shards]
+    x.add_(1)  # (a program that may donate the upload)
+    assert_close(x.cpu(), expected + 1, rtol=0, atol=0)
+    for shard in by_device(x).values():
+        assert torch.equal(shard.data, (expected + 1)[shard.indices])
+    assert_close(t, -expected, rtol=0, atol=0)
+
+
 # =========================================================================== the issue's exact facts
 
 

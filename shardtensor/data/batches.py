@@ -25,7 +25,7 @@ from shardtensor.dtypes import torch_to_numpy
 from shardtensor.mesh import get_1d_mesh, get_global_mesh
 from shardtensor.sharding import ShardingSpec, named_sharding
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor.upload import wrap_upload
+from shardtensor.tensor.upload import private_copy, wrap_upload
 from shardtensor.trees import leaves, map_leaves, mapping_with
 
 
@@ -152,7 +152,7 @@ def upload(host: np.ndarray, mesh, spec, global_shape, local_tiles=None):
             local_start = local_tiles.index(start // block) * block
             index = (slice(local_start, local_start + stop - start),) + tuple(index[1:])
         # a copy: on CPU jax may otherwise alias the loader's memory, which it may reuse
-        return np.array(host[index], copy=True)
+        return private_copy(host[index])
 
     with counters.timed("TransferToDeviceTime"):  # (wrap_upload counts it, on the recording thread)
         return jax.make_array_from_callback(padded, named_sharding(mesh, spec, len(padded)), shard_of)

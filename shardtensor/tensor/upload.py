@@ -36,10 +36,27 @@ def upload_as(host: np.ndarray, sharding) -> jax.Array:
     """
     check_not_forked("move data to the devices")
     counters.increment("TransferToDevice")
-    # np.array copies: on the CPU platform jax may otherwise alias the torch tensor's memory, and a
-    # later in-place change of the CPU tensor would show through
     with counters.timed("TransferToDeviceTime"):
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: np.array(host[index], copy=True))
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: private_copy(host[index]))
+
+
+# jax's CPU client takes a host array aligned to this many bytes as the device buffer (no copy)
+_ZERO_COPY_ALIGNMENT = 64
+
+
+def private_copy(host: np.ndarray) -> np.ndarray:
+    """A copy of ``host`` that one device buffer may own: on the CPU platform jax would otherwise
+    alias the caller's memory (a later in-place change of the CPU tensor would show through). The
+    copy is aligned so that jax takes it as it is instead of copying it again: half the memory
+    traffic of an upload, and no second buffer in flight.
+
+    Example: ``jax.make_array_from_callback(a.shape, sharding, lambda i: private_copy(a[i]))``.
+    """
+    raw = np.empty(host.nbytes + _ZERO_COPY_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ZERO_COPY_ALIGNMENT
+    out = raw[start : start + host.nbytes].view(host.dtype).reshape(host.shape)
+    np.copyto(out, host)
+    return out
 
 
 def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
