@@ -174,9 +174,8 @@ def test_sharded_weights_tensor_parallel():
     assert model.transformer.h[0].mlp.c_fc.weight.partition_spec == st.P(None, "model")  # still sharded
 
 
-def test_encoder_decoder():
-    """T5: st.generate runs the encoder on the device once, then the decoder's prefill and decode step;
-    a prompt of another length in the bucket compiles nothing; tokens as in eager torch."""
+def tiny_t5():
+    """A one-layer random-init T5 (seed 0), in eval mode."""
     torch.manual_seed(0)
     config = T5Config(
         vocab_size=VOCAB,
@@ -188,8 +187,13 @@ def test_encoder_decoder():
         decoder_start_token_id=0,
         pad_token_id=0,
     )
-    model = T5ForConditionalGeneration(config).eval()
-    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    return T5ForConditionalGeneration(config).eval()
+
+
+def test_encoder_decoder():
+    """T5: st.generate runs the encoder on the device once, then the decoder's prefill and decode step;
+    a prompt of another length in the bucket compiles nothing; tokens as in eager torch."""
+    model, greedy = tiny_t5(), {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
     first, second = torch.randint(3, VOCAB, (1, 7)), torch.randint(3, VOCAB, (1, 12))
     expected = [model.generate(first, **greedy), model.generate(second, **greedy)]
 
@@ -261,19 +265,7 @@ def test_model_generate_encoder_decoder_with_ids_on_device():
     from transformers.generation.utils import GenerationMixin
 
     assert GenerationMixin.generate._shardtensor_wrapped  # import shardtensor wrapped it
-    torch.manual_seed(0)
-    config = T5Config(
-        vocab_size=VOCAB,
-        d_model=64,
-        d_kv=16,
-        d_ff=128,
-        num_layers=1,
-        num_heads=4,
-        decoder_start_token_id=0,
-        pad_token_id=0,
-    )
-    model = T5ForConditionalGeneration(config).eval()
-    greedy = {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
+    model, greedy = tiny_t5(), {"max_new_tokens": NEW_TOKENS, "do_sample": False, "eos_token_id": None}
     ids = torch.randint(3, VOCAB, (1, 7))
     expected = model.generate(ids, cache_implementation="static", **greedy)
 
