@@ -234,7 +234,7 @@ class ShardtensorRun:
         loss = self.step_fn(xs, ys)
         if not self.compiled:
             self.trace_seconds.append(time.perf_counter() - t0)
-            st.step()
+            st.sync()  # the step boundary: the recorded step runs now
         return float(loss.cpu())
 
 
