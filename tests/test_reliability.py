@@ -86,6 +86,30 @@ def test_a_step_that_does_not_fit_is_refused_and_keeps_the_parameters(limit):
     torch.testing.assert_close(model.weight.cpu(), ref.weight)
 
 
+def test_an_address_space_limit_is_checked_for_programs_small_next_to_the_ram(monkeypatch):
+    # a `ulimit -v` can be far below the host's RAM: a step needing 8 x 2 MiB (far below the share
+    # of the RAM under which nothing else is read) is refused when less than that is left under it.
+    # The limit is pretended (getrlimit patched): a real one would bind every thread of this worker.
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(st.device())
+    weight = model.weight.detach().cpu()
+    x = torch.randn(1 << 16, 8).to(st.device())
+    st.sync()
+    monkeypatch.delenv(memory.ENV, raising=False)  # no configured limit: the host's decides
+    left = 1 << 20
+    real = memory.resource.getrlimit
+    pretended = lambda which: (memory._address_space_used() + left, real(which)[1])  # noqa: E731
+    monkeypatch.setattr(memory.resource, "getrlimit", pretended)
+    refused = pytest.raises(torch.OutOfMemoryError, match=r"left under the address-space limit \(ulimit -v\)")
+    with refused, st.step():
+        y = model(x)  # 2 MiB per device, an output of the step
+        model.weight.data.add_(y.sum())
+    monkeypatch.setattr(memory.resource, "getrlimit", real)
+    torch.testing.assert_close(model.weight.cpu(), weight)
+    with pytest.raises(torch.OutOfMemoryError):
+        y.cpu()
+
+
 def test_memory_limit_knob(monkeypatch, limit):
     assert memory.parse_size("1KiB") == 1024 and memory.parse_size("2GB") == 2 * 10**9
     assert memory.parse_size(4096) == 4096 and memory.parse_size("1e6") == 10**6

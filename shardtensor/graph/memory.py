@@ -191,10 +191,11 @@ _HOST_TOTAL = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasatt
 def _host_free(needed):
     """(bytes the host can still give this process, where that number comes from)."""
     free, where = float("inf"), "available"
-    if _HOST_TOTAL and needed <= _SKIP_FRACTION * _HOST_TOTAL:
-        return free, where  # small next to the host's RAM: not worth two system calls a step
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
+    unlimited = soft == resource.RLIM_INFINITY
+    if unlimited and _HOST_TOTAL and needed <= _SKIP_FRACTION * _HOST_TOTAL:
+        return free, where  # small next to the host's RAM: not worth reading /proc each step
+    if not unlimited:  # (a `ulimit -v` can be far below the host's RAM: always checked)
         free, where = soft - _address_space_used(), "left under the address-space limit (ulimit -v)"
     available = _mem_available()
     if available is not None and available < free:
