@@ -361,6 +361,9 @@ class _Frozen:
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
         self.leaf_sigs = ex.program.key[2] if ex else ()
+        # per source: a weak reference to the array it held at the last replay, when that array passed
+        # every check below as it was (jax arrays are immutable: the same one passes again)
+        self.checked: list = [None] * len(self.sources)
         self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
         # (target, source) positions of the cells it overwrites (their values before a replay are kept)
@@ -379,11 +382,11 @@ class _Frozen:
         if self.executable.program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
             return _STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
-        arrays = []
+        program = self.executable.program
+        arrays, checked, passed = [], self.checked, []
         for i, (kind, ident, ref) in enumerate(self.sources):
             if kind == "arg":
-                t = flat[ident]
-                cell = t._cell
+                cell = flat[ident]._cell
             elif kind == "old":
                 cell = ref()
                 if cell is None:
@@ -391,16 +394,24 @@ class _Frozen:
             else:
                 arrays.append(ref)
                 continue
-            if cell.is_pending() or isinstance(cell.value, Failed) or (i in self.donated and not cell.owned):
+            value = cell.value
+            last = checked[i]
+            if last is not None and last() is value:  # (parameters: the same array every call)
+                arrays.append(value)
+                continue
+            if cell.is_pending() or isinstance(value, Failed) or (i in self.donated and not cell.owned):
                 return _STALE  # (a failed value raises when the Python reads it)
-            on_mesh = to_mesh(cell.value, self.executable.program.mesh)
-            if on_mesh is not cell.value:  # copied onto the program's mesh: keep it there if we can
-                mesh_moves.keep_moved(cell, cell.value, on_mesh, self.executable.program.mesh)
-            arrays.append(on_mesh)
-        program = self.executable.program
-        for a, sig in zip(arrays, self.leaf_sigs):
-            if (a.shape, a.dtype) != sig[:2] or a.sharding != sig[3]:
+            on_mesh = to_mesh(value, program.mesh)
+            if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
+                mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
+            sig = self.leaf_sigs[i]
+            if (on_mesh.shape, on_mesh.dtype) != sig[:2] or on_mesh.sharding != sig[3]:
                 return _STALE
+            if on_mesh is value and i not in self.donated:
+                passed.append((i, value))
+            arrays.append(on_mesh)
+        for i, value in passed:
+            checked[i] = weakref.ref(value)
         if self.donated and others_pending():
             return _STALE  # another thread's pending graph may read a buffer the program donates
         counters.increment("CompileReplay")

@@ -198,6 +198,32 @@ def test_compile_reads_current_value_of_captured_tensors():
     assert len(calls) <= 3
 
 
+def test_a_frozen_call_follows_a_captured_tensor_resharded_or_replaced():
+    """A replay reuses its checks of an input that still holds the same array (parameters, every
+    call); a new array (a new value, another layout) is checked again."""
+    mesh = mesh_4x2()
+    w_cpu = _data((8, 4), 1)
+    w = st.shard(w_cpu.clone(), mesh, ("data", None))
+
+    @st.compile
+    def g(x):
+        return x @ w
+
+    a = _data((4, 8), 0)
+    x = a.to(st.device())
+    for _ in range(4):  # trace, trace, then replays
+        torch.testing.assert_close(g(x).cpu(), a @ w_cpu, rtol=1e-5, atol=1e-5)
+    assert n("CompileReplay") >= 2
+    st.clear_sharding(w)
+    st.mark_sharding(w, mesh, (None, "model"))  # the same value in another layout: a new array
+    torch.testing.assert_close(g(x).cpu(), a @ w_cpu, rtol=1e-5, atol=1e-5)
+    assert w.sharding_spec == st.shard(w_cpu, mesh, (None, "model")).sharding_spec
+    with torch.no_grad():
+        w.copy_(2 * w_cpu)  # a new value, the same layout
+    torch.testing.assert_close(g(x).cpu(), 2 * a @ w_cpu, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g(x).cpu(), 2 * a @ w_cpu, rtol=1e-5, atol=1e-5)
+
+
 # --- in-place updates are visible after the call ---------------------------------------------------
 def test_compile_inplace_update_of_argument_and_captured_state():
     state = torch.zeros(4).to(st.device())
