@@ -15,7 +15,7 @@ and, on request (``--models mixtral-eager``), Mixtral with ``experts_implementat
 data-dependent routing of the issue). Each model trains ``--steps`` AdamW steps on the same batches:
 
   eager       plain torch on the CPU (the reference; one thread by default, see bench/inference.py)
-  lazy        the model moved with ``model.to(st.device())`` and ``model.tie_weights()`` (docs/hf.md;
+  lazy        the model moved with ``model.to(st.device())`` (tied weights stay tied; docs/hf.md;
               no global mesh first, as a new user would: ``--global-mesh`` sets one), the batch
               sharded over the 8 devices, one step in ``with st.step():``, AdamW(capturable=True)
   st.compile  ``st.compile`` of the same step function, on a second copy of the initial weights
@@ -187,13 +187,10 @@ def build(name, args, for_generation=False):
 
 
 def _to_device(model):
-    """The model on ``st.device()``, its tied weights tied again: ``.to`` gives each module its own new
-    Parameter there (as on PyTorch/XLA; docs/hf.md), so ``tie_weights()`` follows, as a user would call it."""
+    """The model on ``st.device()``, as a user moves it (tied weights stay tied: docs/hf.md)."""
     import shardtensor as st
 
-    model = model.to(st.device())
-    model.tie_weights()
-    return model
+    return model.to(st.device())
 
 
 def _count(model) -> int:

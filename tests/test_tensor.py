@@ -890,6 +890,89 @@ def test_model_to_device():
         check_cover(p, p.cpu().detach())
 
 
+class _TiedModel(torch.nn.Module):
+    """An embedding and an output head holding one parameter, as a language model ties them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(10, 6)
+        self.body = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.body(self.embed(ids))))
+
+
+def _train(model, ids, targets, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), targets.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def test_tied_parameters_stay_tied_when_a_model_moves():
+    # torch's Module._apply gives each module a new Parameter when the moved tensor is another type;
+    # the tie must survive as it does on any torch device, or the two halves train apart
+    torch.manual_seed(0)
+    ref = _TiedModel()
+    model = copy.deepcopy(ref).to(st.device())
+    assert model.head.weight is model.embed.weight
+    assert len(list(model.parameters())) == len(list(ref.parameters())) == 3
+    ids, targets = torch.randint(0, 10, (4, 5)), torch.randint(0, 10, (4, 5))
+    _train(ref, ids, targets)
+    _train(model, ids.to(st.device()), targets.to(st.device()))
+    assert model.head.weight is model.embed.weight
+    for name, p in ref.named_parameters():
+        assert_close(dict(model.named_parameters())[name].cpu(), p.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_tied_hugging_face_embeddings_stay_tied_when_the_model_moves():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    ref = transformers.GPT2LMHeadModel(config)
+    model = copy.deepcopy(ref).to(st.device())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    ids = torch.randint(0, 64, (2, 8))
+    losses = []
+    for m, x in ((ref, ids), (model, ids.to(st.device()))):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        for _ in range(3):
+            loss = m(x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    assert_close(model.transformer.wte.weight.cpu(), ref.transformer.wte.weight.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_parameter_moved_outside_a_module_move_is_a_new_tensor():
+    p = torch.nn.Parameter(torch.randn(3))
+    a = torch.nn.Parameter(p.to(st.device()))
+    b = torch.nn.Parameter(p.to(st.device()))
+    assert a is not b
+    with torch.no_grad():
+        a.add_(1.0)
+    assert_close(b.cpu(), p.detach())
+    # a CPU parameter changed after one module moved it: the next module's move takes its new value
+    shared = torch.nn.Linear(3, 3)
+    first, second = torch.nn.Sequential(shared), torch.nn.Sequential(torch.nn.Linear(3, 3))
+    second[0].weight = shared.weight
+    first.to(st.device())
+    with torch.no_grad():
+        second[0].weight.mul_(2.0)
+    expected = second[0].weight.detach().clone()
+    second.to(st.device())
+    assert second[0].weight is not first[0].weight
+    assert_close(second[0].weight.cpu(), expected)
+
+
 def test_factories_on_device_are_replicated():
     z = torch.zeros(3, 4, device=st.device())
     o = torch.ones(2, 3, dtype=torch.int64, device=st.device())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtensor.dispatch import param_moves
 from shardtensor.dispatch.mutation import mutating_op
 from shardtensor.dispatch.record import record_and_wrap
 from shardtensor.dispatch.table import special
@@ -52,6 +53,7 @@ def _copy_(func, args, kwargs):
         # (through dst's view, converting the dtype, broadcasting), as a copy from CUDA does
         return func(dst, to_cpu(src), **kwargs)
     if isinstance(src, torch.Tensor) and not isinstance(src, ShardedTensor):
+        param_moves.note_move(dst, src)
         host_src = src.to(dst.dtype).expand(dst.shape)
         if _whole_overwrite_in_eager_mode(dst):
             # (``cpu_tensor.to(st.device())`` is an empty tensor, then this copy): the upload, in the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from shardtensor.dispatch import param_moves
 from shardtensor.dispatch.meta import regroup
 from shardtensor.dispatch.record import flatten, plan_for, record_and_wrap
 from shardtensor.dispatch.table import special
@@ -38,6 +39,14 @@ def view_op(func, args, kwargs):
 def alias(func, args, kwargs):
     """A new tensor over the same storage and view chain as ``args[0]`` (``detach``, ``alias``)."""
     t = args[0]
-    return ShardedTensor(
+    moved = func is aten.detach.default and "_moved_parameter" in t.__dict__  # nn.Parameter(moved) in a move
+    if moved:
+        earlier = param_moves.parameter_for(t)
+        if earlier is not None:  # a parameter two modules hold: both get the one it became
+            return earlier
+    out = ShardedTensor(
         t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(), storage_offset=t.storage_offset()
     )
+    if moved:
+        param_moves.remember(t, out)
+    return out
