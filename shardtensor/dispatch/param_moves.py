@@ -39,24 +39,25 @@ def note_move(dst, src) -> None:
 
 def parameter_for(moved):
     """The device parameter an earlier move of the same unchanged CPU parameter gave, or None."""
-    source = moved.__dict__.get("_moved_parameter")
-    if source is None:
-        return None
-    src = source[0]()
+    src, version = _source(moved)
     entry = _MOVED.get(id(src)) if src is not None else None
-    if entry is None or entry[0]() is not src or entry[1] != source[1]:
+    if entry is None or entry[0]() is not src or entry[1] != version:
         return None
     return entry[2]()
 
 
 def remember(moved, parameter) -> None:
     """``parameter`` (``moved`` detached, as ``nn.Parameter(moved)`` does) is what its source became."""
-    source = moved.__dict__.get("_moved_parameter")
-    src = source[0]() if source is not None else None
-    if src is None:
-        return
-    key = id(src)
-    _MOVED[key] = (weakref.ref(src, functools.partial(_forget, key)), source[1], weakref.ref(parameter))
+    src, version = _source(moved)
+    if src is not None:
+        key = id(src)
+        _MOVED[key] = (weakref.ref(src, functools.partial(_forget, key)), version, weakref.ref(parameter))
+
+
+def _source(moved):
+    """(the CPU parameter ``moved`` was filled from, or None; its version then)."""
+    ref, version = moved.__dict__.get("_moved_parameter", (lambda: None, None))
+    return ref(), version
 
 
 def _forget(key: int, _ref) -> None:
