@@ -22,8 +22,8 @@ What differs from JAX: shardtensor's Python scalars are runtime inputs (a new va
 recompile), read from one vector per kind; JAX's are constants that XLA folds and merges. Uses of
 equal values share one input, so ``chain`` and ``mix`` read a few; in ``distinct`` each use is its
 own input, and XLA turns each division by one into a separate small kernel (its reciprocal), which is
-what makes that program's compile time grow faster than N. ``x ** 2`` in ``mix`` stays a general
-power (the exponent is a runtime input), where JAX multiplies.
+what makes that program's compile time grow faster than N. ``x ** 2`` in ``mix`` is a multiply in
+both (torch's special-cased exponents are baked in, not runtime inputs).
 
 Usage::
 

@@ -119,6 +119,11 @@ CASES = {
         (_t(7, 8, 9, 1, 2, 3), _t(1, 2, 3, 1, 2, 0)),
         (_t(7, -8, 9, 1, 2, 3), _t(1, 2, -3, 1, 2, 5)),
     ),
+    # an integer tensor to a negative integer power: an exponent that is a runtime input, one that is
+    # baked into the program (torch special-cases -1), and an unsigned tensor
+    "pow": (lambda a: a**-3, (_t(7, 8, 9, 1, 2, 3),), None),
+    "pow_negative": (lambda a: a**-1, (_t(7, 8, 9, 1, 2, 3),), None),
+    "pow_negative_unsigned": (lambda a: a**-2, (torch.arange(6, dtype=torch.uint8),), None),
 }
 
 

@@ -276,12 +276,50 @@ def test_python_scalars_are_graph_inputs(op):
         "addcdiv_value": lambda t, s: torch.addcdiv(t, t, t.abs() + 1, value=s),
     }
     fn = fns[op]
-    for s in (0.5, 1.5, 2.5, 3.5):
+    for s in (0.75, 1.5, 2.5, 3.5):  # (not 0.5: pow bakes it, see the next test)
         y = fn(x, s)
         st.sync()
         torch.testing.assert_close(y.cpu(), fn(a, s), rtol=1e-5, atol=1e-5)
     assert n("UncachedCompile") == 1, st.counters()
     assert n("CachedCompile") == 3
+
+
+def test_pow_bakes_the_exponents_torch_special_cases():
+    """``x ** 2`` is ``x * x``, as torch's CPU kernel computes it, not XLA's general power of a
+    runtime exponent: the exponents torch special-cases (2, 3, 0.5, -0.5, -1, -2, 1, 0) are baked
+    into the program, and any other stays a runtime input (a new value does not recompile)."""
+    from shardtensor.graph import state
+    from shardtensor.graph.capture import lower
+
+    fresh_executable_cache()
+    a, x = _x()
+    for e in (2, 3, 0.5, -0.5, -1, -2, 1, 0, 2.0, -1.0):
+        y = x**e
+        lowered = lower(state.pending_cells())
+        text = lowered.jitted().lower(*lowered.abstract_arguments()).as_text()
+        assert "stablehlo.power" not in text and not lowered.scalars, (e, lowered.scalars)
+        st.sync()
+        want = a**e
+        assert y.dtype == want.dtype
+        if e in (2, -1, 1, 0):  # one multiply or division, or none: the same float bits as torch
+            assert torch.equal(torch.nan_to_num(y.cpu()), torch.nan_to_num(want)), e
+        else:
+            torch.testing.assert_close(y.cpu(), want, equal_nan=True)
+    compiles = n("UncachedCompile")
+    for e in (1.7, 2.5, -2.3):  # not special: one program, the exponent a runtime input
+        y = x.abs() ** e
+        st.sync()
+        torch.testing.assert_close(y.cpu(), a.abs() ** e)
+    assert n("UncachedCompile") == compiles + 1, st.counters()
+    # integer tensors: a special exponent is baked too, with torch's integer results
+    i = torch.arange(-4, 4).reshape(8, 1) * torch.arange(1, 4)
+    xi = st.shard(i, mesh_4x2(), ("data", None))
+    for e in (2, 3, 0, 1, 0.5, -0.5):
+        torch.testing.assert_close(xi.pow(e).cpu(), i.pow(e), equal_nan=True)
+    # a bool tensor to a bool power stays bool, as torch's CPU kernel gives (its meta kernel: int64)
+    b = i > 0
+    for e in (True, False, 2):
+        assert torch.equal(st.shard(b, mesh_4x2(), ("data", None)).pow(e).cpu(), b.pow(e)), e
 
 
 def test_equal_python_scalars_share_one_input():

@@ -20,7 +20,7 @@ from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
 from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
 from shardtensor.graph.state import STATE, set_pending
-from shardtensor.ops import checks, lookup
+from shardtensor.ops import bakes_scalar, checks, lookup
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 
@@ -40,11 +40,11 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
     if isinstance(value, (list, tuple)):
         if any(isinstance(v, torch.Tensor) for v in value):
             return ("L", tuple(_encode(v, False, False, refs) for v in value))
-        if is_scalar_slot and not static_scalars and value and not isinstance(value[0], (list, tuple)):
+        if is_scalar_slot and static_scalars is not True and value and not isinstance(value[0], (list, tuple)):
             refs.extend(ScalarLeaf(v) for v in value)
             return ("SL", len(value), tuple(map(type, value)))
         return _static(tuple(value))
-    if is_scalar_slot and not static_scalars and isinstance(value, (int, float, bool, complex)):
+    if is_scalar_slot and isinstance(value, (int, float, bool, complex)) and not bakes_scalar(static_scalars, value):
         refs.append(ScalarLeaf(value))
         return ("S", type(value))
     if isinstance(value, torch.Generator):

@@ -37,4 +37,4 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     special,
     transformer,
 )
-from shardtensor.ops.registry import Lowering, lookup, register, registered_ops  # noqa: F401
+from shardtensor.ops.registry import Lowering, bakes_scalar, lookup, register, registered_ops  # noqa: F401

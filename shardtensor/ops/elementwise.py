@@ -453,8 +453,11 @@ def _int_pow(base, exp):
     return acc
 
 
+_SPECIAL_EXPONENTS = (2, 3, 1, 0, 0.5, -0.5, -1, -2)
+
+
 def _float_pow_scalar(x, e):
-    """``x ** e`` for the exponents torch special-cases (2, 3, 0.5, -1, ...); None for others."""
+    """``x ** e`` for the exponents torch special-cases (``_SPECIAL_EXPONENTS``); None for others."""
     if e == 2:
         return x * x
     if e == 3:
@@ -488,7 +491,23 @@ def pow_(self, exponent):
     return cast(jnp.power(to_compute(self, rt, ct), to_compute(exponent, rt, ct)), rt)
 
 
-register(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar)(pow_)
+register(aten.pow.Tensor_Tensor)(pow_)
+
+
+# the exponents torch's kernel special-cases are baked into the program (x ** 2 is x * x, as in
+# torch; a runtime exponent would be XLA's general power); any other exponent stays a runtime input
+# (its dtype is the lowering's: torch's meta kernel says int64 for a bool tensor to a bool power, its
+# CPU kernel gives bool)
+@register(aten.pow.Tensor_Scalar, static_scalars=frozenset(_SPECIAL_EXPONENTS), checked=True, dtypes_from_lowering=True)
+def pow_tensor_scalar(self, exponent):
+    """``self ** exponent``: as ``pow_``, and like torch it refuses an integer (or bool) tensor to a
+    negative integer Scalar power (a tensor of exponents follows the 1 / -1 / 0 rule instead)."""
+    integral = is_int(dtype_of(exponent)) or dtype_of(exponent) == BOOL
+    if integral and (is_int(dtype_of(self)) or dtype_of(self) == BOOL):
+        fail_where(jnp.asarray(exponent) < 0, RuntimeError, "Integers to negative integer powers are not allowed.")
+        if is_python_number(exponent) and exponent < 0:
+            exponent = 0  # (baked: a negative Python int does not fit an unsigned tensor's dtype)
+    return pow_(self, exponent)
 
 
 @register(aten.pow.Scalar)

@@ -4,7 +4,9 @@ A lowering receives, in the positions of the aten schema:
   * tensors as ``jax.Array`` (or tracers) with the logical (unpadded) shape and the exact torch dtype;
   * ``Scalar`` arguments as 0-d weakly-typed jax values (so they are graph inputs, not constants, and a
     loop whose learning rate changes does not recompile) — unless the op is registered with
-    ``static_scalars=True``, in which case they arrive as Python numbers;
+    ``static_scalars=True``, in which case they arrive as Python numbers, or with a set of values
+    (``static_scalars={2, 0.5}``: those the lowering specializes, as torch's kernel does), in which
+    case a Scalar equal to one of them arrives as a Python number and any other as a jax value;
   * everything else (int, int[], bool, float, str, torch.dtype, torch.device, None) as the Python value.
 It returns jax values shaped like the schema's returns (one value, or a tuple). The dispatcher casts
 each result to the dtype torch would give, as a safety net, but a lowering should get it right itself.
@@ -29,7 +31,9 @@ class Lowering:
     """One entry of the table: the function and how the dispatcher must call it."""
 
     fn: Callable
-    static_scalars: bool = False  # Scalar args are Python numbers baked into the program
+    # Scalar args are Python numbers baked into the program: all of them (True), or those equal to a
+    # value of this frozenset (the ones the lowering specializes; other values stay runtime inputs)
+    static_scalars: bool | frozenset = False
     random: bool = False  # fn(key, *args, **kwargs): gets a fresh jax PRNG key first
     # torch's CPU kernel gives other result dtypes than its meta kernel: take them from the lowering
     dtypes_from_lowering: bool = False
@@ -51,9 +55,20 @@ class Lowering:
 _TABLE: dict[torch._ops.OpOverload, Lowering] = {}
 
 
+def bakes_scalar(static_scalars: bool | frozenset, value) -> bool:
+    """Whether a Python number in a ``Scalar`` argument of an op registered with ``static_scalars``
+    reaches its lowering as that number (baked into the program) rather than as a 0-d jax value.
+
+    Example: ``bakes_scalar(frozenset({2}), 2) and not bakes_scalar(frozenset({2}), 1.7)``.
+    """
+    if isinstance(static_scalars, frozenset):
+        return value in static_scalars
+    return static_scalars
+
+
 def register(
     *ops,
-    static_scalars: bool = False,
+    static_scalars: bool | frozenset = False,
     random: bool = False,
     dtypes_from_lowering: bool = False,
     meta_from_lowering: bool = False,
@@ -66,6 +81,8 @@ def register(
     ``platform="cpu"`` registers a variant for that platform of an op registered before.
     ``checked=True``: the lowering may call ``ops.checks.fail_where`` (torch raises on some values).
     ``runtime_floats``: names of ``float`` arguments passed as 0-d jax values, not baked in.
+    ``static_scalars``: True bakes every ``Scalar`` argument into the program as a Python number; a
+    set of values bakes only a Scalar equal to one of them (see the module docstring).
 
     Example::
 

@@ -79,10 +79,10 @@ def to_torch(a) -> torch.Tensor:
     return torch.from_numpy(np.array(a))
 
 
-def _dynamic(value, type_str: str, static_scalars: bool) -> bool:
+def _dynamic(value, type_str: str, static_scalars) -> bool:
     if isinstance(value, torch.Tensor):
         return True
-    if isinstance(value, numbers.Number) and not static_scalars:
+    if isinstance(value, numbers.Number) and not registry.bakes_scalar(static_scalars, value):
         return "number" in type_str or "Tensor" in type_str
     return False
 
