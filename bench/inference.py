@@ -6,8 +6,8 @@ architectures written out, since torchvision's build here needs CUDA), BERT (``B
 
   eager          plain torch on the CPU, ``torch.no_grad()``                        (reference)
   lazy           the model moved to ``st.device()``, the batch sharded over the mesh's one axis
-                 (weights replicated: data-parallel inference), forward under ``torch.no_grad()``,
-                 then ``st.sync()``
+                 (weights replicated on that mesh, the global one: data-parallel inference), forward
+                 under ``torch.no_grad()``, then ``st.sync()``
   st.compile     ``st.compile`` of the same forward
   torch.compile  ``torch.compile(forward, backend="shardtensor")``
 
@@ -344,6 +344,7 @@ def run_one(args):
     if args.batch % n:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the device count {n}")
     mesh = st.Mesh(range(n), (n,), ("d",))
+    st.set_global_mesh(mesh)  # the models' weights live on the batch's mesh: nothing is copied per call
 
     def log(msg):
         print(f"[{n} dev] {msg}", file=sys.stderr, flush=True)
