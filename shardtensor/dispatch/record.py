@@ -44,7 +44,11 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
             refs.extend(ScalarLeaf(v) for v in value)
             return ("SL", len(value), tuple(map(type, value)))
         return _static(tuple(value))
-    if is_scalar_slot and isinstance(value, (int, float, bool, complex)) and not bakes_scalar(static_scalars, value):
+    if (
+        is_scalar_slot
+        and isinstance(value, (int, float, bool, complex))
+        and not (static_scalars and bakes_scalar(static_scalars, value))  # (most ops: no call)
+    ):
         refs.append(ScalarLeaf(value))
         return ("S", type(value))
     if isinstance(value, torch.Generator):
