@@ -28,6 +28,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     optim_fused,
     polynomials,
     pooling,
+    power,
     random,
     reduction,
     resize,

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import torch
 
 from shardtensor.ops import elementwise as ew
+from shardtensor.ops import power
 from shardtensor.ops import reduction as red
 from shardtensor.ops._promote import cast, opmath, result_type
 from shardtensor.ops.registry import lookup, register
@@ -113,12 +114,12 @@ _register_binary("maximum", ew.maximum, ("List", "Scalar", "ScalarList"), scalar
 _register_binary("minimum", ew.minimum, ("List", "Scalar", "ScalarList"), scalar_fn=ew.clamp_max)
 _register_binary("clamp_min", ew.clamp_min, ("List", "Scalar", "ScalarList"))
 _register_binary("clamp_max", ew.clamp_max, ("List", "Scalar", "ScalarList"))
-_register_binary("pow", ew.pow_, ("List", "Scalar", "ScalarList"))
+_register_binary("pow", power.pow_, ("List", "Scalar", "ScalarList"))
 
 
 @register(aten._foreach_pow.ScalarAndTensor)
 def _foreach_pow_scalar_and_tensor(self, exponent):
-    return [ew.pow_scalar(self, e) for e in exponent]
+    return [power.pow_scalar(self, e) for e in exponent]
 
 
 # ----------------------------------------------------------------------------------------------
