@@ -11,6 +11,10 @@
 #   TORCH        the torch requirement installed first. Keep it pinned: on this machine any
 #                other version or an open range pulls a multi-GB CUDA build from PyPI.
 #   PYTEST_ARGS  extra arguments for pytest; DEMO_ARGS, BENCH_ARGS likewise.
+#   TEST_ISA     environment for the suite's processes: by default torch's, oneDNN's and MKL's CPU
+#                kernels capped at AVX2, so a machine with AVX-512 computes what an AVX2-only one
+#                does (each is a ceiling: a CPU without AVX2 keeps its own). `make test TEST_ISA=`
+#                runs with this CPU's own kernels.
 #   LINT_PATHS   what ruff checks (mypy checks the package: `files` in pyproject.toml).
 
 PYTHON ?= python3
@@ -20,6 +24,7 @@ TORCH ?= torch==2.13.0
 PIP_FLAGS ?= -qq --disable-pip-version-check
 PYTEST_WORKERS ?= 2
 PYTEST_ARGS ?=
+TEST_ISA ?= ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 LINT_PATHS ?= shardtensor tests bench setup.py
@@ -57,9 +62,10 @@ lint: $(STAMP)
 
 # lint first: it takes under a minute (mypy from a cold cache), the suite many
 # (bytecode caching on, whatever the environment says: the workers and the many test subprocesses
-# would otherwise each compile shardtensor's sources and rewrite the test modules again)
+# would otherwise each compile shardtensor's sources and rewrite the test modules again), with the
+# CPU kernels of TEST_ISA (the workers and every test subprocess inherit them)
 test: $(STAMP) lint
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
+	PYTHONDONTWRITEBYTECODE= $(TEST_ISA) $(PY) -m pytest -n $(PYTEST_WORKERS) --durations=20 $(PYTEST_ARGS) tests
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
