@@ -235,3 +235,49 @@ def test_a_job_that_cannot_form_raises_in_every_process():
         "ValueError initialize_distributed: the processes were started with different numbers of processes "
         "(num_processes / WORLD_SIZE, by process id: {0: 2, 1: 3}). Start every process with the same number."
     ]
+
+
+_SETS_ITS_OWN_COUNT = """
+import os
+os.environ["SHARDTENSOR_CPU_DEVICES"] = "8"  # an assignment: it runs again in each spawned process
+import shardtensor as st
+
+def count(index):
+    return st.global_runtime_device_count()
+
+if __name__ == "__main__":
+    try:
+        st.launch(count, nprocs=2, grace_period=0)
+    except st.LaunchError as e:
+        print("LaunchError:", e)
+"""
+
+
+def test_a_script_that_sets_the_device_count_again_in_launchs_processes_is_told_why(tmp_path):
+    # the processes re-run the script's top, which replaces launch's 4 devices each by 8 again:
+    # each says that launch split the 8 devices and what to write instead, and launch reports it
+    script = tmp_path / "sets_its_own_count.py"
+    script.write_text(_SETS_ITS_OWN_COUNT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "SHARDTENSOR_", "JAX_"))}
+    env.update(PYTHONPATH=str(HERE.parent), SHARDTENSOR_PLATFORM="cpu")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "LaunchError: process " in done.stdout, done.stdout + done.stderr[-3000:]
+    told = (
+        "SHARDTENSOR_CPU_DEVICES=8 was set again in a process of shardtensor.launch, which gave each of its 2 "
+        "processes 4 simulated CPU devices"
+    )
+    assert done.stderr.count(told) >= 1, done.stderr[-3000:]
+    assert "os.environ.setdefault('SHARDTENSOR_CPU_DEVICES', '8') instead" in done.stderr
+    assert "devices_per_process=N" in done.stderr
+
+
+def test_launchs_count_set_again_after_import_is_told_why(monkeypatch):
+    # the same, where the script imports shardtensor before it sets the count (checked when the
+    # devices are first listed): the message of the process's configuration, in this process
+    monkeypatch.setenv(rt.LAUNCH_DEVICES_ENV, "4 2")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    with pytest.raises(ValueError, match=r"gave each of its 2 processes 4 simulated CPU devices \(8 in all"):
+        rt._add_device_count_flag(8)
+    monkeypatch.delenv(rt.LAUNCH_DEVICES_ENV)  # not launch's: the general message
+    with pytest.raises(ValueError, match="conflicts with XLA_FLAGS"):
+        rt._add_device_count_flag(8)

@@ -88,6 +88,7 @@ def _child_environment(cpu_devices: int, nprocs: int, store_port: int):
             LOCAL_WORLD_SIZE=str(nprocs),
         )
         os.environ[rt.CPU_DEVICES_ENV] = str(cpu_devices)
+        os.environ[rt.LAUNCH_DEVICES_ENV] = f"{cpu_devices} {nprocs}"
         flags = re.sub(_DEVICE_COUNT_FLAG + r"=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={cpu_devices}"])
         yield

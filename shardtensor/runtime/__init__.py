@@ -33,6 +33,9 @@ import warnings
 
 CPU_DEVICES_ENV = "SHARDTENSOR_CPU_DEVICES"
 PLATFORM_ENV = "SHARDTENSOR_PLATFORM"
+# Set by `shardtensor.launch` for its processes: "<devices per process> <processes>", so that a count
+# set again in a process (a spawned process re-runs the main script's top) gets an error that says why.
+LAUNCH_DEVICES_ENV = "SHARDTENSOR_LAUNCH_CPU_DEVICES"
 SPMD_ENVS = ("SHARDTENSOR_USE_SPMD", "XLA_USE_SPMD")
 
 # SHARDTENSOR_PLATFORM value -> (jax_platforms value, jax.default_backend() name).
@@ -73,12 +76,28 @@ def _add_device_count_flag(count: int) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     named = re.findall(_DEVICE_COUNT_FLAG + r"=(\d+)", flags)
     if any(int(n) != count for n in named):
+        launched = os.environ.get(LAUNCH_DEVICES_ENV, "").split()
+        if len(launched) == 2 and launched[0] == named[-1]:
+            raise ValueError(_launch_conflict(count, int(launched[0]), int(launched[1])))
         raise ValueError(
             f"{CPU_DEVICES_ENV}={count} conflicts with XLA_FLAGS, which asks for "
             f"{_DEVICE_COUNT_FLAG}={named[-1]}. Set only one of them, or make them agree."
         )
     if not named:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+
+
+def _launch_conflict(count: int, per_process: int, nprocs: int) -> str:
+    return (
+        f"{CPU_DEVICES_ENV}={count} was set again in a process of shardtensor.launch, which gave each of its "
+        f"{nprocs} processes {per_process} simulated CPU devices ({per_process * nprocs} in all, split over the "
+        f"processes; it passes {_DEVICE_COUNT_FLAG}={per_process} in XLA_FLAGS). A process that launch starts "
+        f"re-runs the top of the main script, where an assignment such as "
+        f"os.environ[{CPU_DEVICES_ENV!r}] = '{count}' replaces launch's count. Write "
+        f"os.environ.setdefault({CPU_DEVICES_ENV!r}, '{count}') instead (or set it inside "
+        "`if __name__ == '__main__':`, or in the shell); to choose each process's count, pass "
+        "launch(..., devices_per_process=N)."
+    )
 
 
 def _backends_started() -> bool:
@@ -99,6 +118,9 @@ def _check_started_backend(cpu_count: int | None, platform_name: str | None) -> 
             f"{platform_name!r}. The platform is fixed when JAX starts. {_HOW_TO_FIX}"
         )
     if cpu_count is not None and running == "cpu" and jax.local_device_count() != cpu_count:
+        launched = os.environ.get(LAUNCH_DEVICES_ENV, "").split()
+        if len(launched) == 2 and int(launched[0]) == jax.local_device_count():
+            raise RuntimeError(_launch_conflict(cpu_count, int(launched[0]), int(launched[1])))
         raise RuntimeError(
             f"JAX's CPU backend already started with {jax.local_device_count()} device(s), but "
             f"{CPU_DEVICES_ENV}={cpu_count}. The device count is fixed when JAX starts (something "
