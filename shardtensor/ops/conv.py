@@ -39,12 +39,19 @@ def _dimension_numbers(nsp):
 # gradients when the input is sharded over a spatial dim while the output gradient is sharded over the
 # batch, or, for groups > 1 (a conv with batch_group_count), when the batch is sharded over part of
 # the mesh only and replicated over the rest (batch over 'x' of a (4, 2) mesh).
+# A transposed convolution over a spatially sharded input (its lax form: a base-dilated convolution
+# with a reversed kernel) is worse: wrong values even at stride 1, a partitioner error, or an abort
+# (Check failed: ShapeUtil::Compatible(shard_shape, sharded_conv->shape())) with stride, dilation and
+# output_padding together.
 # tests/ops/test_conv_partitioning.py sweeps these. It is right when only the batch and spatial dims
-# of the activations are sharded and the kernel is whole, and for the kernel gradient when only the
-# batch is, split over the whole mesh if groups > 1: convolutions get that layout (a sharded kernel
-# is gathered, as FSDP does anyway; sharded channels are gathered; spatially sharded activations are
-# gathered for the kernel gradient only).
+# of a (not transposed) convolution's activations are sharded and the kernel is whole, forward and
+# input gradient, whatever the stride, dilation, padding and groups; for a transposed one when only
+# the batch is; and for the kernel gradient when only the batch is, split over the whole mesh if
+# groups > 1: convolutions get that layout (a sharded kernel is gathered, as FSDP does anyway;
+# sharded channels are gathered; spatially sharded activations are gathered for a transposed
+# convolution and for the kernel gradient).
 _ACTIVATION = (FREE, None, FREE)  # batch and spatial dims left to XLA, channels whole
+_TRANSPOSED_ACTIVATION = (FREE, None)  # batch left to XLA, channels and spatial dims whole
 
 
 def _kernel_grad_layout(groups):
@@ -52,9 +59,12 @@ def _kernel_grad_layout(groups):
     return (MESH if groups > 1 else FREE, None)
 
 
-def conv(x, w, stride, padding, dilation, transposed, output_padding, groups, layout=_ACTIVATION):
+def conv(x, w, stride, padding, dilation, transposed, output_padding, groups, layout=None):
     """torch's convolution without bias, on batched input (N, C, *spatial); ``layout`` is the one
-    the input and result are constrained to (see ``ops/_layout.constrain``)."""
+    the input and result are constrained to (see ``ops/_layout.constrain``; by default the one that
+    is safe for the kind of convolution)."""
+    if layout is None:
+        layout = _TRANSPOSED_ACTIVATION if transposed else _ACTIVATION
     nsp = x.ndim - 2
     stride, padding, dilation = (expand_param(v, nsp) for v in (stride, padding, dilation))
     output_padding = expand_param(output_padding, nsp, 0)

@@ -8,13 +8,12 @@ in ONE subprocess that reports each config as a JSON line, so an abort fails thi
 config that was running) instead of killing the pytest run.
 """
 
+import itertools
 import json
 import os
 import subprocess
 import sys
 import textwrap
-
-import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,13 +102,15 @@ _SWEEP = textwrap.dedent("""
             out[int(d)] = tuple(axes) if isinstance(axes, list) else axes
         return tuple(out)
 
-    def run(c):
+    def record(c):
+        # eager torch's output and gradients, and the sharded ones: recorded, not run yet (lazy
+        # mode), or run now (eager mode)
         nsp, groups, k, (cg, cog) = c["nsp"], c["groups"], c["k"], c["channels"]
         g = torch.Generator().manual_seed(0)
         size = [c["size"]] * nsp if isinstance(c["size"], int) else c["size"]
         x = torch.randn(c["batch"], cg * groups, *size, generator=g)
         w_shape = (cg * groups, cog) if c["transposed"] else (cog * groups, cg)
-        w = torch.randn(*w_shape, *[k] * nsp, generator=g)
+        w = torch.randn(*w_shape, *([k] * nsp if isinstance(k, int) else k), generator=g)
         b = torch.randn(cog * groups, generator=g)
         fn = getattr(F, f"conv_transpose{nsp}d" if c["transposed"] else f"conv{nsp}d")
         names = ("output", "x", "w", "b")[: 4 if c["bias"] else 3]
@@ -123,20 +124,40 @@ _SWEEP = textwrap.dedent("""
             dev = [st.shard(t.detach(), mesh, spec(t.dim(), s)).requires_grad_() for t, s in zip(leaves, (xs, ws, {}))]
             got = fn(*dev, groups=groups, **c["kw"])
             got.backward(st.shard(grad, mesh, spec(grad.dim(), gs)))
-            pairs = [(names[0], got, want)] + [(n, d.grad, l.grad) for n, d, l in zip(names[1:], dev, leaves)]
-            for name, a, e in pairs:
-                torch.testing.assert_close(a.cpu(), e.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
         finally:
             st.eager_mode(False)
+        return [(names[0], got, want)] + [(n, d.grad, l.grad) for n, d, l in zip(names[1:], dev, leaves)]
 
-    for name, config in json.load(sys.stdin).items():
-        print(json.dumps({"started": name}), flush=True)
-        try:
-            run(config)
-            result = "ok"
-        except Exception as e:  # reported back: a raise is a failure of its config, not of the sweep
-            result = f"{type(e).__name__}: {str(e)[:600]}"
-        print(json.dumps({"config": name, "result": result}), flush=True)
+    def compare(pairs):
+        for name, a, e in pairs:
+            torch.testing.assert_close(a.cpu(), e.detach(), rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+    def error(e):
+        return f"{type(e).__name__}: {str(e)[:600]}"
+
+    # a batch of lazy configs is one program (one compile): the first readback runs them all
+    work = json.load(sys.stdin)
+    for batch in work["batches"]:
+        print(json.dumps({"started": batch}), flush=True)
+        results = {}
+        recorded = {}
+        for name in batch:
+            try:
+                recorded[name] = record(work["configs"][name])
+            except Exception as e:  # reported back: a raise is a failure of its config, not of the sweep
+                results[name] = error(e)
+        for name, pairs in recorded.items():
+            try:
+                compare(pairs)
+                results[name] = "ok"
+            except Exception as e:
+                results[name] = error(e)
+        if len(batch) > 1 and any(r != "ok" for r in results.values()):
+            # whose failure it is: the parent runs the batch's configs one by one, in a fresh process
+            print(json.dumps({"split": batch}), flush=True)
+            break
+        for name in batch:
+            print(json.dumps({"config": name, "result": results[name]}), flush=True)
 """)
 
 
@@ -144,36 +165,98 @@ def _text(output):
     return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
 
 
-def test_sharded_convolutions_partition_right_and_never_abort():
+def _sweep(configs: dict, batch: int = 1, timeout: float = 600) -> tuple[dict, dict]:
+    """Run ``configs`` in a subprocess, up to ``batch`` lazy ones in one program; a batch in which
+    something fails is run again config by config. A process that dies (an abort) or hangs is
+    restarted with the configs after the one it was running. Returns ({name: "ok" or the error
+    raised}, {name: how the process running it died, with the end of its stderr})."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _SWEEP],
-            input=json.dumps(CONFIGS),
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        stdout, stderr, returncode = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as e:  # a hang is reported like an abort: with the config running
-        stdout, stderr, returncode = _text(e.stdout), _text(e.stderr), "timeout"
-    started, results = None, {}
-    for line in stdout.splitlines():
+    lazy = [name for name, c in configs.items() if c["mode"] == "lazy"]
+    queue = [lazy[i : i + batch] for i in range(0, len(lazy), batch)]
+    queue += [[name] for name, c in configs.items() if c["mode"] != "lazy"]
+    results: dict = {}
+    died: dict = {}
+    while queue:
         try:
-            msg = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "started" in msg:
-            started = msg["started"]
-        else:
-            results[msg["config"]] = msg["result"]
-    if returncode != 0:
-        pytest.fail(
-            f"the sweep died (exit {returncode}) while running {started!r}; "
-            f"done before it: {sorted(results)}\n{stderr[-3000:]}"
-        )
-    assert set(results) == set(CONFIGS), stderr[-3000:]
+            proc = subprocess.run(
+                [sys.executable, "-c", _SWEEP],
+                input=json.dumps({"configs": configs, "batches": queue}),
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            stdout, stderr, returncode = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:  # a hang is reported like an abort: with the config running
+            stdout, stderr, returncode = _text(e.stdout), _text(e.stderr), "timeout"
+        started, split = None, None
+        for line in stdout.splitlines():
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "started" in msg:
+                started = msg["started"]
+            elif "split" in msg:
+                split = msg["split"]
+            else:
+                results[msg["config"]] = msg["result"]
+        if returncode == 0 and split is None:
+            assert all(name in results for b in queue for name in b), f"the sweep skipped configs\n{stderr[-3000:]}"
+            break
+        if returncode != 0 and split is None:
+            if started is None or all(name in results for name in started):  # nothing to blame
+                raise AssertionError(f"the sweep died (exit {returncode}) outside any config\n{stderr[-3000:]}")
+            if len(started) == 1:
+                died[started[0]] = f"the process died (exit {returncode}): {stderr[-1500:]}"
+            else:
+                split = started
+        rest = [b for b in queue if not all(name in results or name in died for name in b)]
+        queue = [[name] for name in split] + [b for b in rest if b != split] if split else rest
+    return results, died
+
+
+def _assert_all_right(configs: dict, batch: int = 1) -> None:
+    results, died = _sweep(configs, batch)
+    assert not died, "aborted (each in its own process, the rest run after it):\n" + "\n".join(
+        f"{name}: {how}" for name, how in died.items()
+    )
+    assert set(results) == set(configs)
     wrong = {name: result for name, result in results.items() if result != "ok"}
     assert not wrong, json.dumps(wrong, indent=1)
+
+
+def test_sharded_convolutions_partition_right_and_never_abort():
+    _assert_all_right(CONFIGS)
+
+
+def _grid() -> dict:
+    """Convolutions, transposed or not, with a (4, 5) kernel and padding (1, 2), over an input
+    sharded on one spatial dim (H over 'x', W over 'y'; a transposed one's 4 x 4 input leaves one row
+    or two columns per device, less than the kernel's halo) for every stride x dilation x
+    output_padding (transposed: 0, or 2, less than the stride or the dilation) x groups, forward and
+    backward."""
+    grid = {}
+    for transposed, stride, dilation, groups in itertools.product((True, False), (1, 3), (1, 4), (1, 2)):
+        paddings = (0, 2) if transposed and max(stride, dilation) > 1 else (0,)
+        for output_padding, (dim, axis) in itertools.product(paddings, ((2, "x"), (3, "y"))):
+            kw = dict(stride=stride, dilation=dilation, padding=(1, 2))
+            if transposed:
+                kw["output_padding"] = output_padding
+            # not transposed: the smallest input the dilated kernel fits, plus 3 (uneven shards)
+            size = (4, 4) if transposed else (dilation * 3 + 2, dilation * 4)
+            name = f"{'conv_transpose2d' if transposed else 'conv2d'} {kw} groups={groups}, input dim {dim} on {axis}"
+            grid[name] = _config(2, transposed, groups, [4, 5], 2, (1, 2), size, x={dim: axis}, **kw)
+    # issue 34: aborted the process (convolution_handler.cc: Check failed: ShapeUtil::Compatible)
+    grid["issue 34: conv_transpose2d, stride, dilation and output_padding, input H on x"] = _config(
+        2, True, 2, [4, 5], 2, (1, 2), (4, 4), x={2: "x"},
+        stride=(3, 2), padding=(1, 2), output_padding=(2, 3), dilation=(4, 4),
+    )  # fmt: skip
+    return grid
+
+
+def test_spatially_sharded_convolutions_over_strides_dilations_output_paddings_and_groups():
+    # before conv.py gathered a transposed convolution's spatial dims, several of these computed wrong
+    # values (stride 1 too), raised from the partitioner or aborted (stride, dilation and output_padding)
+    _assert_all_right(_grid(), batch=16)
