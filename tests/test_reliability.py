@@ -123,6 +123,31 @@ def test_memory_limit_knob(monkeypatch, limit):
     assert st.device_memory_limit() == 3 << 20
 
 
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test. A process started in the
+    background by a non-interactive shell (``make test &``, nohup, some CI runners) inherits SIGINT
+    ignored, and Python then installs no handler: Ctrl-C does nothing there, whatever shardtensor does."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_deferred_interrupts_leaves_an_ignored_ctrl_c_ignored():
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_deferred_interrupts_delivers_ctrl_c_after_the_block():
     reached = []
     with pytest.raises(KeyboardInterrupt), deferred_interrupts():
@@ -153,6 +178,7 @@ def test_deferred_interrupts_keeps_the_users_handler_and_other_threads_alone():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_waiting_for_a_result_can_be_interrupted():
     """Ctrl-C lands while a result is still being computed (``block_until_ready`` would hold it)."""
     import jax
