@@ -279,6 +279,14 @@ def _closer_of(got, want, exact, rtol, atol):
     return torch.where(near_torch, want, exact.to(want.dtype))
 
 
+def _widened(sample, dtype):
+    """The sample with its ``dtype`` input widened to float64, as ``_exact_reference`` runs it."""
+    inp = sample.input
+    if isinstance(inp, torch.Tensor) and inp.dtype == dtype:
+        inp = inp.detach().double()
+    return type("Widened", (), {"input": inp, "args": sample.args, "kwargs": sample.kwargs})()
+
+
 def _exact_reference(op, sample, dtype):
     """The op on the sample with its ``dtype`` tensors widened to float64 (None if torch refuses)."""
 
@@ -329,6 +337,124 @@ def _deterministic(op, sample, want) -> bool:
     return True
 
 
+# ---- outputs torch leaves open -------------------------------------------------------------------
+# Where torch does not define an output, both sides are mapped to what it does define before they are
+# compared: the indices of tied values (sort, argsort, topk, kthvalue, median, mode; torch's CPU sort
+# and selection kernels differ per instruction set) become the values they point at; eigenvectors and
+# singular vectors (any sign or phase, any basis of a repeated value) become the matrix they multiply
+# back to; QR's factors get R's diagonal made real and positive (unique for a full-rank input). The
+# maps are differentiable where they apply to float outputs, so the backward check's loss is one that
+# does not depend on the choice either. argmax / argmin and max / min with a dim are not here: torch
+# documents that they return the first of tied values.
+
+
+def _dim_arg(position, default=-1):
+    """The ``dim`` of a sample: ``kwargs['dim']``, else ``args[position]`` if it is an int."""
+
+    def dim(sample):
+        if "dim" in sample.kwargs:
+            return sample.kwargs["dim"]
+        args = sample.args
+        if len(args) > position and isinstance(args[position], int) and not isinstance(args[position], bool):
+            return args[position]
+        return default
+
+    return dim
+
+
+def _pointed_at(dim_of):
+    """Integer outputs (indices into the input along ``dim``) replaced by the input's values there."""
+
+    def canon(sample, out):
+        inp = sample.input.detach()
+        dim = dim_of(sample)
+
+        def values_at(t):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+                return t
+            if inp.dim() == 0:
+                return inp.expand(t.shape)
+            index = t if t.dim() == inp.dim() else t.unsqueeze(dim)
+            return inp.take_along_dim(index, dim).reshape(t.shape)
+
+        return tree_map(values_at, out)
+
+    return canon
+
+
+def _mH(a):
+    return a.mH if a.is_complex() else a.mT
+
+
+def _eigh(sample, out):
+    values, vectors = out
+    return values, (vectors * values.unsqueeze(-2).to(vectors.dtype)) @ _mH(vectors)
+
+
+def _eig(sample, out):
+    values, vectors = out
+    order = values.imag.argsort(dim=-1, stable=True)  # by real part, then imaginary part
+    order = order.gather(-1, values.real.gather(-1, order).argsort(dim=-1, stable=True))
+    return values.gather(-1, order), (vectors * values.unsqueeze(-2)) @ torch.linalg.inv(vectors)
+
+
+def _eigvals(sample, out):
+    order = out.imag.argsort(dim=-1, stable=True)
+    order = order.gather(-1, out.real.gather(-1, order).argsort(dim=-1, stable=True))
+    return out.gather(-1, order)
+
+
+def _svd(vh_is_v):
+    def canon(sample, out):
+        u, s, v = out
+        k = s.shape[-1]
+        vh = _mH(v) if vh_is_v else v
+        return s, (u[..., :k] * s.unsqueeze(-2).to(u.dtype)) @ vh[..., :k, :]
+
+    return canon
+
+
+def _qr(sample, out):
+    q, r = out
+    k = min(r.shape[-2], r.shape[-1])
+    diag = r.diagonal(dim1=-2, dim2=-1)[..., :k].detach()
+    phase = torch.where(diag == 0, torch.ones_like(diag), diag / diag.abs())
+    r = r[..., :k, :] * phase.conj().unsqueeze(-1) if r.is_complex() else r[..., :k, :] * phase.unsqueeze(-1)
+    if q.numel() == 0:  # mode='r'
+        return q, r
+    return q[..., :k] * phase.unsqueeze(-2), r
+
+
+OPEN_OUTPUTS = {
+    "sort": _pointed_at(_dim_arg(0)),
+    "argsort": _pointed_at(_dim_arg(0)),
+    "topk": _pointed_at(_dim_arg(1)),
+    "kthvalue": _pointed_at(_dim_arg(1)),
+    "median": _pointed_at(_dim_arg(0)),
+    "nanmedian": _pointed_at(_dim_arg(0)),
+    "mode": _pointed_at(_dim_arg(0)),
+    "linalg.eigh": _eigh,
+    "linalg.eig": _eig,
+    "linalg.eigvals": _eigvals,
+    "linalg.svd": _svd(vh_is_v=False),
+    "svd": _svd(vh_is_v=True),
+    "linalg.qr": _qr,
+    "qr": _qr,
+}
+
+
+_INDICES = {"sort", "argsort", "topk", "kthvalue", "median", "nanmedian", "mode"}
+
+
+def _defined(op, sample, out, for_loss=False):
+    """``out`` mapped to what torch defines of it (see ``OPEN_OUTPUTS``); other ops' results as they
+    are. ``for_loss``: only the maps of float outputs (indices never enter the backward's loss)."""
+    canon = OPEN_OUTPUTS.get(op.name)
+    if canon is None or out is None or (for_loss and op.name in _INDICES):
+        return out
+    return canon(sample, out)
+
+
 def _run_sharded(op, fn, sample, uneven=False, eager=False):
     inp, args, kwargs = _sharded_args(op, sample, uneven=uneven)
     with st.eager_mode(eager):
@@ -354,9 +480,12 @@ def check_forward(op, dtype=torch.float32, eager=False, uneven=False):
         values = not drew_random and _deterministic(op, sample, want)
         exact = _exact_reference(op, sample, dtype) if dtype in LOW_PRECISION and values else None
         got = _run_sharded(op, op, sample, uneven=uneven, eager=eager)
-        checks.append((got, want, f"sample {k} output", values, exact))
+        checks.append((sample, got, want, f"sample {k} output", values, exact))
     # compared after every sample ran: in lazy mode all samples compile and run as one program
-    for got, want, what, values, exact in checks:
+    for sample, got, want, what, values, exact in checks:
+        got, want = _defined(op, sample, tree_map(_to_cpu, got)), _defined(op, sample, want)
+        if exact is not None:
+            exact = _defined(op, _widened(sample, dtype), exact)
         _compare(got, want, op, what, values=values, exact=exact)
     return len(samples)
 
@@ -425,14 +554,14 @@ def check_backward(op):
         ref = _args(sample, _clone_leaf)
         with torch.random.fork_rng(devices=[]), probe:
             _seed_cpu(0)
-            loss = _loss(op(ref[0], *ref[1], **ref[2]))
+            loss = _loss(_defined(op, sample, op(ref[0], *ref[1], **ref[2]), for_loss=True))
         if loss is None:
             continue
         leaves_ref = _float_leaves(ref)
         loss.backward()
         sh = _sharded_args(op, sample, grad=True)
         leaves_sh = _float_leaves(sh)
-        loss_sh = _loss(op(sh[0], *sh[1], **sh[2]))
+        loss_sh = _loss(_defined(op, sample, op(sh[0], *sh[1], **sh[2]), for_loss=True))
         assert loss_sh is not None, f"sample {k}: no differentiable output"
         loss_sh.backward()
         want = [t.grad for t in leaves_ref]
