@@ -249,10 +249,11 @@ def _grid() -> dict:
             name = f"{'conv_transpose2d' if transposed else 'conv2d'} {kw} groups={groups}, input dim {dim} on {axis}"
             grid[name] = _config(2, transposed, groups, [4, 5], 2, (1, 2), size, x={dim: axis}, **kw)
     # issue 34: aborted the process (convolution_handler.cc: Check failed: ShapeUtil::Compatible)
-    grid["issue 34: conv_transpose2d, stride, dilation and output_padding, input H on x"] = _config(
-        2, True, 2, [4, 5], 2, (1, 2), (4, 4), x={2: "x"},
-        stride=(3, 2), padding=(1, 2), output_padding=(2, 3), dilation=(4, 4),
-    )  # fmt: skip
+    for mode in ("lazy", "eager"):
+        grid[f"issue 34: conv_transpose2d, stride, dilation and output_padding, input H on x, {mode}"] = _config(
+            2, True, 2, [4, 5], 2, (1, 2), (4, 4), x={2: "x"}, mode=mode,
+            stride=(3, 2), padding=(1, 2), output_padding=(2, 3), dilation=(4, 4),
+        )  # fmt: skip
     return grid
 
 
