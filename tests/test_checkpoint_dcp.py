@@ -322,19 +322,22 @@ def test_a_load_reads_each_distinct_shard_once_into_the_targets_storage(tmp_path
     torch.testing.assert_close(cpu["z"], Z, rtol=0, atol=0)
 
 
-class _Unpicklable:
-    def __reduce__(self):
-        raise RuntimeError("boom while writing")
+def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_files
 
-
-def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_path):
     reset_state()
     mesh = st.Mesh(range(8), (4, 2))
     path = tmp_path / "latest"
     first = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
     st.checkpoint.save({"x": first}, path)
-    with pytest.raises(CheckpointException, match="boom while writing"):
-        st.checkpoint.save({"x": first * 2, "extra": _Unpicklable()}, path)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom while writing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_files, "_write_item", failing)
+        with pytest.raises(CheckpointException, match="boom while writing"):
+            st.checkpoint.save({"x": first * 2}, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary directory left
     target = {"x": torch.zeros(7, 10)}
     dcp.load(target, checkpoint_id=path)

@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import pathlib
 import shutil
+import socket
+from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from shardtensor import runtime
+from shardtensor.checkpoint.safe_reading import check_value_savable, record_checksums
 
 
 def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: Any = None, **kwargs: Any) -> None:
@@ -19,6 +24,12 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
     call it in every process: each writes its shards into the same temporary directory (on a file
     system they all see), then process 0 renames it, and every process returns once the checkpoint is
     in place. Local paths (and shared mounts) only. ``kwargs`` go to ``dcp.save``.
+
+    Beyond ``dcp.save``: it records a checksum of each stored item (``st.checkpoint.load`` checks
+    them); it refuses a non-tensor value that could be read back only by running code (``TypeError``
+    naming the key: save plain values); it refuses to replace anything at ``checkpoint_id`` that is
+    not a checkpoint (a file, a directory without ``.metadata``); and it removes what saves to the
+    same path killed on this machine left (their hidden ``.<name>.tmp-...`` directories).
 
     Example::
 
@@ -42,13 +53,20 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
         )
     coordinator = not grouped or dist.get_rank(process_group) == 0
     path = pathlib.Path(checkpoint_id)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    _check_values(state_dict, "")
+    tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
+    problem = None
     if coordinator:
-        shutil.rmtree(tmp, ignore_errors=True)
-    if ranks > 1:  # everyone writes into the coordinator's temporary directory
-        names = [tmp.name]
-        dist.broadcast_object_list(names, src=_first_rank(process_group), group=process_group)
-        tmp = path.with_name(names[0])
+        _clean_leftovers(path)
+        problem = _not_a_checkpoint(path)
+        if problem is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if ranks > 1:  # every process raises, or none does; all write into the coordinator's directory
+        shared: list = [problem, tmp.name]
+        dist.broadcast_object_list(shared, src=_first_rank(process_group), group=process_group)
+        problem, tmp = shared[0], path.with_name(shared[1])
+    if problem is not None:
+        raise FileExistsError(problem)
     try:
         dcp.save(state_dict, checkpoint_id=tmp, process_group=process_group, **kwargs)
     except BaseException:
@@ -56,11 +74,13 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     error = None
-    if coordinator:
+    if coordinator:  # (every process has written: DCP's metadata is the last file)
         try:
+            record_checksums(tmp)
             _replace(tmp, path)
-        except OSError as e:
-            error = f"shardtensor.checkpoint.save could not rename {tmp} to {path}: {e}"
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"shardtensor.checkpoint.save could not put {tmp} in place as {path}: {type(e).__name__}: {e}"
     if ranks > 1:  # every process returns once the checkpoint is in place (or raises the same error)
         outcome = [error]
         dist.broadcast_object_list(outcome, src=_first_rank(process_group), group=process_group)
@@ -70,12 +90,89 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
 
 
 def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
-    """``tmp`` becomes ``path``; a previous ``path`` is removed once the new one is there."""
-    old = path.with_name(f".{path.name}.old-{os.getpid()}")
-    if path.exists():
-        os.replace(path, old)  # (a directory cannot be renamed over a non-empty one)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
+    """``tmp`` becomes ``path``; a previous ``path`` is removed once the new one is there. Whatever
+    interrupts it (Ctrl-C too), ``path`` is the old checkpoint or the new one, and nothing is left."""
+    old = path.with_name(f".{path.name}.old-{_owner()}")
+    shutil.rmtree(old, ignore_errors=True)  # (a rename onto a non-empty directory fails)
+    try:
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+    except BaseException:
+        if old.exists() and not path.exists():
+            os.replace(old, path)  # the previous checkpoint back in place
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _owner() -> str:
+    """What names this process's temporary directories: the machine and the process id."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _clean_leftovers(path: pathlib.Path) -> None:
+    """Remove what killed saves to ``path`` on this machine left: their temporary directories, and
+    the previous checkpoint moved aside (put back in place if ``path`` is gone)."""
+    if not path.parent.is_dir():
+        return
+    host = socket.gethostname()
+    for entry in path.parent.iterdir():
+        for kind in ("tmp", "old"):
+            prefix = f".{path.name}.{kind}-{host}-"
+            pid = entry.name[len(prefix) :]
+            if not entry.name.startswith(prefix) or not pid.isdigit() or _alive(int(pid)):
+                continue
+            if kind == "old" and not path.exists() and (entry / ".metadata").exists():
+                os.replace(entry, path)  # (killed between its two renames: the last good checkpoint)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # (this process: a save of its own that was interrupted)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # (another user's process)
+    return True
+
+
+def _not_a_checkpoint(path: pathlib.Path) -> str | None:
+    """Why ``path`` must not be replaced (it is not a checkpoint), or None."""
+    if path.is_dir() and not (path / ".metadata").exists() and any(path.iterdir()):
+        return (
+            f"shardtensor.checkpoint.save: {path} is a directory that is not a checkpoint (no .metadata), "
+            "and a save replaces what is at its path: remove it or save elsewhere"
+        )
+    if path.exists() and not path.is_dir():
+        return (
+            f"shardtensor.checkpoint.save: {path} is a file, not a checkpoint, and a save replaces what is "
+            "at its path: remove it or save elsewhere"
+        )
+    return None
+
+
+def _check_values(value: Any, key: str) -> None:
+    """Each non-tensor value of the state dict must load back without running code (DCP pickles it)."""
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    if isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, Stateful) and not isinstance(value, Mapping):
+        value = value.state_dict()
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_values(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor | Mapping | list | tuple) for v in value):
+        for i, v in enumerate(value):
+            _check_values(v, f"{key}.{i}")
+    else:
+        check_value_savable(key, value)
 
 
 def _first_rank(process_group: Any) -> int:
