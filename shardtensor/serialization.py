@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import pickle
+import re
 import shutil
 import struct
 import uuid
@@ -77,9 +79,14 @@ def torch_save(obj: Any, path: str | os.PathLike, master_only: bool = True) -> N
 def _write_atomically(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
     """``write(file)`` into a temporary file next to ``path``, flushed to disk, then renamed to
     ``path``: a reader, or a process killed half-way, sees the old file or the new one, never a part."""
+    from shardtensor.checkpoint.atomic import leftovers, owner_tag
+
     path = os.fspath(path)
     folder, name = os.path.split(path)
-    temporary = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+    temporary = os.path.join(folder, f".{name}.tmp-{owner_tag()}")
+    for stale in leftovers(pathlib.Path(path), "tmp"):  # (of saves that were killed)
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
     try:
         with open(temporary, "wb") as file:
             write(file)
@@ -236,9 +243,10 @@ def _load_plain(file: str | os.PathLike, classes: list) -> Any:
         with torch.serialization.safe_globals(classes):
             return torch.load(file, weights_only=True)
     except pickle.UnpicklingError as error:
-        detail = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line), "")
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        detail = f"it refers to {found.group(1)}" if found else str(error)
         raise pickle.UnpicklingError(
-            f"{os.fspath(file)} holds objects that only running their code could load ({detail or error}); "
+            f"{os.fspath(file)} holds objects that only running their code could load ({detail}); "
             "st.serialization.load reads plain data and tensors only, so nothing was loaded"
         ) from error
 

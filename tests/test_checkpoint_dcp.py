@@ -385,7 +385,8 @@ def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
 
 def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     """A process SIGKILLed while it writes a larger checkpoint (a slow writer: it says when it is in
-    the middle, then waits) leaves ``latest`` as it was, and no other directory that looks complete."""
+    the middle, then waits) leaves ``latest`` as it was, and no other directory that looks complete;
+    the next save removes the dead process's temporary directory."""
     script = textwrap.dedent(
         """
         import sys, time, warnings
@@ -436,6 +437,8 @@ def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert [p.name for p in leftovers[0].iterdir()] == ["__0_0.distcp"]  # (data, no .metadata)
     with pytest.raises(st.checkpoint.CheckpointNotFoundError, match="has no .metadata"):
         st.checkpoint.load(target, leftovers[0])
+    st.checkpoint.save(target, path)  # the next save to that path removes what the killed one left
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
 
 
 def test_async_save_with_the_host_stager_writes_the_values_staged(tmp_path):

@@ -13,6 +13,7 @@ import torch
 
 from shardtensor import runtime
 from shardtensor.checkpoint.safe_reading import check_value_savable, record_checksums
+from shardtensor.graph.interrupts import deferred_interrupts
 
 
 def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: Any = None, **kwargs: Any) -> None:
@@ -54,7 +55,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
     coordinator = not grouped or dist.get_rank(process_group) == 0
     path = pathlib.Path(checkpoint_id)
     _check_values(state_dict, "")
-    tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
+    tmp = path.with_name(f".{path.name}.tmp-{owner_tag()}")
     problem = None
     if coordinator:
         _clean_leftovers(path)
@@ -77,7 +78,8 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
     if coordinator:  # (every process has written: DCP's metadata is the last file)
         try:
             record_checksums(tmp)
-            _replace(tmp, path)
+            with deferred_interrupts():  # (a Ctrl-C lands once the new checkpoint is in place)
+                _replace(tmp, path)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
             error = f"shardtensor.checkpoint.save could not put {tmp} in place as {path}: {type(e).__name__}: {e}"
@@ -92,7 +94,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
 def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
     """``tmp`` becomes ``path``; a previous ``path`` is removed once the new one is there. Whatever
     interrupts it (Ctrl-C too), ``path`` is the old checkpoint or the new one, and nothing is left."""
-    old = path.with_name(f".{path.name}.old-{_owner()}")
+    old = path.with_name(f".{path.name}.old-{owner_tag()}")
     shutil.rmtree(old, ignore_errors=True)  # (a rename onto a non-empty directory fails)
     try:
         if path.exists():
@@ -107,30 +109,40 @@ def _replace(tmp: pathlib.Path, path: pathlib.Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _owner() -> str:
+def owner_tag() -> str:
     """What names this process's temporary directories: the machine and the process id."""
     return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def leftovers(path: pathlib.Path, kind: str) -> list[pathlib.Path]:
+    """The ``.<name>.<kind>-<host>-<pid>`` entries next to ``path`` whose process (on this machine)
+    is gone: what saves that were killed left behind."""
+    prefix = f".{path.name}.{kind}-{socket.gethostname()}-"
+    if not path.parent.is_dir():
+        return []
+    found = []
+    for entry in path.parent.iterdir():
+        pid = entry.name[len(prefix) :]
+        if entry.name.startswith(prefix) and pid.isdigit() and not alive_here(int(pid)):
+            found.append(entry)
+    return found
 
 
 def _clean_leftovers(path: pathlib.Path) -> None:
     """Remove what killed saves to ``path`` on this machine left: their temporary directories, and
     the previous checkpoint moved aside (put back in place if ``path`` is gone)."""
-    if not path.parent.is_dir():
-        return
-    host = socket.gethostname()
-    for entry in path.parent.iterdir():
-        for kind in ("tmp", "old"):
-            prefix = f".{path.name}.{kind}-{host}-"
-            pid = entry.name[len(prefix) :]
-            if not entry.name.startswith(prefix) or not pid.isdigit() or _alive(int(pid)):
-                continue
-            if kind == "old" and not path.exists() and (entry / ".metadata").exists():
-                os.replace(entry, path)  # (killed between its two renames: the last good checkpoint)
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
+    for entry in leftovers(path, "old"):
+        if not path.exists() and (entry / ".metadata").exists():
+            os.replace(entry, path)  # (killed between its two renames: the last good checkpoint)
+        else:
+            shutil.rmtree(entry, ignore_errors=True)
+    for entry in leftovers(path, "tmp"):
+        shutil.rmtree(entry, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def alive_here(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (this process does not count: what it left behind
+    is from a save that ended)."""
     if pid == os.getpid():
         return False  # (this process: a save of its own that was interrupted)
     try:

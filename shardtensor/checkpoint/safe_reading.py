@@ -14,6 +14,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import zlib
 from typing import IO, Any
 
@@ -106,8 +107,11 @@ def check_value_savable(fqn: str, value: Any) -> None:
 
 
 def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if "Unsupported global" in line]
-    return lines[0] if lines else str(error).splitlines()[0] if str(error) else type(error).__name__
+    """What torch's weights_only unpickler refused, in a few words."""
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if found:
+        return f"it refers to {found.group(1)}"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
 def record_checksums(checkpoint_id: str | os.PathLike) -> None:

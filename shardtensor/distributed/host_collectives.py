@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import re
 import threading
 import time
 import urllib.parse
@@ -177,7 +178,8 @@ def _decode(tag: str, process: int, data: bytes) -> Any:
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(io.BytesIO(data), weights_only=True)
     except pickle.UnpicklingError as error:
-        detail = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line), str(error))
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        detail = f"it holds {found.group(1)}" if found else str(error)
         raise TypeError(
             f"mesh_reduce({tag!r}): the value of process {process} is not plain data ({detail}); send "
             "numbers, strings, lists, tuples, dicts, tensors or numpy arrays (what the other processes "
