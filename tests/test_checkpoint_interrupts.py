@@ -157,3 +157,29 @@ def test_ctrl_c_during_saves_and_join_loses_nothing(tmp_path):
     assert report["replacing left"] == ["ck"] and report["replacing scale"] == 3
     assert report["later"] == "returned" and report["later left"] == ["ck"] and report["later scale"] == 4
     assert report["join"] == "KeyboardInterrupt" and report["steps after the second join"] == [1]
+
+
+def test_a_checkpoint_moved_aside_by_a_killed_save_is_put_back_by_the_next_save(tmp_path):
+    """Killed between its two renames, a save leaves the previous checkpoint at ``.<name>.old-<host>-<pid>``
+    and nothing at the path: the next save puts it back first, so a failure of that save keeps it."""
+    import socket
+
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _FailingPlanner(DefaultSavePlanner):
+        def resolve_data(self, write_item):
+            raise RuntimeError("boom while writing")
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # (a process id that no longer runs)
+    path = tmp_path / "ck"
+    st.checkpoint.save({"x": torch.arange(6.0)}, path)
+    moved = tmp_path / f".ck.old-{socket.gethostname()}-{gone.pid}"
+    path.rename(moved)
+    with pytest.raises(CheckpointException, match="boom while writing"):
+        st.checkpoint.save({"x": torch.arange(6.0)}, path, planner=_FailingPlanner())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
+    target = {"x": torch.zeros(6)}
+    st.checkpoint.load(target, path)
+    torch.testing.assert_close(target["x"], torch.arange(6.0), rtol=0, atol=0)

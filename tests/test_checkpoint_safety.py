@@ -66,6 +66,11 @@ def test_a_non_tensor_value_with_a_payload_is_refused_when_saved_and_when_loaded
     with pytest.raises(TypeError, match=r"'opt\.step' is a Payload, which a load could read back only by running code"):
         st.checkpoint.save({"x": x, "opt": {"step": Payload(marker)}}, tmp_path / "refused")
     assert not (tmp_path / "refused").exists()
+    manager = CheckpointManager(tmp_path / "managed", save_interval=1)
+    with pytest.raises(TypeError, match=r"'step' is a Payload"):  # (on the caller, not in the background)
+        manager.save_async(1, {"x": x, "step": Payload(marker)})
+    manager.join()
+    assert manager.all_steps() == []
     # a checkpoint someone else wrote with plain DCP (which pickles the value as it is)
     dcp.save({"x": x, "step": Payload(marker)}, checkpoint_id=tmp_path / "ckpts" / "5")
     (tmp_path / "ckpts" / "5" / ".manager_metadata").write_text(json.dumps({"step": 5, "save_index": 1}))

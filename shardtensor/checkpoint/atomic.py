@@ -54,7 +54,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
         )
     coordinator = not grouped or dist.get_rank(process_group) == 0
     path = pathlib.Path(checkpoint_id)
-    _check_values(state_dict, "")
+    check_values(state_dict, "")
     tmp = path.with_name(f".{path.name}.tmp-{owner_tag()}")
     problem = None
     if coordinator:
@@ -169,7 +169,7 @@ def _not_a_checkpoint(path: pathlib.Path) -> str | None:
     return None
 
 
-def _check_values(value: Any, key: str) -> None:
+def check_values(value: Any, key: str) -> None:
     """Each non-tensor value of the state dict must load back without running code (DCP pickles it)."""
     from torch.distributed.checkpoint.stateful import Stateful
 
@@ -179,10 +179,10 @@ def _check_values(value: Any, key: str) -> None:
         value = value.state_dict()
     if isinstance(value, Mapping):
         for k, v in value.items():
-            _check_values(v, f"{key}.{k}" if key else str(k))
+            check_values(v, f"{key}.{k}" if key else str(k))
     elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor | Mapping | list | tuple) for v in value):
         for i, v in enumerate(value):
-            _check_values(v, f"{key}.{i}")
+            check_values(v, f"{key}.{i}")
     else:
         check_value_savable(key, value)
 

@@ -134,6 +134,9 @@ class CheckpointManager:
         self._raise_background_error()
         if not (force or self.should_save(step)):
             return False
+        from shardtensor.checkpoint.atomic import check_values
+
+        check_values(state_dict, "")  # (here, not in the background: the error reaches the caller)
         self._slots.acquire()  # (a slot frees when a pending write ends)
         try:
             self._raise_background_error()
@@ -236,7 +239,7 @@ class CheckpointManager:
         of that step, if any, stays until then)."""
         import torch.distributed.checkpoint as dcp
 
-        from shardtensor.checkpoint.atomic import _check_values
+        from shardtensor.checkpoint.atomic import check_values
         from shardtensor.checkpoint.safe_reading import record_checksums
 
         partial, old = f".{name}.partial", f".{name}.old"
@@ -245,7 +248,7 @@ class CheckpointManager:
                 if self._fs.exists(self._fs_path(leftover)):
                     self._fs.rm(self._fs_path(leftover), recursive=True)
         self._barrier()
-        _check_values(state_dict, "")
+        check_values(state_dict, "")
         dcp.save(state_dict, checkpoint_id=self._url(partial), process_group=self.process_group)
         if self._rank == 0:
             record_checksums(self._url(partial))
