@@ -149,7 +149,7 @@ def _crc32(tensor: torch.Tensor) -> int | None:
     """The crc32 of a dense CPU tensor's bytes (None for a layout without plain bytes)."""
     if tensor.layout != torch.strided or tensor.is_quantized:
         return None
-    data = tensor.detach().contiguous().reshape(-1)
+    data = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
     return zlib.crc32(data.view(torch.uint8).numpy().data) if data.numel() else 0
 
 

@@ -160,6 +160,13 @@ def test_a_flipped_byte_or_a_shard_of_another_checkpoint_is_named(mesh, tmp_path
     torch.testing.assert_close(state["model"]["b"], torch.zeros(7), rtol=0, atol=0)
     manager.load(2, state)  # (the intact checkpoint loads)
     torch.testing.assert_close(state["model"]["w"].cpu(), grid(2), rtol=0, atol=0)
+    # plain dcp.save into the directory since: the checksums are another save's, and not used
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (DCP's own: "Detected an existing checkpoint ..., overwriting")
+        dcp.save({"model": {"w": st.shard(grid(3), mesh, (0, 1)), "b": torch.arange(7.0)}}, checkpoint_id=second)
+    with pytest.warns(UserWarning, match="belongs to another save"):
+        st.checkpoint.load(state, second)
+    torch.testing.assert_close(state["model"]["w"].cpu(), grid(3), rtol=0, atol=0)
 
 
 def test_swapped_xser_files_are_detected(mesh, tmp_path):

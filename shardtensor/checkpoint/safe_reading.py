@@ -16,6 +16,7 @@ import os
 import pathlib
 import pickle
 import re
+import warnings
 import zlib
 from typing import IO, Any
 
@@ -23,7 +24,8 @@ import torch
 
 from shardtensor.checkpoint.errors import CheckpointCorruptError
 
-CHECKSUMS_NAME = ".checksums.json"  # {relative path: [[offset, length, crc32], ...]}, next to .metadata
+# next to .metadata: {"save_id": DCP's id of the save, "files": {relative path: [[offset, length, crc32], ...]}}
+CHECKSUMS_NAME = ".checksums.json"
 
 _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _OTHER_GLOBALS = {
@@ -134,7 +136,7 @@ def record_checksums(checkpoint_id: str | os.PathLike) -> None:
     checksums: dict[str, list] = {}
     for relative_path, items in sorted(by_file.items()):
         with fs.open(f"{root}/{relative_path}", "rb") as f:
-            # (a local file is mapped, not copied: the checksums cost about a third of the save)
+            # (a local file is mapped, not copied)
             whole = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if local and _size(f) else None
             try:
                 for offset, length in sorted(items):
@@ -147,12 +149,28 @@ def record_checksums(checkpoint_id: str | os.PathLike) -> None:
             finally:
                 if whole is not None:
                     whole.close()
-    fs.pipe_file(f"{root}/{CHECKSUMS_NAME}", json.dumps(checksums).encode())
+    recorded = {"save_id": _save_id(metadata), "files": checksums}
+    fs.pipe_file(f"{root}/{CHECKSUMS_NAME}", json.dumps(recorded).encode())
+
+
+def _save_id(metadata: Any) -> str | None:
+    """DCP's id of the save that wrote ``metadata`` (a later ``dcp.save`` into the same directory has
+    another one: the checksums are then not its own)."""
+    return getattr(getattr(metadata, "storage_meta", None), "save_id", None)
 
 
 def _size(file: Any) -> int:
     file.seek(0, os.SEEK_END)
     return file.tell()
+
+
+def _parsed_checksums(data: bytes, name: str) -> dict:
+    try:
+        recorded = json.loads(data)
+        files = {str(k): [(int(o), int(n), int(c)) for o, n, c in v] for k, v in recorded["files"].items()}
+        return {"save_id": recorded.get("save_id"), "files": files}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointCorruptError(f"{name} cannot be read ({type(error).__name__}: {error})") from error
 
 
 def _reader_methods(base: type) -> type:
@@ -178,9 +196,18 @@ def _reader_methods(base: type) -> type:
             path = self.fs.concat_path(self.path, CHECKSUMS_NAME)
             if self.fs.exists(path):
                 with self.fs.create_stream(path, "rb") as stream:
-                    recorded = json.loads(stream.read())
+                    recorded = _parsed_checksums(stream.read(), os.fspath(path))
+                if recorded["save_id"] != _save_id(metadata):
+                    warnings.warn(
+                        f"{os.fspath(path)} belongs to another save than the checkpoint's metadata (dcp.save wrote "
+                        "into the directory since): its items are loaded without checking their checksums",
+                        stacklevel=2,
+                    )
+                    return
                 self._checksums = {
-                    (name, offset): (length, crc) for name, items in recorded.items() for offset, length, crc in items
+                    (name, offset): (length, crc)
+                    for name, items in recorded["files"].items()
+                    for offset, length, crc in items
                 }
 
         def _slice_file(self, file: Any, sinfo: Any) -> IO[bytes]:
