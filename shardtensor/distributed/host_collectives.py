@@ -113,7 +113,7 @@ def _exchange(
     _check_tag(kind, tag)
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise TypeError(
-            f"{kind} sends bytes, got {type(payload).__name__}: encode it (str.encode(), pickle.dumps), "
+            f"{kind} sends bytes, got {type(payload).__name__}: encode it (str.encode(), json.dumps(...).encode()), "
             "or use st.mesh_reduce for plain data (numbers, lists, dicts, tensors)."
         )
     payload = bytes(payload)
