@@ -3,13 +3,17 @@
 
 - ``st.save(obj, path)``: every ShardedTensor of ``obj`` copied to CPU, then one ``torch.save``.
 - ``save(obj, path)`` / ``load(path)`` here (``xser``): the structure in ``path``, each tensor in its own
-  file under ``path + '.tensors/'``, copied to the host and written alone, so the extra host memory
-  stays near the largest tensor instead of the whole state dict.
+  file under ``path + '.tensors/<save id>/'``, copied to the host and written alone, so the extra host
+  memory stays near the largest tensor instead of the whole state dict.
 - ``st.save_file(state_dict, path)`` / ``st.load_file(path, device, specs)``: the safetensors format,
   one tensor on the host at a time; ``specs`` shards each tensor as it is loaded.
 
 In a job of several processes every process must call a save (reading a sharded tensor back is a
 collective); only process 0 writes unless ``master_only=False``.
+
+Every save is atomic: it writes under a temporary name in the same folder, flushes it to disk and
+renames it into place, so a process killed while saving leaves the previous file at ``path`` whole.
+Loading never runs code the files hold (``torch.load(weights_only=True)``, safetensors).
 """
 
 from __future__ import annotations
@@ -17,8 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
+import pickle
+import re
 import shutil
 import struct
+import uuid
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -50,7 +59,8 @@ def torch_save(obj: Any, path: str | os.PathLike, master_only: bool = True) -> N
     ``torch.load(path, weights_only=True)``, without shardtensor.
 
     In a job of several processes every process must call it; only process 0 writes unless
-    ``master_only=False`` (then give each process its own path).
+    ``master_only=False`` (then give each process its own path). A path is replaced atomically: a
+    process killed while saving leaves the previous file there (``path`` may also be a file object).
 
     Example::
 
@@ -58,21 +68,89 @@ def torch_save(obj: Any, path: str | os.PathLike, master_only: bool = True) -> N
         model_cpu.load_state_dict(torch.load("model.pt", weights_only=True))
     """
     host = trees.map_leaves(_to_host, obj)
-    if _writes_here(master_only):
+    if not _writes_here(master_only):
+        return
+    if isinstance(path, str | os.PathLike):
+        _write_atomically(path, lambda file: torch.save(host, file))
+    else:
         torch.save(host, path)
 
 
+def _write_atomically(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
+    """``write(file)`` into a temporary file next to ``path``, flushed to disk, then renamed to
+    ``path``: a reader, or a process killed half-way, sees the old file or the new one, never a part."""
+    from shardtensor.checkpoint.atomic import leftovers, owner_tag
+
+    path = os.fspath(path)
+    folder, name = os.path.split(path)
+    temporary = os.path.join(folder, f".{name}.tmp-{owner_tag()}")
+    for stale in leftovers(pathlib.Path(path), "tmp"):  # (of saves that were killed)
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
+    try:
+        with open(temporary, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        raise
+    _sync_folder(folder or ".")
+
+
+def _sync_folder(folder: str) -> None:
+    """Flush a folder's entries (a rename) to disk, where the platform can."""
+    try:
+        descriptor = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # (a platform without directory handles)
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 class TensorReference:
-    """Where ``save`` put a tensor: ``<path>.tensors/tensor_<index>.pt``.
+    """Where ``save`` put a tensor: ``<path>.tensors/<save_id>/tensor_<index>.pt`` (files of earlier
+    versions: ``<path>.tensors/tensor_<index>.pt``), with its shape, dtype and the crc32 of its bytes,
+    which ``load`` checks.
 
     (A plain class, not a dataclass: trees open dataclasses as containers.)
+
+    Example::
+
+        TensorReference(0, "3f2a...", (4, 8), torch.float32, 123456789)
     """
 
-    def __init__(self, index: int) -> None:
+    save_id: str | None = None  # (class defaults: references of earlier versions have none)
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    crc32: int | None = None
+
+    def __init__(
+        self,
+        index: int,
+        save_id: str | None = None,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        crc32: int | None = None,
+    ) -> None:
         self.index = index
+        self.save_id, self.shape, self.dtype, self.crc32 = save_id, shape, dtype, crc32
 
     def __repr__(self) -> str:
         return f"TensorReference({self.index})"
+
+
+def _crc32(tensor: torch.Tensor) -> int | None:
+    """The crc32 of a dense CPU tensor's bytes (None for a layout without plain bytes)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    data = tensor.detach().resolve_conj().resolve_neg().contiguous().reshape(-1)
+    return zlib.crc32(data.view(torch.uint8).numpy().data) if data.numel() else 0
 
 
 def _tensors_dir(path: str | os.PathLike) -> str:
@@ -87,15 +165,20 @@ def save(obj: Any, path: str | os.PathLike, master_only: bool = True) -> None:
     Every process must call it in a job of several processes; only process 0 writes unless
     ``master_only=False``. Read it back with ``load``.
 
+    Each save writes its tensors into a new folder, ``path + '.tensors/<save id>/'``, and then the
+    structure (naming that folder) atomically in place of ``path``; the previous save's folder is
+    removed only then. A process killed at any point leaves ``path`` loadable: the previous save, or
+    this one.
+
     Example::
 
         st.serialization.save(model.state_dict(), "ckpt.pt")
         model.load_state_dict(st.serialization.load("ckpt.pt"))
     """
     writes = _writes_here(master_only)
-    directory = _tensors_dir(path)
+    save_id = uuid.uuid4().hex
+    directory = os.path.join(_tensors_dir(path), save_id)
     if writes:
-        shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
     count = 0
 
@@ -104,15 +187,28 @@ def save(obj: Any, path: str | os.PathLike, master_only: bool = True) -> None:
         if not isinstance(value, torch.Tensor):
             return value
         host = _to_host(value)  # (a collective for a sharded tensor: every process reads it)
+        reference = TensorReference(count, save_id, tuple(host.shape), host.dtype, _crc32(host))
         if writes:
-            torch.save(host, os.path.join(directory, f"tensor_{count}.pt"))
+            with open(os.path.join(directory, f"tensor_{count}.pt"), "wb") as file:
+                torch.save(host, file)
+                file.flush()
+                os.fsync(file.fileno())
         del host
         count += 1
-        return TensorReference(count - 1)
+        return reference
 
     structure = trees.map_leaves(write_one, obj)
-    if writes:
-        torch.save(structure, path)
+    if not writes:
+        return
+    _sync_folder(directory)
+    _write_atomically(path, lambda file: torch.save(structure, file))
+    for entry in os.listdir(_tensors_dir(path)):  # the earlier saves' tensors (and those of killed ones)
+        if entry != save_id:
+            stale = os.path.join(_tensors_dir(path), entry)
+            if os.path.isdir(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                os.remove(stale)
 
 
 def load(path: str | os.PathLike) -> Any:
@@ -123,19 +219,51 @@ def load(path: str | os.PathLike) -> Any:
         state = st.serialization.load("ckpt.pt")
         model.load_state_dict(state)     # a sharded model keeps its shardings
     """
-    with torch.serialization.safe_globals([TensorReference]):
-        structure = torch.load(path, weights_only=True)
-    directory = _tensors_dir(path)
+    structure = _load_plain(path, [TensorReference])
 
     def read_one(value):
         if not isinstance(value, TensorReference):
             return value
-        file = os.path.join(directory, f"tensor_{value.index}.pt")
+        folder = _tensors_dir(path) if value.save_id is None else os.path.join(_tensors_dir(path), value.save_id)
+        file = os.path.join(folder, f"tensor_{value.index}.pt")
         if not os.path.exists(file):
             raise FileNotFoundError(f"{file} is missing: {path} refers to tensor {value.index}, saved in that file")
-        return torch.load(file, weights_only=True)
+        tensor = _load_plain(file, [])
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{file} holds a {type(tensor).__name__}, not the tensor {path} refers to")
+        _check_reference(tensor, value, file, path)
+        return tensor
 
     return trees.map_leaves(read_one, structure)
+
+
+def _load_plain(file: str | os.PathLike, classes: list) -> Any:
+    """``torch.load(file, weights_only=True)`` (plain data and ``classes``), naming the file if it refuses."""
+    try:
+        with torch.serialization.safe_globals(classes):
+            return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        detail = f"it refers to {found.group(1)}" if found else str(error)
+        raise pickle.UnpicklingError(
+            f"{os.fspath(file)} holds objects that only running their code could load ({detail}); "
+            "st.serialization.load reads plain data and tensors only, so nothing was loaded"
+        ) from error
+
+
+def _check_reference(tensor: torch.Tensor, reference: TensorReference, file: str, path: str | os.PathLike) -> None:
+    """The tensor read from ``file`` is the one the structure recorded (same shape, dtype and bytes)."""
+    recorded = (reference.shape, reference.dtype)
+    if reference.shape is not None and recorded != (tuple(tensor.shape), tensor.dtype):
+        problem = f"holds shape {tuple(tensor.shape)} {tensor.dtype}, not {reference.shape} {reference.dtype}"
+    elif reference.crc32 is not None and _crc32(tensor) != reference.crc32:
+        problem = "holds other bytes than were saved (its checksum differs)"
+    else:
+        return
+    raise ValueError(
+        f"{file} {problem}, as {os.fspath(path)} records for tensor {reference.index}: the file was damaged "
+        "or replaced by another (a swapped file?); nothing was loaded. Save again"
+    )
 
 
 # --- safetensors -------------------------------------------------------------------------------
@@ -204,21 +332,17 @@ def save_file(
         for tensor in state_dict.values():
             _to_host(tensor)  # (reading a sharded tensor is a collective: every process takes part)
         return
-    temporary = os.fspath(path) + ".partial"
-    try:
-        with open(temporary, "wb") as file:
-            file.write(struct.pack("<Q", len(encoded)))
-            file.write(encoded)
-            for tensor in state_dict.values():
-                host = _to_host(tensor).detach().contiguous()
-                if host.numel():
-                    file.write(host.reshape(-1).view(torch.uint8).numpy().data)
-                del host
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
-    os.replace(temporary, path)  # a reader never sees a half-written file under the final name
+
+    def write(file) -> None:
+        file.write(struct.pack("<Q", len(encoded)))
+        file.write(encoded)
+        for tensor in state_dict.values():
+            host = _to_host(tensor).detach().contiguous()
+            if host.numel():
+                file.write(host.reshape(-1).view(torch.uint8).numpy().data)
+            del host
+
+    _write_atomically(path, write)  # a reader never sees a half-written file under the final name
 
 
 Specs = Mapping[str, tuple[Mesh, Any]] | Callable[[str, torch.Tensor], "tuple[Mesh, Any] | None"]
@@ -250,6 +374,13 @@ def load_file(
         raise ValueError(f"load_file: device must be st.device() or 'cpu', got {target}")
     result: dict[str, torch.Tensor] = {}
     with safe_open(os.fspath(path), framework="pt") as opened:
+        if isinstance(specs, Mapping):
+            unknown = [name for name in specs if name not in opened.keys()]  # noqa: SIM118
+            if unknown:
+                raise ValueError(
+                    f"load_file: specs names {unknown}, which {os.fspath(path)} does not hold; its tensors are "
+                    f"{list(opened.keys())}"
+                )
         for name in opened.keys():  # noqa: SIM118  (safe_open is not a mapping)
             host = opened.get_tensor(name)
             if target.type == "cpu":

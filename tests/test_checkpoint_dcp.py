@@ -322,19 +322,22 @@ def test_a_load_reads_each_distinct_shard_once_into_the_targets_storage(tmp_path
     torch.testing.assert_close(cpu["z"], Z, rtol=0, atol=0)
 
 
-class _Unpicklable:
-    def __reduce__(self):
-        raise RuntimeError("boom while writing")
+def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_path, monkeypatch):
+    import torch.distributed.checkpoint.filesystem as dcp_files
 
-
-def test_atomic_save_keeps_the_previous_checkpoint_when_the_writer_fails(tmp_path):
     reset_state()
     mesh = st.Mesh(range(8), (4, 2))
     path = tmp_path / "latest"
     first = st.shard(torch.arange(70.0).reshape(7, 10), mesh, (0, 1))
     st.checkpoint.save({"x": first}, path)
-    with pytest.raises(CheckpointException, match="boom while writing"):
-        st.checkpoint.save({"x": first * 2, "extra": _Unpicklable()}, path)
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom while writing")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(dcp_files, "_write_item", failing)
+        with pytest.raises(CheckpointException, match="boom while writing"):
+            st.checkpoint.save({"x": first * 2}, path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary directory left
     target = {"x": torch.zeros(7, 10)}
     dcp.load(target, checkpoint_id=path)
@@ -382,7 +385,8 @@ def test_dtypes_scalars_views_and_empty_padding_shards_round_trip(tmp_path):
 
 def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     """A process SIGKILLed while it writes a larger checkpoint (a slow writer: it says when it is in
-    the middle, then waits) leaves ``latest`` as it was, and no other directory that looks complete."""
+    the middle, then waits) leaves ``latest`` as it was, and no other directory that looks complete;
+    the next save removes the dead process's temporary directory."""
     script = textwrap.dedent(
         """
         import sys, time, warnings
@@ -433,6 +437,8 @@ def test_atomic_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
     assert [p.name for p in leftovers[0].iterdir()] == ["__0_0.distcp"]  # (data, no .metadata)
     with pytest.raises(st.checkpoint.CheckpointNotFoundError, match="has no .metadata"):
         st.checkpoint.load(target, leftovers[0])
+    st.checkpoint.save(target, path)  # the next save to that path removes what the killed one left
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]
 
 
 def test_async_save_with_the_host_stager_writes_the_values_staged(tmp_path):

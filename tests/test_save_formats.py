@@ -138,7 +138,8 @@ def test_serialization_roundtrip_into_sharded_model(mesh, tmp_path):
     expected = {k: v.cpu() for k, v in model.state_dict().items()}
     path = tmp_path / "ckpt.pt"
     st.serialization.save({"model": model.state_dict(), "epoch": 2}, path)
-    assert sorted(os.listdir(str(path) + ".tensors")) == [f"tensor_{i}.pt" for i in range(4)]
+    (save_id,) = os.listdir(str(path) + ".tensors")  # (one folder per save)
+    assert sorted(os.listdir(f"{path}.tensors/{save_id}")) == [f"tensor_{i}.pt" for i in range(4)]
     loaded = st.serialization.load(path)
     assert loaded["epoch"] == 2
     assert_same_cpu(loaded["model"], expected)
@@ -148,7 +149,7 @@ def test_serialization_roundtrip_into_sharded_model(mesh, tmp_path):
     other.load_state_dict(loaded["model"])
     assert_same_cpu({k: v.cpu() for k, v in other.state_dict().items()}, expected)
 
-    os.remove(str(path) + ".tensors/tensor_3.pt")
+    os.remove(f"{path}.tensors/{save_id}/tensor_3.pt")
     with pytest.raises(FileNotFoundError, match="tensor_3.pt is missing"):
         st.serialization.load(path)
 
@@ -188,4 +189,5 @@ def test_serialization_peak_host_memory(tmp_path):
     growth = int(out.stdout.split()[-1])
     largest = 8 * 1024 * 1024
     assert growth <= 1.5 * largest + 64 * 1024 * 1024, f"peak RSS grew by {growth / 2**20:.1f} MiB"
-    assert len(os.listdir(str(tmp_path / "x.pt") + ".tensors")) == 16
+    (save_id,) = os.listdir(str(tmp_path / "x.pt") + ".tensors")
+    assert len(os.listdir(str(tmp_path / "x.pt") + f".tensors/{save_id}")) == 16

@@ -12,7 +12,8 @@ mesh and spec (any mesh, any spec, or plain CPU tensors)::
 
 ``save`` is the same save made atomic; ``load`` its counterpart, which checks the checkpoint
 against the target first and changes nothing unless all of it loads (``StagedLoadPlanner`` is that
-load as a DCP planner)::
+load as a DCP planner). ``load`` never runs code a checkpoint holds (``UnsafeCheckpointError``)
+and checks the checksums ``save`` records::
 
     st.checkpoint.save({"model": model.state_dict()}, "ckpt/step_100")
     st.checkpoint.load({"model": model.state_dict()}, "ckpt/step_100")
@@ -31,6 +32,7 @@ from shardtensor.checkpoint.atomic import save
 from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
 from shardtensor.checkpoint.loading import load
 from shardtensor.checkpoint.manager import CheckpointManager  # (light: DCP is imported by its calls)
+from shardtensor.checkpoint.safe_reading import UnsafeCheckpointError
 from shardtensor.checkpoint.staging import HostStager
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
+    "UnsafeCheckpointError",
 ]
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import pickle
 from typing import Any
 
 from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from shardtensor.checkpoint.safe_reading import UnsafeCheckpointError, read_metadata, safe_reader
 
 _OWN_ERRORS = (CheckpointMismatchError, CheckpointCorruptError, CheckpointNotFoundError)
 
@@ -29,8 +29,14 @@ def load(
     (``strict=False`` loads the keys both have) and every shape or dtype that differs
     (``cast_dtypes=True`` converts). Then ``dcp.load`` with ``StagedLoadPlanner``: the values go into
     ``state_dict`` only once every process has read all of its part, so a failure anywhere leaves
-    ``state_dict`` unchanged in every process. ``kwargs`` go to ``dcp.load`` (e.g. ``storage_reader``
-    for an fsspec URL).
+    ``state_dict`` unchanged in every process. ``kwargs`` go to ``dcp.load``.
+
+    It never runs code the checkpoint holds: the metadata is read by an unpickler that builds only
+    DCP's metadata classes, and non-tensor values (a step count, a learning rate) with
+    ``torch.load(weights_only=True)``; anything else raises ``UnsafeCheckpointError`` naming the
+    file or key. Each stored item is checked against the checksum ``st.checkpoint.save`` recorded
+    (``CheckpointCorruptError`` naming the key). A ``storage_reader`` of your own skips both
+    (DCP's reader unpickles the metadata as it is).
 
     Example::
 
@@ -57,6 +63,8 @@ def load(
     planner = staged_load_planner_class()(
         allow_partial_load=not strict, allow_unexpected_keys=not strict, cast_dtypes=cast_dtypes, defer_commit=True
     )
+    if kwargs.get("storage_reader") is None:
+        kwargs["storage_reader"] = safe_reader(checkpoint_id)
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=planner, process_group=process_group, **kwargs)
     except CheckpointException as failure:
@@ -87,8 +95,10 @@ def _local_problem(path: str) -> Exception | None:
         )
     try:
         with open(metadata_path, "rb") as f:
-            metadata = pickle.load(f)
+            metadata = read_metadata(f, metadata_path)
         storage = metadata.storage_data
+    except UnsafeCheckpointError as error:
+        return error
     except Exception as error:
         return CheckpointCorruptError(f"{metadata_path!r} cannot be read ({type(error).__name__}: {error})")
     needed: dict[str, int] = {}

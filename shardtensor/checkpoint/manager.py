@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import numbers
 import os
 import posixpath
 import threading
@@ -107,6 +108,7 @@ class CheckpointManager:
 
             manager.save(step, {"model": model.state_dict()})
         """
+        step = _check_step(step)
         self._raise_background_error()
         if not (force or self.should_save(step)):
             return False
@@ -128,9 +130,13 @@ class CheckpointManager:
             ...
             manager.join()
         """
+        step = _check_step(step)
         self._raise_background_error()
         if not (force or self.should_save(step)):
             return False
+        from shardtensor.checkpoint.atomic import check_values
+
+        check_values(state_dict, "")  # (here, not in the background: the error reaches the caller)
         self._slots.acquire()  # (a slot frees when a pending write ends)
         try:
             self._raise_background_error()
@@ -233,14 +239,19 @@ class CheckpointManager:
         of that step, if any, stays until then)."""
         import torch.distributed.checkpoint as dcp
 
+        from shardtensor.checkpoint.atomic import check_values
+        from shardtensor.checkpoint.safe_reading import record_checksums
+
         partial, old = f".{name}.partial", f".{name}.old"
         if self._rank == 0:
             for leftover in (partial, old):
                 if self._fs.exists(self._fs_path(leftover)):
                     self._fs.rm(self._fs_path(leftover), recursive=True)
         self._barrier()
+        check_values(state_dict, "")
         dcp.save(state_dict, checkpoint_id=self._url(partial), process_group=self.process_group)
         if self._rank == 0:
+            record_checksums(self._url(partial))
             final = self._fs_path(name)
             if self._fs.exists(final):
                 self._fs.mv(final, self._fs_path(old), recursive=True)
@@ -301,9 +312,12 @@ class CheckpointManager:
         return posixpath.join(self._root, *names)
 
     def _wait_pending(self) -> None:
+        # (the writes stay pending until they are done: an interrupted wait leaves them to the next)
         with self._lock:
-            pending, self._pending = self._pending, []
+            pending = list(self._pending)
         concurrent.futures.wait(pending)
+        with self._lock:
+            self._pending = [f for f in self._pending if not f.done()]
 
     def _raise_background_error(self) -> None:
         with self._lock:
@@ -322,6 +336,18 @@ class CheckpointManager:
             import torch.distributed as dist
 
             dist.barrier(group=self.process_group)
+
+
+def _check_step(step: Any) -> int:
+    """A step is a non-negative integer (a numpy integer too, returned as an int)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(
+            f"CheckpointManager: a step is a non-negative int (it names the checkpoint's directory), got "
+            f"{type(step).__name__} {step!r}"
+        )
+    if step < 0:
+        raise ValueError(f"CheckpointManager: a step is a non-negative int, got {step!r}")
+    return int(step)
 
 
 def _check_int(name: str, value: Any, minimum: int, note: str = "") -> None:

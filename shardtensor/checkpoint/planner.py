@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from shardtensor.checkpoint.errors import CheckpointMismatchError
+from shardtensor.checkpoint.safe_reading import decode_value
 from shardtensor.checkpoint.shard_load import ShardLoad
 from shardtensor.tensor.sharded import ShardedTensor
 
@@ -16,6 +17,7 @@ _LISTED = 8  # keys named per kind of problem in an error (then "and N more")
 
 @functools.cache  # (one class: st.checkpoint.StagedLoadPlanner and the one load uses)
 def staged_load_planner_class() -> type:
+    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class StagedLoadPlanner(DefaultLoadPlanner):
@@ -31,9 +33,10 @@ def staged_load_planner_class() -> type:
         host buffer of its own (each process only its devices' shards), uploads a tensor's shards
         device by device once they are all read, and puts the loaded values into the targets only
         after the last read succeeded, so a failed load (a truncated or missing file, a read error)
-        leaves the target state dict unchanged. Costs one device copy of the loaded tensors while
-        loading. ``defer_commit=True`` waits for ``commit()`` (``st.checkpoint.load`` calls it once
-        every process has read everything).
+        leaves the target state dict unchanged. Non-tensor values are read with
+        ``torch.load(weights_only=True)`` (DCP's own planner runs any code they hold). Costs one
+        device copy of the loaded tensors while loading. ``defer_commit=True`` waits for
+        ``commit()`` (``st.checkpoint.load`` calls it once every process has read everything).
 
         Example::
 
@@ -103,7 +106,8 @@ def staged_load_planner_class() -> type:
             return super().lookup_tensor(index)  # (another library's sharded tensor: written directly)
 
         def load_bytes(self, read_item, value) -> None:
-            self._loaded_bytes.append((read_item, value))
+            # (DCP's own planner reads these with torch.load(weights_only=False): any code could run)
+            self._loaded_bytes.append((read_item, decode_value(read_item.dest_index.fqn, value)))
             self._one_read_done()
 
         def commit_tensor(self, read_item, tensor) -> None:
@@ -134,7 +138,11 @@ def staged_load_planner_class() -> type:
                     elif fqn in self._staging:
                         self.state_dict[fqn].detach().copy_(self._staging[fqn])
             for read_item, value in self._loaded_bytes:
-                super().load_bytes(read_item, value)
+                fqn = read_item.dest_index.fqn
+                if self.flatten_state_dict:
+                    set_element(self.original_state_dict, self.mappings[fqn], value)
+                else:
+                    self.state_dict[fqn] = value
             self._loads.clear()
             self._staging.clear()
             self._loaded_bytes.clear()

@@ -1,6 +1,8 @@
 """Host values across the processes of a job (PyTorch/XLA's ``xm.rendezvous`` and ``xm.mesh_reduce``):
 `rendezvous` waits until every process reached a tag and returns each one's bytes; `mesh_reduce`
-reduces any picklable value over the processes. They travel through JAX's coordination service (its
+reduces a value of plain data (numbers, strings, lists, dicts, tensors, numpy arrays) over the
+processes, read back with ``torch.load(weights_only=True)``: the coordination store may be reachable
+by others, so what is read from it never runs code. They travel through JAX's coordination service (its
 key-value store), not through the devices: for small values (a loss, a flag, a config), not tensors
 of a model.
 
@@ -13,7 +15,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import io
 import pickle
+import re
 import threading
 import time
 import urllib.parse
@@ -108,8 +113,8 @@ def _exchange(
     _check_tag(kind, tag)
     if not isinstance(payload, bytes | bytearray | memoryview):
         raise TypeError(
-            f"{kind} sends bytes, got {type(payload).__name__}: encode it (str.encode(), pickle.dumps), "
-            "or use st.mesh_reduce for any picklable value."
+            f"{kind} sends bytes, got {type(payload).__name__}: encode it (str.encode(), json.dumps(...).encode()), "
+            "or use st.mesh_reduce for plain data (numbers, lists, dicts, tensors)."
         )
     payload = bytes(payload)
     seconds = _resolve_timeout(timeout)
@@ -152,11 +157,44 @@ def _to_host(value: Any) -> Any:
     return pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, value)
 
 
+@functools.cache
+def _numpy_globals() -> list:
+    """What ``torch.load(weights_only=True)`` needs to rebuild numpy arrays and scalars (plain data)."""
+    import numpy as np
+
+    dtypes = {type(np.dtype(code)) for code in "?bhilqBHILQefdgFDGSUmM"}
+    return [np.dtype, np.ndarray, np.ndarray(0).__reduce__()[0], np.float64(0).__reduce__()[0], *dtypes]
+
+
+def _encode(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _decode(tag: str, process: int, data: bytes) -> Any:
+    """A value another process sent, rebuilt without running code (plain data only)."""
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+        detail = f"it holds {found.group(1)}" if found else str(error)
+        raise TypeError(
+            f"mesh_reduce({tag!r}): the value of process {process} is not plain data ({detail}); send "
+            "numbers, strings, lists, tuples, dicts, tensors or numpy arrays (what the other processes "
+            "read is never unpickled as code)"
+        ) from error
+
+
 def mesh_reduce(tag: str, data: T, reduce_fn: Callable[[list[T]], Any], *, timeout: float | None = None) -> Any:
-    """Gather ``data`` (any picklable value; tensors are moved to the CPU) from every process and
-    return ``reduce_fn(list of them, in process order)`` in every process (PyTorch/XLA's
-    ``xm.mesh_reduce``). Every process calls it with the same ``tag``; ``timeout`` as in `rendezvous`.
-    Outside a multi-process job it returns ``reduce_fn([data])``.
+    """Gather ``data`` (plain data: numbers, strings, lists, tuples, dicts, tensors, numpy arrays;
+    tensors are moved to the CPU) from every process and return ``reduce_fn(list of them, in process
+    order)`` in every process (PyTorch/XLA's ``xm.mesh_reduce``). Values are read back with
+    ``torch.load(weights_only=True)``, so another type (an object of your own class) raises
+    ``TypeError`` naming it, in every process. Every process calls it with the same ``tag``;
+    ``timeout`` as in `rendezvous`. Outside a multi-process job it returns ``reduce_fn([data])``
+    (after the same check).
 
     Example::
 
@@ -166,7 +204,6 @@ def mesh_reduce(tag: str, data: T, reduce_fn: Callable[[list[T]], Any], *, timeo
     host = _to_host(data)
     if _job()[0] is None:
         _check_tag("mesh_reduce", tag)
-        return reduce_fn([host])
-    gathered = _exchange("mesh_reduce", tag, pickle.dumps(host), None, timeout)
-    # the bytes come from this job's own processes
-    return reduce_fn([pickle.loads(b) for b in gathered])
+        return reduce_fn([_decode(tag, 0, _encode(host))])  # (the same values and errors as with several)
+    gathered = _exchange("mesh_reduce", tag, _encode(host), None, timeout)
+    return reduce_fn([_decode(tag, process, b) for process, b in enumerate(gathered)])
