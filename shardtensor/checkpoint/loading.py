@@ -26,8 +26,9 @@ def load(
     Before reading, it raises ``CheckpointNotFoundError`` for a path without a complete checkpoint
     (no directory, no ``.metadata``), ``CheckpointCorruptError`` for a data file shorter than the
     metadata says, and ``CheckpointMismatchError`` naming every key missing on either side
-    (``strict=False`` loads the keys both have) and every shape or dtype that differs
-    (``cast_dtypes=True`` converts). Then ``dcp.load`` with ``StagedLoadPlanner``: the values go into
+    (``strict=False`` loads the keys both have; ``allow_partial_load=True`` alone keeps the targets
+    the checkpoint lacks, ``allow_unexpected_keys=True`` alone skips its extra keys, as in DCP's
+    planner) and every shape or dtype that differs (``cast_dtypes=True`` converts). Then ``dcp.load`` with ``StagedLoadPlanner``: the values go into
     ``state_dict`` only once every process has read all of its part, so a failure anywhere leaves
     ``state_dict`` unchanged in every process. ``kwargs`` go to ``dcp.load`` (e.g. ``storage_reader``
     for an fsspec URL).
@@ -54,8 +55,14 @@ def load(
         problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise problem
+    # (the planner's own keywords, which its CheckpointMismatchError names, override strict)
+    allow_partial_load = kwargs.pop("allow_partial_load", not strict)
+    allow_unexpected_keys = kwargs.pop("allow_unexpected_keys", not strict)
     planner = staged_load_planner_class()(
-        allow_partial_load=not strict, allow_unexpected_keys=not strict, cast_dtypes=cast_dtypes, defer_commit=True
+        allow_partial_load=allow_partial_load,
+        allow_unexpected_keys=allow_unexpected_keys,
+        cast_dtypes=cast_dtypes,
+        defer_commit=True,
     )
     try:
         dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=planner, process_group=process_group, **kwargs)
