@@ -45,7 +45,10 @@ def test_mark_step_runs_what_is_pending_as_sync_does(wait):
     x = torch.randn(8, 4)
     y = st.shard(x, MESH, ("data", None)) * 3 + 1
     before = st.counter_value("MarkStep") or 0
-    st.mark_step(wait=wait) if wait else st.mark_step()
+    if wait:
+        st.mark_step(wait=True)
+    else:
+        st.mark_step()
     assert st.counter_value("MarkStep") == before + 1
     assert not y._cell.is_pending()
     torch.testing.assert_close(y.cpu(), x * 3 + 1)
@@ -97,7 +100,7 @@ def test_mark_sharding_of_other_inputs_says_what_is_wrong_and_what_to_write():
         st.mark_sharding(model, MESH, ("model", None))
     with pytest.raises(TypeError, match=r"got a tensor on cpu\. Move it with t = t\.to\(st\.device\(\)\)"):
         st.mark_sharding(torch.randn(4, 4), MESH, ("model", None))
-    with pytest.raises(TypeError, match=r"takes a tensor on st\.device\(\) \(a ShardedTensor\) or an nn\.Module; got list"):
+    with pytest.raises(TypeError, match=r"\(a ShardedTensor\) or an nn\.Module; got list"):
         st.mark_sharding([1, 2], MESH, ("model",))
     model.to(st.device())
     with pytest.raises(ValueError, match=r"the spec has 3 entries, and no parameter has 3 dimensions"):

@@ -28,10 +28,10 @@ def load(
     metadata says, and ``CheckpointMismatchError`` naming every key missing on either side
     (``strict=False`` loads the keys both have; ``allow_partial_load=True`` alone keeps the targets
     the checkpoint lacks, ``allow_unexpected_keys=True`` alone skips its extra keys, as in DCP's
-    planner) and every shape or dtype that differs (``cast_dtypes=True`` converts). Then ``dcp.load`` with ``StagedLoadPlanner``: the values go into
-    ``state_dict`` only once every process has read all of its part, so a failure anywhere leaves
-    ``state_dict`` unchanged in every process. ``kwargs`` go to ``dcp.load`` (e.g. ``storage_reader``
-    for an fsspec URL).
+    planner) and every shape or dtype that differs (``cast_dtypes=True`` converts). Then ``dcp.load``
+    with ``StagedLoadPlanner``: the values go into ``state_dict`` only once every process has read all
+    of its part, so a failure anywhere leaves ``state_dict`` unchanged in every process. ``kwargs`` go
+    to ``dcp.load`` (e.g. ``storage_reader`` for an fsspec URL).
 
     Example::
 
