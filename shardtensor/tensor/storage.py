@@ -31,7 +31,7 @@ class CellStorage(torch.UntypedStorage):
     def nbytes(self) -> int:
         return self._cell_nbytes
 
-    def copy_(self, source, non_blocking=None):  # type: ignore[override]
+    def copy_(self, source, non_blocking=None):
         # torch's own error here ("invalid python storage") does not say what to do; DCP's default
         # async stager is the usual caller (it copies each tensor's storage into a CPU one)
         if isinstance(source, CellStorage) and hasattr(source, "_cell_id"):
