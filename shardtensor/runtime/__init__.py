@@ -330,11 +330,11 @@ def _platform_start_failure(request: tuple[str, str], error: BaseException) -> s
     name, setting = request
     variable = setting.split("=")[0]
     why = re.sub(r"\s*\(set JAX_PLATFORMS=[^)]*\)", "", str(error)).strip()
-    why = why.splitlines()[0] if why else f"JAX has no runtime for {name!r} installed"
-    install = f"pip install 'shardtensor[{name}]'" if name != "cpu" else "a CPU build of jaxlib"
+    why = why.splitlines()[0] if why else f"JAX found no backend for {name!r}"
+    install = f"pip install 'shardtensor[{name}]'" if name != "cpu" else "pip install --force-reinstall jaxlib"
     return (
-        f"{setting} asks for the {name} platform, but it cannot start: {why}. Install JAX's runtime for it "
-        f"({install}), or set {variable} to another platform, or unset it to let JAX pick."
+        f"{setting} asks for the {name} platform, but it cannot start: {why}. If JAX's runtime for it is "
+        f"missing, install it ({install}); or set {variable} to another platform, or unset it to let JAX pick."
     )
 
 

@@ -36,8 +36,9 @@ class CellStorage(torch.UntypedStorage):
         # async stager is the usual caller (it copies each tensor's storage into a CPU one)
         if isinstance(source, CellStorage) and hasattr(source, "_cell_id"):
             raise RuntimeError(
-                "A ShardedTensor's storage holds no host bytes (its data is on the devices), so it cannot be "
-                "copied as a storage; read the tensor with t.cpu(). dcp.async_save's default stager does this: "
+                "Cannot copy a ShardedTensor's storage: to torch it is an invalid python storage, holding no host "
+                "bytes (the data is on the devices); read the tensor with t.cpu(). dcp.async_save's default stager "
+                "does this: "
                 "pass async_stager=st.checkpoint.HostStager() to dcp.async_save (or save with "
                 "st.checkpoint.CheckpointManager)."
             )
