@@ -53,7 +53,7 @@ class Mesh:
     axis_names: tuple[str, ...] | None
 
     def __init__(
-        self, device_ids: Iterable[int], mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
+        self, device_ids: Iterable[int | jax.Device], mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
     ) -> None:
         mesh_shape = tuple(mesh_shape)
         ids = np.array(_as_device_ids(device_ids, mesh_shape)).reshape(-1)
