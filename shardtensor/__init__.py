@@ -25,6 +25,7 @@ from shardtensor import ops  # noqa: F401  (fills the lowering table)
 from shardtensor.ops.checks import set_checks, checks_enabled  # noqa: F401
 from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
+from shardtensor.graph import mark_step  # noqa: F401  (PyTorch/XLA's name of sync)
 from shardtensor.graph.rng import manual_seed  # noqa: F401
 from shardtensor.graph.recompile import RecompilationWarning  # noqa: F401
 from shardtensor.graph.mesh_moves import MeshCopyWarning  # noqa: F401
@@ -33,7 +34,7 @@ from shardtensor.graph.waiting import ExecutionFailedError  # noqa: F401
 from shardtensor.graph.aliasing import set_param_aliasing, param_aliasing_enabled  # noqa: F401
 from shardtensor.graph.inflight import ConsumedInputError  # noqa: F401
 from shardtensor.tensor import ShardedTensor, LocalShard  # noqa: F401
-from shardtensor.tensor.device import device, devices  # noqa: F401
+from shardtensor.tensor.device import device, devices, xla_devices  # noqa: F401
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
@@ -143,11 +144,13 @@ __all__ = [
     "LocalShard",
     "device",
     "devices",
+    "xla_devices",
     "shard",
     "mark_sharding",
     "clear_sharding",
     # execution
     "sync",
+    "mark_step",
     "step",
     "eager_mode",
     "is_eager_mode",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TypeVar, cast, overload
 
 import jax
 import numpy as np
@@ -19,6 +19,8 @@ from shardtensor.mesh import Mesh
 from shardtensor.sharding import SpecLike
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import cell_from_host
+
+_M = TypeVar("_M", bound=torch.nn.Module)
 
 
 def shard(t: torch.Tensor | np.ndarray | np.generic | jax.Array, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor:
@@ -40,7 +42,7 @@ def shard(t: torch.Tensor | np.ndarray | np.generic | jax.Array, mesh: Mesh, par
             with torch.no_grad():
                 out = cast(ShardedTensor, t.detach().clone())  # (torch's stubs say Tensor)
             out._cell.sharding = None  # the clone's annotation is replaced below
-            return mark_sharding(out, mesh, partition_spec)
+            return _mark_tensor(out, mesh, partition_spec)
     if isinstance(t, torch.Tensor):
         if t.device.type != "cpu":
             raise ValueError(f"st.shard takes CPU tensors; got a tensor on {t.device}")
@@ -57,25 +59,78 @@ def shard(t: torch.Tensor | np.ndarray | np.generic | jax.Array, mesh: Mesh, par
     return out
 
 
-@locked
-def mark_sharding(t: ShardedTensor, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor:
+@overload
+def mark_sharding(t: torch.Tensor, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor: ...
+@overload
+def mark_sharding(t: _M, mesh: Mesh, partition_spec: SpecLike) -> _M: ...
+
+
+def mark_sharding(
+    t: torch.Tensor | torch.nn.Module, mesh: Mesh, partition_spec: SpecLike
+) -> ShardedTensor | torch.nn.Module:
     """Shard ``t`` in place over ``mesh`` as ``partition_spec`` and return it.
 
     The same spec again does nothing; replicated -> sharded is allowed; another non-replicated spec
     on a computed tensor is an error (clear it first). On a pending tensor (lazy mode, or inside
     ``compile``) it adds a sharding constraint to the graph instead of moving data.
 
+    ``t`` may also be an ``nn.Module`` on ``st.device()``: every parameter whose number of
+    dimensions equals ``len(partition_spec)`` is marked with it, the others (biases under a 2-d
+    spec, say) and the buffers stay as they are; a module with no such parameter is an error.
+
     Example::
 
         st.mark_sharding(model.weight, mesh, ("y", None))
+        st.mark_sharding(model, mesh, ("y", None))   # every 2-d parameter of model
     """
     _check_mesh(mesh)
+    if isinstance(t, torch.nn.Module):
+        return _mark_module(t, mesh, partition_spec)
     if not isinstance(t, ShardedTensor):
-        raise TypeError(
-            "mark_sharding needs a tensor on st.device() (a ShardedTensor); "
-            f"got {type(t).__name__} on {getattr(t, 'device', '?')}. Move it with t.to(st.device()) "
-            "or use st.shard(t, mesh, spec)."
+        raise TypeError(_not_on_device("mark_sharding", t, module_too=True))
+    return _mark_tensor(t, mesh, partition_spec)
+
+
+def _not_on_device(what: str, t, module_too: bool = False) -> str:
+    """Why ``t`` cannot be marked, and what to write instead."""
+    if isinstance(t, torch.Tensor):
+        return (
+            f"{what} needs a tensor on st.device() (a ShardedTensor); got a tensor on {t.device}. Move it "
+            "with t = t.to(st.device()), or make a sharded copy with st.shard(t, mesh, spec)."
         )
+    return (
+        f"{what} takes a tensor on st.device() (a ShardedTensor){' or an nn.Module' if module_too else ''}; "
+        f"got {type(t).__name__}."
+    )
+
+
+def _mark_module(module: torch.nn.Module, mesh: Mesh, partition_spec: SpecLike):
+    """``mark_sharding`` of each parameter of ``module`` whose rank is ``len(partition_spec)``."""
+    name = type(module).__name__
+    params = list(module.named_parameters())
+    off_device = [(n, p) for n, p in params if not isinstance(p, ShardedTensor)]
+    if off_device:
+        n, p = off_device[0]
+        raise TypeError(
+            f"mark_sharding({name}, ...): its parameter {n!r} is on {p.device}, not on st.device(). Move the "
+            f"module first: model.to(st.device()), then st.mark_sharding(model, mesh, spec)."
+        )
+    rank = len(tuple(partition_spec))
+    chosen = [p for _, p in params if p.dim() == rank]
+    if not chosen:
+        ranks = sorted({p.dim() for _, p in params})
+        raise ValueError(
+            f"mark_sharding({name}, mesh, {tuple(partition_spec)!r}): the spec has {rank} entries, and no "
+            f"parameter has {rank} dimensions (they have {ranks}), so nothing would be sharded. Give a spec "
+            "with one entry per dimension, or mark the parameters one by one (st.mark_sharding(model.fc.weight, ...))."
+        )
+    for p in chosen:
+        _mark_tensor(p, mesh, partition_spec)
+    return module
+
+
+@locked
+def _mark_tensor(t: ShardedTensor, mesh: Mesh, partition_spec: SpecLike) -> ShardedTensor:
     if t._chain:
         raise ValueError("mark_sharding on a view is not supported: mark the tensor it views instead")
     spec = _checked_spec(mesh, partition_spec, t.dim())
@@ -111,7 +166,7 @@ def clear_sharding(t: ShardedTensor) -> ShardedTensor:
         st.clear_sharding(x); st.mark_sharding(x, mesh, ("y", None))
     """
     if not isinstance(t, ShardedTensor):
-        raise TypeError(f"clear_sharding needs a ShardedTensor, got {type(t).__name__}")
+        raise TypeError(_not_on_device("clear_sharding", t))
     cell = t._cell
     if cell.spec is not None and not cell.is_pending():
         array = cell.value

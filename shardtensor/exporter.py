@@ -32,6 +32,7 @@ from jax import export as jax_export
 from torch.utils import _pytree as pytree
 
 from shardtensor import runtime
+from shardtensor.compiler import CompiledFunction
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph import mesh_moves
 from shardtensor.graph.capture import capture, lower
@@ -56,13 +57,21 @@ def export(fn: Callable[..., Any], *example_args: Any, **example_kwargs: Any) ->
     """Trace ``fn(*example_args, **example_kwargs)`` into one program with its shardings.
 
     Tensor arguments must be ShardedTensors (their sharding is the input sharding of the program);
-    ``fn`` must return its results rather than update existing tensors in place.
+    ``fn`` must return its results rather than update existing tensors in place. An ``st.compile``'d
+    function is refused before anything runs (export the function it wraps, ``f.__wrapped__``).
 
     Example::
 
         exported = st.export(lambda a, b: a @ b, st.shard(a, mesh, ("x", None)), b_sharded)
         exported.mlir_text(); blob = exported.serialize()
     """
+    if isinstance(fn, CompiledFunction):  # its calls run their program: nothing would be left to export
+        raise ExportError(
+            f"st.export({fn.name}): {fn.name} is an st.compile'd function; calling it runs its program at once "
+            "(a training step would change the weights), so nothing was run or exported. Export the function "
+            f"it compiles, st.export({fn.name}.__wrapped__, ...): that traces the program st.compile runs. It "
+            "must return its results without updating tensors in place (a forward pass, not an optimizer step)."
+        )
     check_execution_allowed("st.export")
     run_cells(pending_cells())
     flat_args, in_tree = pytree.tree_flatten((example_args, example_kwargs))

@@ -19,6 +19,7 @@ import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 
+import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType
@@ -36,7 +37,7 @@ class Mesh:
 
     Args:
         device_ids: every global device id once, as a list, range or numpy array, in row-major
-            order of the mesh.
+            order of the mesh; or the devices themselves (``st.xla_devices()``, JAX devices).
         mesh_shape: the size of each mesh axis; the product must be the device count.
         axis_names: optional unique names, one per axis.
 
@@ -52,10 +53,10 @@ class Mesh:
     axis_names: tuple[str, ...] | None
 
     def __init__(
-        self, device_ids: Iterable[int], mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
+        self, device_ids: Iterable[int | jax.Device], mesh_shape: Sequence[int], axis_names: Sequence[str] | None = None
     ) -> None:
-        ids = np.array(list(device_ids) if isinstance(device_ids, range) else device_ids).reshape(-1)
         mesh_shape = tuple(mesh_shape)
+        ids = np.array(_as_device_ids(device_ids, mesh_shape)).reshape(-1)
         axis_names = None if axis_names is None else tuple(axis_names)
         _validate_mesh(ids, mesh_shape, axis_names)
         ids = ids.astype(np.int64)
@@ -183,6 +184,26 @@ def jax_axis_names(mesh: Mesh) -> tuple[str, ...]:
     Example: ``jax_axis_names(Mesh(range(8), (4, 2))) == ('0', '1')``.
     """
     return mesh.axis_names or tuple(str(i) for i in range(len(mesh.mesh_shape)))
+
+
+def _as_device_ids(device_ids, mesh_shape: tuple):
+    """``device_ids`` with each runtime (JAX) device replaced by its global id; torch devices and
+    device strings (``st.devices()``, ``'xla:0'``) are refused with the way to write it."""
+    if isinstance(device_ids, range):
+        return list(device_ids)
+    if isinstance(device_ids, np.ndarray) and device_ids.dtype != object:
+        return device_ids
+    items = list(device_ids.reshape(-1)) if isinstance(device_ids, np.ndarray) else list(device_ids)
+    torch_like = [d for d in items if isinstance(d, str) or (hasattr(d, "type") and hasattr(d, "index"))]
+    if torch_like:
+        count = runtime.global_runtime_device_count()
+        raise MeshError(
+            f"Mesh takes device ids (ints) or the runtime devices, not torch devices: got {torch_like[0]!r}. "
+            "A torch device is the one logical device of SPMD mode (st.devices() is [st.device()]), not the "
+            f"{count} physical devices a mesh lays out. Write st.Mesh(st.xla_devices(), {mesh_shape}) or "
+            f"st.Mesh(range({count}), {mesh_shape})."
+        )
+    return [runtime.device_id(d) if isinstance(d, jax.Device) else d for d in items]
 
 
 def _validate_mesh(ids: np.ndarray, mesh_shape: tuple, axis_names: tuple | None) -> None:

@@ -26,10 +26,12 @@ def load(
     Before reading, it raises ``CheckpointNotFoundError`` for a path without a complete checkpoint
     (no directory, no ``.metadata``), ``CheckpointCorruptError`` for a data file shorter than the
     metadata says, and ``CheckpointMismatchError`` naming every key missing on either side
-    (``strict=False`` loads the keys both have) and every shape or dtype that differs
-    (``cast_dtypes=True`` converts). Then ``dcp.load`` with ``StagedLoadPlanner``: the values go into
-    ``state_dict`` only once every process has read all of its part, so a failure anywhere leaves
-    ``state_dict`` unchanged in every process. ``kwargs`` go to ``dcp.load``.
+    (``strict=False`` loads the keys both have; ``allow_partial_load=True`` alone keeps the targets
+    the checkpoint lacks, ``allow_unexpected_keys=True`` alone skips its extra keys, as in DCP's
+    planner) and every shape or dtype that differs (``cast_dtypes=True`` converts). Then ``dcp.load``
+    with ``StagedLoadPlanner``: the values go into ``state_dict`` only once every process has read all
+    of its part, so a failure anywhere leaves ``state_dict`` unchanged in every process. ``kwargs`` go
+    to ``dcp.load`` (e.g. ``storage_reader`` for an fsspec URL).
 
     It never runs code the checkpoint holds: the metadata is read by an unpickler that builds only
     DCP's metadata classes, and non-tensor values (a step count, a learning rate) with
@@ -60,8 +62,14 @@ def load(
         problem = next((p for p in problems if p is not None), None)
     if problem is not None:
         raise problem
+    # (the planner's own keywords, which its CheckpointMismatchError names, override strict)
+    allow_partial_load = kwargs.pop("allow_partial_load", not strict)
+    allow_unexpected_keys = kwargs.pop("allow_unexpected_keys", not strict)
     planner = staged_load_planner_class()(
-        allow_partial_load=not strict, allow_unexpected_keys=not strict, cast_dtypes=cast_dtypes, defer_commit=True
+        allow_partial_load=allow_partial_load,
+        allow_unexpected_keys=allow_unexpected_keys,
+        cast_dtypes=cast_dtypes,
+        defer_commit=True,
     )
     if kwargs.get("storage_reader") is None:
         kwargs["storage_reader"] = safe_reader(checkpoint_id)

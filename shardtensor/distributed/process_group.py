@@ -1,7 +1,8 @@
 """``dist.init_process_group("shardtensor")``: torch.distributed's process group of a multi-process job.
 
 Importing shardtensor registers the backend name "shardtensor" (``Backend.register_backend``) for the
-devices "cpu" and "shardtensor"; nothing else of torch.distributed changes. A group of this backend
+devices "cpu" and "shardtensor", and PyTorch/XLA's name "xla" as an alias of it (unless torch_xla registered
+its own first); nothing else of torch.distributed changes. A group of this backend
 has one rank per process of the job (rank ``st.process_index()``, world size ``st.process_count()``):
 
 * device tensors (``st.device()``): torch.distributed's collectives on them are recorded as
@@ -31,6 +32,7 @@ import shardtensor.runtime as rt
 
 BACKEND = "shardtensor"
 DEVICES = ("cpu", "shardtensor")
+ALIAS = "xla"  # PyTorch/XLA's backend name: dist.init_process_group("xla") gives the same group
 
 
 def _check_rank_is_process(rank: int, world_size: int) -> None:
@@ -74,3 +76,24 @@ def register() -> None:
 
 
 register()
+
+
+def register_alias() -> None:
+    """Register "xla" (PyTorch/XLA's name) for the same backend, unless that name is taken (torch_xla
+    imported first): torch's own backends and devices are left as they are.
+
+    Example::
+
+        register_alias()
+        dist.init_process_group("xla")   # = dist.init_process_group("shardtensor")
+    """
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed import Backend
+
+    if ALIAS.upper() in Backend._plugins or hasattr(Backend, ALIAS.upper()):
+        return
+    Backend.register_backend(ALIAS, _create_backend, extended_api=True, devices=list(DEVICES))
+
+
+register_alias()

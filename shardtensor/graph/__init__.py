@@ -7,5 +7,5 @@ reasons (``recompile``), and the entries that compile, export and explain build 
 from shardtensor.graph.capture import Capture, Lowered, capture, lower  # noqa: F401
 from shardtensor.graph.executable_cache import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.execute import clear_executables, run_cells  # noqa: F401
-from shardtensor.graph.modes import eager_mode, is_eager_mode, step, sync  # noqa: F401
+from shardtensor.graph.modes import eager_mode, is_eager_mode, mark_step, step, sync  # noqa: F401
 from shardtensor.graph.state import STATE, UnexpectedExecutionError, check_execution_allowed  # noqa: F401

@@ -1,4 +1,5 @@
-"""The user's controls of the engine: ``sync()``, ``step()`` and ``eager_mode()``."""
+"""The user's controls of the engine: ``sync()`` (and its PyTorch/XLA name ``mark_step()``), ``step()`` and
+``eager_mode()``."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def sync(wait: bool = False) -> None:
     run_cells(pending_cells(), wait=wait)
     if wait:
         checks.verify()
+
+
+def mark_step(wait: bool = False) -> None:
+    """PyTorch/XLA's ``xm.mark_step()``: the same as `sync` (compile and run everything pending);
+    ``wait=True`` also waits for it to finish.
+
+    Example::
+
+        loss.backward(); opt.step()
+        st.mark_step()   # = st.sync()
+    """
+    sync(wait=wait)
 
 
 class eager_mode:

@@ -162,6 +162,8 @@ def _split(node_key):
         if len(inner) == 2 and isinstance(inner[0], tuple) and len(inner[0]) == 2:
             return f"{head} {inner[0][0]}", inner[0][1]
         return head, inner
+    if head == "constraint":  # (annotate.mark_sharding's key: a jax sharding, shown in the user's words)
+        return "mark_sharding", node_key[1:]
     if isinstance(head, str):
         return head, node_key[1:]
     return str(head), node_key[1] if len(node_key) == 2 else node_key[1:]
@@ -207,7 +209,24 @@ def _arguments_text(node_key) -> str:
         parts = [_render(e) for e in positional] + [f"{k}={_render(e)}" for k, e in keywords]
         return _short("(" + ", ".join(parts) + ")")
     except (TypeError, ValueError):
-        return _short(_strip_tensors(template))
+        readable = _readable(_strip_tensors(template))
+        if isinstance(readable, tuple):
+            return _short("(" + ", ".join(repr(v) for v in readable) + ")")
+        return _short(readable)
+
+
+class _Text(str):
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def _readable(value):
+    """``value`` with each jax sharding replaced by its spec and mesh, as the user gave them."""
+    if isinstance(value, tuple):
+        return tuple(_readable(v) for v in value)
+    if isinstance(value, jax.sharding.NamedSharding):
+        return _Text(_sharding_text(value))
+    return value
 
 
 def _skeleton(key) -> tuple:

@@ -6,6 +6,9 @@ imported if JAX is not imported yet:
 * ``SHARDTENSOR_CPU_DEVICES=N`` asks for N simulated CPU devices (it adds
   ``--xla_force_host_platform_device_count=N`` to ``XLA_FLAGS``);
 * ``SHARDTENSOR_PLATFORM`` (``cpu``, ``cuda`` or ``tpu``) chooses the platform; unset, JAX picks;
+  PyTorch/XLA's ``PJRT_DEVICE`` (``CPU``, ``CUDA`` or ``GPU``, ``TPU``) is honoured the same way, and
+  the two naming different platforms is an error; a platform JAX cannot start raises an error that
+  names the variable and the install extra (``pip install 'shardtensor[tpu]'``);
 * ``SHARDTENSOR_AUTO_DISTRIBUTED=1`` joins a torchrun job (`initialize_distributed` without arguments).
 
 JAX's 64-bit types are not switched on for the process: shardtensor's own work runs under
@@ -36,10 +39,13 @@ PLATFORM_ENV = "SHARDTENSOR_PLATFORM"
 # Set by `shardtensor.launch` for its processes: "<devices per process> <processes>", so that a count
 # set again in a process (a spawned process re-runs the main script's top) gets an error that says why.
 LAUNCH_DEVICES_ENV = "SHARDTENSOR_LAUNCH_CPU_DEVICES"
+PJRT_DEVICE_ENV = "PJRT_DEVICE"  # PyTorch/XLA's platform variable
 SPMD_ENVS = ("SHARDTENSOR_USE_SPMD", "XLA_USE_SPMD")
 
 # SHARDTENSOR_PLATFORM value -> (jax_platforms value, jax.default_backend() name).
 _PLATFORMS = {"cpu": ("cpu", "cpu"), "cuda": ("cuda", "gpu"), "tpu": ("tpu", "tpu")}
+# PJRT_DEVICE value (lower case) -> SHARDTENSOR_PLATFORM value ("GPU" is PyTorch/XLA's older name for CUDA).
+_PJRT_DEVICES = {"cpu": "cpu", "cuda": "cuda", "gpu": "cuda", "tpu": "tpu"}
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 _HOW_TO_FIX = (
     f"Set {CPU_DEVICES_ENV} / {PLATFORM_ENV} before importing jax or shardtensor "
@@ -59,16 +65,31 @@ def _requested_cpu_device_count() -> int | None:
     return int(raw)
 
 
-def _requested_platform() -> str | None:
-    raw = os.environ.get(PLATFORM_ENV, "").strip().lower()
-    if not raw:
-        return None
-    if raw not in _PLATFORMS:
+def _platform_request() -> tuple[str, str] | None:
+    """The platform the environment asks for and the setting that asks, as the user wrote it:
+    ``("tpu", "PJRT_DEVICE=TPU")``; None when neither variable is set."""
+    raw = os.environ.get(PLATFORM_ENV, "").strip()
+    ours = raw.lower() or None
+    if ours is not None and ours not in _PLATFORMS:
         raise ValueError(
-            f"{PLATFORM_ENV}={raw!r} is not a known platform; use one of "
+            f"{PLATFORM_ENV}={ours!r} is not a known platform; use one of "
             f"{', '.join(_PLATFORMS)} (or leave it unset to let JAX pick)."
         )
-    return raw
+    pjrt = os.environ.get(PJRT_DEVICE_ENV, "").strip()
+    if not pjrt:
+        return None if ours is None else (ours, f"{PLATFORM_ENV}={raw}")
+    theirs = _PJRT_DEVICES.get(pjrt.lower())
+    if theirs is None:
+        raise ValueError(
+            f"{PJRT_DEVICE_ENV}={pjrt!r} (PyTorch/XLA's platform variable) is not a platform shardtensor runs "
+            f"on; use {PJRT_DEVICE_ENV}=TPU, CUDA or CPU, or unset it and set {PLATFORM_ENV}=cpu|cuda|tpu."
+        )
+    if ours is not None and ours != theirs:
+        raise ValueError(
+            f"{PLATFORM_ENV}={raw} and {PJRT_DEVICE_ENV}={pjrt} ask for different platforms ({ours} and "
+            f"{theirs}); set only {PLATFORM_ENV} (shardtensor's own), or make them agree."
+        )
+    return (ours, f"{PLATFORM_ENV}={raw}") if ours is not None else (theirs, f"{PJRT_DEVICE_ENV}={pjrt}")
 
 
 def _add_device_count_flag(count: int) -> None:
@@ -107,15 +128,16 @@ def _backends_started() -> bool:
     return xla_bridge.backends_are_initialized()
 
 
-def _check_started_backend(cpu_count: int | None, platform_name: str | None) -> None:
-    """Raise if the running JAX backend is not what the environment asks for."""
+def _check_started_backend(cpu_count: int | None, platform: tuple[str, str] | None) -> None:
+    """Raise if the running JAX backend is not what the environment asks for (``platform``: what
+    `_platform_request` returns)."""
     import jax
 
     running = jax.default_backend()
-    if platform_name is not None and _PLATFORMS[platform_name][1] != running:
+    if platform is not None and _PLATFORMS[platform[0]][1] != running:
         raise RuntimeError(
-            f"JAX already started on platform {running!r}, but {PLATFORM_ENV}="
-            f"{platform_name!r}. The platform is fixed when JAX starts. {_HOW_TO_FIX}"
+            f"JAX already started on platform {running!r}, but {platform[1]}. The platform is fixed "
+            f"when JAX starts. {_HOW_TO_FIX}"
         )
     if cpu_count is not None and running == "cpu" and jax.local_device_count() != cpu_count:
         launched = os.environ.get(LAUNCH_DEVICES_ENV, "").split()
@@ -131,20 +153,20 @@ def _check_started_backend(cpu_count: int | None, platform_name: str | None) -> 
 
 def _configure_jax():
     cpu_count = _requested_cpu_device_count()
-    platform_name = _requested_platform()
+    platform = _platform_request()
     started = "jax" in sys.modules and _backends_started()
     if cpu_count is not None and not started:
         _add_device_count_flag(cpu_count)  # must precede `import jax` to take effect
     import jax
 
     if started:
-        _check_started_backend(cpu_count, platform_name)
+        _check_started_backend(cpu_count, platform)
         return
     # jax may have been imported (not started) before us: its config still takes effect.
     if cpu_count is not None:
         jax.config.update("jax_num_cpu_devices", cpu_count)
-    if platform_name is not None:
-        jax.config.update("jax_platforms", _PLATFORMS[platform_name][0])
+    if platform is not None:
+        jax.config.update("jax_platforms", _PLATFORMS[platform[0]][0])
 
 
 _configure_jax()
@@ -313,10 +335,29 @@ def check_not_forked(what: str) -> None:
 def _global_devices() -> tuple:
     if not _backends_started():
         _configure_jax()  # the variables may have been set after `import shardtensor` (python -m ...)
-    devices = tuple(sorted(jax.devices(), key=lambda d: d.id))
+    try:
+        devices = tuple(sorted(jax.devices(), key=lambda d: d.id))
+    except (RuntimeError, AssertionError) as e:  # JAX's words name JAX_PLATFORMS, or nothing (cuda)
+        request = _platform_request()
+        if request is None:
+            raise
+        raise RuntimeError(_platform_start_failure(request, e)) from e
     # The backend may have been started by someone else after our import: check once.
-    _check_started_backend(_requested_cpu_device_count(), _requested_platform())
+    _check_started_backend(_requested_cpu_device_count(), _platform_request())
     return devices
+
+
+def _platform_start_failure(request: tuple[str, str], error: BaseException) -> str:
+    """Why the platform the user asked for did not start, in the words of the variable they set."""
+    name, setting = request
+    variable = setting.split("=")[0]
+    why = re.sub(r"\s*\(set JAX_PLATFORMS=[^)]*\)", "", str(error)).strip()
+    why = why.splitlines()[0] if why else f"JAX found no backend for {name!r}"
+    install = f"pip install 'shardtensor[{name}]'" if name != "cpu" else "pip install --force-reinstall jaxlib"
+    return (
+        f"{setting} asks for the {name} platform, but it cannot start: {why}. If JAX's runtime for it is "
+        f"missing, install it ({install}); or set {variable} to another platform, or unset it to let JAX pick."
+    )
 
 
 @functools.cache

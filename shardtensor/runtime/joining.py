@@ -340,6 +340,17 @@ def initialize_distributed(
             f"(got {coordinator_address!r}, {num_processes!r}, {process_id!r}), or none of them to read "
             "torchrun's environment."
         )
+    from jax._src import distributed as jax_distributed
+    from jax._src import xla_bridge
+
+    if jax_distributed.global_state.client is None and xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "shardtensor.runtime.initialize_distributed() must be called before anything asks for the devices "
+            "in this process, and something already did (st.global_runtime_device_count(), st.Mesh, a tensor "
+            "moved to st.device(), or your own JAX code). Call it first, right after `import shardtensor`, "
+            "or start the processes with st.launch, or under torchrun with SHARDTENSOR_AUTO_DISTRIBUTED=1 "
+            "(it then joins at import)."
+        )
     collective_timeout = _positive_env(COLLECTIVE_TIMEOUT_ENV, _DEFAULT_COLLECTIVE_TIMEOUT)
     heartbeat_timeout = _positive_env(HEARTBEAT_TIMEOUT_ENV, _DEFAULT_HEARTBEAT_TIMEOUT)
     if initialization_timeout is None:
@@ -353,8 +364,6 @@ def initialize_distributed(
     # user choice (e.g. mpi) wins.
     if jax.config.jax_cpu_collectives_implementation is None:  # type: ignore[attr-defined]  # (jax.config: dynamic attributes)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    from jax._src import distributed as jax_distributed
-
     # Recoverable tasks: the coordination service does not abort every process when one stops
     # sending heartbeats (scoped: it is read once, here).
     recoverable = getattr(jax_distributed, "_ENABLE_RECOVERABILITY", None)

@@ -44,8 +44,26 @@ def device(index: int | None = None) -> torch.device:
 
 
 def devices() -> list[torch.device]:
-    """The devices of this process as torch sees them: ``[st.device()]`` in SPMD mode."""
+    """The devices of this process as torch sees them: ``[st.device()]`` in SPMD mode (PyTorch/XLA's
+    ``torch_xla.devices()``). For the physical devices a mesh is built over, see `xla_devices`.
+
+    Example::
+
+        st.devices()   # [device(type='shardtensor', index=0)]
+    """
     return [_DEVICE]
+
+
+def xla_devices() -> list:
+    """Every physical device of the job (all processes) in global order, as JAX devices: what a
+    `Mesh` is built over, so ``st.Mesh(st.xla_devices(), (8,))`` spans them all (PyTorch/XLA's
+    ``Mesh(xm.xla_devices(), ...)``). Tensors go to the one logical device, `device`.
+
+    Example::
+
+        mesh = st.Mesh(st.xla_devices(), (8,), ("data",))   # same as st.Mesh(range(8), ...)
+    """
+    return runtime.jax_devices()
 
 
 class _BackendModule:

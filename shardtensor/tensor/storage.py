@@ -31,6 +31,19 @@ class CellStorage(torch.UntypedStorage):
     def nbytes(self) -> int:
         return self._cell_nbytes
 
+    def copy_(self, source, non_blocking=None):
+        # torch's own error here ("invalid python storage") does not say what to do; DCP's default
+        # async stager is the usual caller (it copies each tensor's storage into a CPU one)
+        if isinstance(source, CellStorage) and hasattr(source, "_cell_id"):
+            raise RuntimeError(
+                "Cannot copy a ShardedTensor's storage: to torch it is an invalid python storage, holding no host "
+                "bytes (the data is on the devices); read the tensor with t.cpu(). dcp.async_save's default stager "
+                "does this: "
+                "pass async_stager=st.checkpoint.HostStager() to dcp.async_save (or save with "
+                "st.checkpoint.CheckpointManager)."
+            )
+        return super().copy_(source, non_blocking)
+
 
 def storage_of(storage: torch.UntypedStorage, cell_id: int, cell_nbytes: int) -> CellStorage:
     """Give torch's storage object of a ShardedTensor its cell's identity and size (in place)."""
