@@ -23,6 +23,7 @@ from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_globa
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
 from shardtensor import ops  # noqa: F401  (fills the lowering table)
 from shardtensor.ops.checks import set_checks, checks_enabled  # noqa: F401
+from shardtensor.ops.precision import set_mat_mul_precision, get_mat_mul_precision  # noqa: F401
 from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph.rng import manual_seed  # noqa: F401
@@ -90,6 +91,8 @@ __all__ = [
     "process_index",
     "process_count",
     "initialize_cache",
+    "set_mat_mul_precision",
+    "get_mat_mul_precision",
     "launch",
     "LaunchError",
     "rendezvous",
