@@ -165,6 +165,30 @@ class x64_scope:
         return False
 
 
+class x64_off_scope:
+    """JAX's 64-bit types off in the calling thread for a block, as they were afterwards: for tracing
+    a Pallas kernel inside shardtensor's `x64_scope` (Mosaic, the TPU's kernel compiler, takes only
+    32-bit grid indices, index maps and loop counters; under 64-bit types a literal ``0`` in an index
+    map is an int64).
+
+    Example::
+
+        with rt.x64_scope():
+            with rt.x64_off_scope():
+                jnp.array(1).dtype   # int32
+    """
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self):
+        self._previous = _X64.swap_local(False)
+        return self
+
+    def __exit__(self, *exc):
+        _X64.set_local(self._previous)
+        return False
+
+
 def with_x64(fn, lock=None):
     """``fn`` running under `x64_scope` (the decorator form, one flag read when already inside).
 
