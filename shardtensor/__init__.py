@@ -18,6 +18,7 @@ from shardtensor.runtime import (  # noqa: F401  (configures jax before anything
     runtime_device_attributes,
     process_index,
     process_count,
+    Float64OnTPUWarning,
 )
 from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
@@ -93,6 +94,7 @@ __all__ = [
     "initialize_cache",
     "set_mat_mul_precision",
     "get_mat_mul_precision",
+    "Float64OnTPUWarning",
     "launch",
     "LaunchError",
     "rendezvous",

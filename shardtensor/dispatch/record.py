@@ -164,6 +164,9 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
         mine, _ = outputs_from_lowering(func, lowering, args, kwargs)
         outs = tuple(o if o is None else (o[0], m[1]) + tuple(o[2:]) for o, m in zip(outs, mine))
+    for o in outs:  # (once per plan: each op's first call with these arguments)
+        if o is not None:
+            runtime.warn_float64_on_tpu(o[1])
     expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
     fn, random = lowering.for_platform(runtime.platform()), lowering.random
     pos_t, kw_t = template[:2]

@@ -380,6 +380,42 @@ def platform() -> str:
     return jax.default_backend()
 
 
+class Float64OnTPUWarning(UserWarning):
+    """float64 / complex128 values computed on a TPU, which has no 64-bit float units."""
+
+
+_WIDE_FLOATS = frozenset({"float64", "complex128"})
+_FLOAT64_WARNED = [False]
+
+
+def _on_tpu() -> bool:
+    return platform() == "tpu"
+
+
+def warn_float64_on_tpu(dtype) -> None:
+    """Warn once per process when a float64 or complex128 value (``dtype``: a torch, numpy or jax
+    dtype) is made on a TPU: XLA emulates 64-bit floats there with pairs of float32s, so values keep
+    float32's exponent range (below about 1e-38 they become 0, above 3e38 inf, and NaN follows)
+    where torch's float64 goes to 1e-308 and 1e308.
+
+    Example::
+
+        rt.warn_float64_on_tpu(torch.float64)   # a Float64OnTPUWarning on a TPU, the first time
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in _WIDE_FLOATS or _FLOAT64_WARNED[0] or not _on_tpu():
+        return
+    _FLOAT64_WARNED[0] = True
+    warnings.warn(
+        f"a {name} value is computed on the TPU, which has no 64-bit float units: XLA emulates {name} "
+        "with pairs of float32s, which keep float32's exponent range (values beyond about 1e-38..3e38 "
+        "become 0, inf or NaN where torch's float64 reaches 1e-308..1e308). Keep float64 work on the "
+        "CPU (.cpu()), or use float32 on the TPU (t.float(), model.float()). (Shown once per process.)",
+        Float64OnTPUWarning,
+        stacklevel=3,
+    )
+
+
 def device_type() -> str:
     """The platform in PyTorch/XLA's spelling: ``'CPU'``, ``'GPU'`` or ``'TPU'``.
 
