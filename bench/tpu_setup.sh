@@ -5,7 +5,7 @@
 PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple"
 [ -d /tmp/site/torch ] || $PIP --target /tmp/site torch==2.13.0 rich tqdm flatbuffers ninja --find-links /opt/wheels
 if [ -n "$TPU_SETUP_HF" ] && [ ! -d /tmp/site_hf/transformers ]; then
-    $PIP --no-deps --target /tmp/site_hf transformers tokenizers safetensors huggingface-hub regex pyyaml requests filelock packaging
+    $PIP --target /tmp/site_hf transformers   # with its needs; numpy etc. there come after the machine's own
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site:/tmp/site_hf:$PWD"
 export PATH="/tmp/site/bin:$PATH"   # ninja, for the device guard extension built on first import
