@@ -18,11 +18,13 @@ from shardtensor.runtime import (  # noqa: F401  (configures jax before anything
     runtime_device_attributes,
     process_index,
     process_count,
+    Float64OnTPUWarning,
 )
 from shardtensor.mesh import Mesh, HybridMesh, MeshError, get_1d_mesh, set_global_mesh, get_global_mesh  # noqa: F401
 from shardtensor.sharding import PartitionSpec, ShardingSpec, ShardingSpecError, ShardingType  # noqa: F401
 from shardtensor import ops  # noqa: F401  (fills the lowering table)
 from shardtensor.ops.checks import set_checks, checks_enabled  # noqa: F401
+from shardtensor.ops.precision import set_mat_mul_precision, get_mat_mul_precision  # noqa: F401
 from shardtensor.graph import sync, step, eager_mode, is_eager_mode, UnexpectedExecutionError, clear_executables  # noqa: F401
 from shardtensor.graph import executable_cache_size, set_executable_cache_size  # noqa: F401
 from shardtensor.graph import mark_step  # noqa: F401  (PyTorch/XLA's name of sync)
@@ -91,6 +93,9 @@ __all__ = [
     "process_index",
     "process_count",
     "initialize_cache",
+    "set_mat_mul_precision",
+    "get_mat_mul_precision",
+    "Float64OnTPUWarning",
     "launch",
     "LaunchError",
     "rendezvous",

@@ -58,6 +58,7 @@ from shardtensor.graph.state import (
     pending_cells,
     set_failed,
 )
+from shardtensor.ops import precision as matmul_precision
 from shardtensor.ops.checks import checks_enabled
 from shardtensor.replay_guard import Guard, Watched, watch
 from shardtensor.tensor import ShardedTensor
@@ -230,11 +231,12 @@ def _flatten(args, kwargs):
 
 
 def _signature(flat, structure):
-    """What a frozen trace is keyed by: the arguments' nesting, and each leaf's shape, dtype and
-    sharding (a tensor) or value (a plain scalar)."""
+    """What a frozen trace is keyed by: the arguments' nesting, each leaf's shape, dtype and
+    sharding (a tensor) or value (a plain scalar), and torch's float32 matmul precision (its products
+    were recorded at it)."""
     with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
         parts = _signature_parts(flat)
-    return (structure, tuple(parts))
+    return (structure, tuple(parts), matmul_precision.recorded())
 
 
 def _signature_parts(flat):

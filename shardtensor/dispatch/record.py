@@ -20,7 +20,7 @@ from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
 from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
 from shardtensor.graph.state import STATE, set_pending
-from shardtensor.ops import bakes_scalar, checks, lookup
+from shardtensor.ops import bakes_scalar, checks, lookup, precision
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 
@@ -164,9 +164,14 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
         mine, _ = outputs_from_lowering(func, lowering, args, kwargs)
         outs = tuple(o if o is None else (o[0], m[1]) + tuple(o[2:]) for o, m in zip(outs, mine))
+    for o in outs:  # (once per plan: each op's first call with these arguments)
+        if o is not None:
+            runtime.warn_float64_on_tpu(o[1])
     expected = tuple(None if o is None else to_jax(o[1]) for o in outs)
     fn, random = lowering.for_platform(runtime.platform()), lowering.random
-    pos_t, kw_t = template
+    pos_t, kw_t = template[:2]
+    if len(template) == 3:  # a product: torch's float32 matmul precision when it was recorded
+        fn = _at_precision(fn, template[2])
     nested = isinstance(structure, tuple)
 
     def caller(*values):
@@ -187,6 +192,14 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
     return Plan(caller, (func, template), outs, structure, random, single)
 
 
+def _at_precision(fn, name):
+    def at_precision(*args, **kwargs):
+        with precision.lowering_at(name):
+            return fn(*args, **kwargs)
+
+    return at_precision
+
+
 def record(func, args, kwargs):
     """Record ``func`` on these arguments; returns (output references, plan), or (result, None) when
     ``func`` has no lowering and torch's decomposition computed the result from other ops."""
@@ -194,6 +207,8 @@ def record(func, args, kwargs):
     if lowering is None:
         return _fallback(func, args, kwargs)
     template, refs = flatten(func, args, kwargs, lowering.static_scalars, lowering.runtime_floats)
+    if lowering.products:  # read now: a later change makes another op (another plan, program, cache key)
+        template = (*template, precision.recorded())
     plan = plan_for(func, template, args, kwargs, lowering)
     if plan.random:
         refs.insert(0, rng.current())

@@ -24,7 +24,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from shardtensor.kernels.mode import accumulation_dtype, check_floating, compiler_params, resolve_interpret
+from shardtensor.kernels.mode import (
+    accumulation_dtype,
+    check_floating,
+    compiler_params,
+    mosaic_types,
+    resolve_interpret,
+)
 
 # Default block sizes: 128 suits the TPU's lanes and GPU tensor cores; short sequences use one
 # block of their length rounded up to a power of two (at least 16: Triton's smallest dot).
@@ -86,26 +92,27 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Config):
     q = q_ref[...].astype(acc) * cfg.scale
     n_key_blocks = k_ref.shape[0] // cfg.block_k
 
+    # the per-row statistics are (block_q, 1) columns: Mosaic lays out 2-D values, not 1-D ones
     def step(j, carry):
         row_max, row_sum, out = carry
         k_start = pl.multiple_of(j * cfg.block_k, cfg.block_k)  # an alignment hint for Mosaic/Triton
         k = k_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         v = v_ref[pl.ds(k_start, cfg.block_k), :].astype(acc)
         s = _masked_scores(_dot_nt(q, k, acc), q_start, k_start, cfg)
-        new_max = jnp.maximum(row_max, s.max(axis=1))
+        new_max = jnp.maximum(row_max, s.max(axis=1, keepdims=True))
         rescale = jnp.exp(row_max - new_max)  # the old terms, relative to the new max
-        p = jnp.exp(s - new_max[:, None])
-        return new_max, rescale * row_sum + p.sum(axis=1), rescale[:, None] * out + _dot(p, v, acc)
+        p = jnp.exp(s - new_max)
+        return new_max, rescale * row_sum + p.sum(axis=1, keepdims=True), rescale * out + _dot(p, v, acc)
 
     init = (
-        jnp.full((cfg.block_q,), -jnp.inf, acc),
-        jnp.zeros((cfg.block_q,), acc),
+        jnp.full((cfg.block_q, 1), -jnp.inf, acc),
+        jnp.zeros((cfg.block_q, 1), acc),
         jnp.zeros((cfg.block_q, v_ref.shape[1]), acc),
     )
     # Key 0 is visible to every row (causal is top-left aligned), so after the first block the max is finite.
     row_max, row_sum, out = lax.fori_loop(0, _key_blocks_for(q_start, n_key_blocks, cfg), step, init)
-    o_ref[...] = (out / row_sum[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = (row_max + jnp.log(row_sum))[:, None]
+    o_ref[...] = (out / row_sum).astype(o_ref.dtype)
+    lse_ref[...] = row_max + jnp.log(row_sum)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Config):
@@ -173,7 +180,7 @@ def _forward(q, k, v, cfg: _Config):
     batch, heads, seq_q, d = q.shape
     seq_k, dv = k.shape[2], v.shape[3]
     acc = accumulation_dtype(q.dtype)
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_forward_kernel, cfg=cfg),
         out_shape=(
             jax.ShapeDtypeStruct((batch, heads, seq_q, dv), q.dtype),
@@ -185,7 +192,9 @@ def _forward(q, k, v, cfg: _Config):
         interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_forward",
-    )(q, k, v)
+    )
+    with mosaic_types(q.dtype):
+        return call(q, k, v)
 
 
 def _backward(cfg: _Config, residuals, do):
@@ -195,7 +204,7 @@ def _backward(cfg: _Config, residuals, do):
     acc = accumulation_dtype(q.dtype)
     # delta_i = sum_j P_ij dP_ij = do_i . o_i: one cheap reduction, shared by both kernels.
     delta = jnp.sum(do.astype(acc) * o.astype(acc), axis=-1, keepdims=True)
-    dk, dv_ = pl.pallas_call(
+    dkdv = pl.pallas_call(
         functools.partial(_dkdv_kernel, cfg=cfg),
         out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         grid=(batch, heads, seq_k // cfg.block_k),
@@ -211,8 +220,8 @@ def _backward(cfg: _Config, residuals, do):
         interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_dkdv",
-    )(q, k, v, do, lse, delta)
-    dq = pl.pallas_call(
+    )
+    dq_call = pl.pallas_call(
         functools.partial(_dq_kernel, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         grid=(batch, heads, seq_q // cfg.block_q),
@@ -228,7 +237,10 @@ def _backward(cfg: _Config, residuals, do):
         interpret=cfg.interpret,
         compiler_params=compiler_params(cfg.interpret),
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta)
+    )
+    with mosaic_types(q.dtype):
+        dk, dv_ = dkdv(q, k, v, do, lse, delta)
+        dq = dq_call(q, k, v, do, lse, delta)
     return dq, dk, dv_
 
 

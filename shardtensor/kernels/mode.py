@@ -7,8 +7,14 @@ which is how the kernels are tested on CPU (correct, but slow: every grid step i
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
+
+from shardtensor.runtime import x64_off_scope
+
+_64_BIT = frozenset(map(jnp.dtype, ("int64", "uint64", "float64", "complex128")))
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
@@ -59,3 +65,18 @@ def check_floating(name: str, x) -> None:
     """A clear error for a non-floating input (the kernels are for float16/bfloat16/float32/float64)."""
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"{name} must be a floating-point array (float16, bfloat16, float32), got dtype {x.dtype}.")
+
+
+def mosaic_types(*dtypes):
+    """A block in which a ``pallas_call`` is traced with JAX's 64-bit types off, unless one of
+    ``dtypes`` (its inputs') is 64-bit: Mosaic (the TPU's kernel compiler) takes only 32-bit grid
+    indices, index maps and loop counters, and shardtensor traces with 64-bit types on (torch's int64).
+
+    Example::
+
+        with mosaic_types(q.dtype):
+            o = pl.pallas_call(kernel, ...)(q, k, v)
+    """
+    if any(jnp.dtype(d) in _64_BIT for d in dtypes):
+        return contextlib.nullcontext()
+    return x64_off_scope()

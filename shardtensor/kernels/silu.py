@@ -15,7 +15,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from shardtensor.kernels.mode import accumulation_dtype, check_floating, compiler_params, resolve_interpret
+from shardtensor.kernels.mode import (
+    accumulation_dtype,
+    check_floating,
+    compiler_params,
+    mosaic_types,
+    resolve_interpret,
+)
 
 LANES = 128
 DEFAULT_BLOCK_ROWS = 8
@@ -44,7 +50,7 @@ def _elementwise_call(kernel, arrays, block_rows: int, interpret: bool):
     # Padding is zeros: silu(0) and its gradient are finite, and the padding is sliced off below.
     tiles = [jnp.pad(a.reshape(-1), (0, padded - n)).reshape(rows, LANES) for a in arrays]
     spec = pl.BlockSpec((block_rows, LANES), lambda i: (i, 0))
-    out = pl.pallas_call(
+    call = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((rows, LANES), dtype),
         grid=(rows // block_rows,),
@@ -53,7 +59,9 @@ def _elementwise_call(kernel, arrays, block_rows: int, interpret: bool):
         interpret=interpret,
         compiler_params=compiler_params(interpret),
         name=kernel.__name__.strip("_"),
-    )(*tiles)
+    )
+    with mosaic_types(dtype):
+        out = call(*tiles)
     return out.reshape(-1)[:n].reshape(shape)
 
 

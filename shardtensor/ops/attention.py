@@ -23,15 +23,14 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
 
-HIGHEST = lax.Precision.HIGHEST
-
 
 def _mm(a, b, dtype):
-    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=dtype)
+    return jnp.matmul(a, b, precision=precision(), preferred_element_type=dtype)
 
 
 def _repeat_kv(k, hq):
@@ -78,7 +77,7 @@ def _check_dropout(dropout_p):
         )
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu.default, products=True)
 def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     _check_dropout(dropout_p)
     hq = q.shape[-3]
@@ -97,7 +96,7 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     return out, lse.astype(acc_dtype(q.dtype))
 
 
-@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, products=True)
 def sdpa_flash_cpu_backward(grad, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask=None, scale=None):
     _check_dropout(dropout_p)
     hq, hk = q.shape[-3], k.shape[-3]

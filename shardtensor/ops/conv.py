@@ -19,11 +19,10 @@ from jax import lax
 from shardtensor.ops._layout import FREE, MESH, constrain
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.pooling import expand_param
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
-
-HIGHEST = lax.Precision.HIGHEST
 
 
 def _dimension_numbers(nsp):
@@ -85,7 +84,7 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups, la
             rhs_dilation=dilation,
             dimension_numbers=dn,
             feature_group_count=groups,
-            precision=HIGHEST,
+            precision=precision(),
             preferred_element_type=out_dtype,
         )
         return constrain(y, layout).astype(out_dtype)
@@ -105,7 +104,7 @@ def conv(x, w, stride, padding, dilation, transposed, output_padding, groups, la
         rhs_dilation=dilation,
         dimension_numbers=dn,
         feature_group_count=groups,
-        precision=HIGHEST,
+        precision=precision(),
         preferred_element_type=out_dtype,
     )
     return constrain(y, layout).astype(out_dtype)
@@ -115,7 +114,7 @@ def _bias_shape(nsp):
     return (1, -1) + (1,) * nsp
 
 
-@register(aten.convolution.default, aten._convolution.default)
+@register(aten.convolution.default, aten._convolution.default, products=True)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
     if x.ndim != w.ndim:
         raise RuntimeError(
@@ -132,7 +131,7 @@ def convolution(x, w, bias, stride, padding, dilation, transposed, output_paddin
     return y.astype(x.dtype)
 
 
-@register(aten.convolution_backward.default)
+@register(aten.convolution_backward.default, products=True)
 def convolution_backward(
     grad, x, w, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):

@@ -18,15 +18,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.indexing import write_at
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
-
-HIGHEST = lax.Precision.HIGHEST
 
 
 def _norm(diff, p):
@@ -78,11 +76,11 @@ def euclidean_dist(x1, x2):
     bn = jnp.sum(b * b, axis=-1, keepdims=True)
     a_ = jnp.concatenate([-2 * a, an, jnp.ones_like(an)], axis=-1)
     b_ = jnp.concatenate([b, jnp.ones_like(bn), bn], axis=-1)
-    d2 = jnp.matmul(a_, jnp.swapaxes(b_, -1, -2), precision=HIGHEST)
+    d2 = jnp.matmul(a_, jnp.swapaxes(b_, -1, -2), precision=precision())
     return jnp.sqrt(jnp.maximum(d2, 0)).astype(x1.dtype)
 
 
-register(aten._euclidean_dist.default)(euclidean_dist)
+register(aten._euclidean_dist.default, products=True)(euclidean_dist)
 
 
 def _check(x1, x2, p):
@@ -95,7 +93,7 @@ def _check(x1, x2, p):
         )
 
 
-@register(aten._cdist_forward.default)
+@register(aten._cdist_forward.default, products=True)
 def cdist_forward(x1, x2, p, compute_mode=None):
     _check(x1, x2, p)
     mode = 0 if compute_mode is None else compute_mode
@@ -107,7 +105,7 @@ def cdist_forward(x1, x2, p, compute_mode=None):
     return _norm(a[..., :, None, :] - b[..., None, :, :], p).astype(x1.dtype)
 
 
-@register(aten._cdist_backward.default)
+@register(aten._cdist_backward.default, products=True)
 def cdist_backward(grad, x1, x2, p, cdist):
     """Gradient with respect to x1 (torch gets the one of x2 by swapping the arguments)."""
     acc = acc_dtype(x1.dtype)

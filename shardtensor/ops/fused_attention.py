@@ -29,15 +29,14 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
 
-HIGHEST = lax.Precision.HIGHEST
-
 
 def _einsum(spec, a, b, dtype):
-    return jnp.einsum(spec, a, b, precision=HIGHEST, preferred_element_type=dtype)
+    return jnp.einsum(spec, a, b, precision=precision(), preferred_element_type=dtype)
 
 
 def _check(q, k, v, dropout_p):
@@ -85,7 +84,7 @@ def _scores(q, k, attn_bias, is_causal, scale):
     return s, scale
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable.default, meta_from_lowering=True)
+@register(aten._scaled_dot_product_fused_attention_overrideable.default, meta_from_lowering=True, products=True)
 def sdpa_overrideable(
     query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
 ):
@@ -106,7 +105,9 @@ def sdpa_overrideable(
     return out, lse, None, None, None, None, None, None, None
 
 
-@register(aten._scaled_dot_product_fused_attention_overrideable_backward.default, meta_from_lowering=True)
+@register(
+    aten._scaled_dot_product_fused_attention_overrideable_backward.default, meta_from_lowering=True, products=True
+)
 def sdpa_overrideable_backward(
     grad_out,
     query,

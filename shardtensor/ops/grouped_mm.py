@@ -23,11 +23,11 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
 
-HIGHEST = lax.Precision.HIGHEST
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -62,15 +62,15 @@ def _ragged(lhs, rhs, sizes, lhs_ragged, rhs_group, contracting):
         rhs_group_dimensions=[] if rhs_group is None else [rhs_group],
     )
     return lax.ragged_dot_general(
-        lhs, rhs, sizes, numbers, precision=HIGHEST, preferred_element_type=acc_dtype(lhs.dtype)
+        lhs, rhs, sizes, numbers, precision=precision(), preferred_element_type=acc_dtype(lhs.dtype)
     )
 
 
-@register(aten._grouped_mm.default, meta_from_lowering=True)
+@register(aten._grouped_mm.default, meta_from_lowering=True, products=True)
 def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     _check(a, b, offs, bias, out_dtype)
     if offs is None:  # 3-D x 3-D
-        out = jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc_dtype(a.dtype))
+        out = jnp.matmul(a, b, precision=precision(), preferred_element_type=acc_dtype(a.dtype))
         return out.astype(a.dtype)
     sizes = jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype))
     if a.ndim == 2 and b.ndim == 3:  # rows of a grouped

@@ -193,9 +193,43 @@ def _input_structs(args) -> list:
 @functools.lru_cache(maxsize=1024)
 def _shapes(key: int, structs: tuple) -> tuple:
     """((shape, dtype), ...) of the outputs of ``key`` on inputs shaped ``structs``."""
-    with rt.x64_scope(), _explained(key, structs):
+    with rt.x64_scope(), _explained(key, structs), _types_for(key, structs):
         out = jax.eval_shape(entry(key).function(), *[jax.ShapeDtypeStruct(s, d) for s, d in structs])
     return tuple((tuple(o.shape), to_torch(o.dtype)) for o in _check_outputs(key, out))
+
+
+_64_BIT = frozenset(map(np.dtype, ("int64", "uint64", "float64", "complex128")))
+
+
+def _types_for(key: int, structs) -> contextlib.AbstractContextManager:
+    """The 64-bit setting to trace the function of ``key`` under (inside shardtensor's x64 scope):
+    off for a function that holds a Pallas kernel and has no 64-bit input, as in the user's plain
+    JAX, since Mosaic (the TPU's kernel compiler) takes only 32-bit index maps and loop counters;
+    else on, so that int64 and float64 stay 64-bit."""
+    structs = tuple((tuple(s), np.dtype(d)) for s, d in structs)
+    return rt.x64_off_scope() if _holds_pallas_kernel(key, structs) else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=1024)
+def _holds_pallas_kernel(key: int, structs: tuple) -> bool:
+    if any(d in _64_BIT for _, d in structs):
+        return False
+    with rt.x64_scope(), _explained(key, structs):
+        jaxpr = jax.make_jaxpr(entry(key).function())(*[jax.ShapeDtypeStruct(s, d) for s, d in structs])
+    return _has_pallas_call(jaxpr.jaxpr)
+
+
+def _has_pallas_call(jaxpr) -> bool:
+    """Whether ``jaxpr`` or a jaxpr nested in its equations' parameters runs a ``pallas_call``."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            return True
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+                if hasattr(inner, "eqns") and _has_pallas_call(inner):
+                    return True
+    return False
 
 
 @contextlib.contextmanager
@@ -223,7 +257,7 @@ def call_jax(args: list[torch.Tensor], fn_key: int) -> list[torch.Tensor]:
     inputs = [torch_to_numpy(a) for a in args]
     structs = [(a.shape, a.dtype) for a in inputs]
     with rt.x64_scope():
-        with _explained(fn_key, structs):
+        with _explained(fn_key, structs), _types_for(fn_key, structs):
             fn = _cpu_function(fn_key)
             if isinstance(entry(fn_key), JaxCall) and entry(fn_key).mesh is not None:
                 out = fn(*inputs)  # a shard_map'd function runs on its mesh's devices
@@ -242,7 +276,8 @@ def _call_jax_fake(args, fn_key):
 
 @register(torch.ops.shardtensor.call_jax.default)
 def _call_jax_lowering(args, fn_key):
-    return list(_check_outputs(fn_key, entry(fn_key).function()(*args)))
+    with _types_for(fn_key, tuple((a.shape, a.dtype) for a in args)):
+        return list(_check_outputs(fn_key, entry(fn_key).function()(*args)))
 
 
 # --------------------------------------------------------------------------- gradients

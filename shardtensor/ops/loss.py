@@ -21,6 +21,7 @@ import torch
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.checks import fail_where, out_of_range
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -466,7 +467,7 @@ def ctc_loss_backward(
 def _linear_ce(x, lw, target, lb, weight, ignore_index, acc):
     """(logits, per-row nll, per-row class weight w (0 for ignored rows), one-hot of the targets) of
     cross entropy on logits = x @ lw.T + lb, computed in ``acc``; targets picked by one-hot, no gather."""
-    logits = jnp.matmul(x.astype(acc), lw.astype(acc).T, precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.matmul(x.astype(acc), lw.astype(acc).T, precision=precision())
     if lb is not None:
         logits = logits + lb.astype(acc)
     hot = _onehot(target, lw.shape[0])
@@ -518,7 +519,7 @@ def linear_cross_entropy_chunked(
     if reduction == "mean" and x.shape[0] == 0:
         loss = jnp.asarray(jnp.nan, acc)
     dlogits = coef[:, None] * (jax.nn.softmax(logits, axis=1) - hot.astype(acc))
-    mm = lambda a, b: jnp.matmul(a, b, precision=jax.lax.Precision.HIGHEST)  # noqa: E731
+    mm = lambda a, b: jnp.matmul(a, b, precision=precision())  # noqa: E731
     dt = x.dtype
     gi = mm(dlogits, lw.astype(acc)).astype(dt) if compute_input_grad else jnp.zeros((0, 0), dt)
     gw = mm(dlogits.T, x.astype(acc)).astype(dt) if compute_linear_weight_grad else jnp.zeros((0, 0), dt)
@@ -536,8 +537,10 @@ def linear_cross_entropy_chunked_none(x, lw, target, lb, weight, ignore_index, b
 try:  # torch's chunked linear cross entropy custom ops (torch >= 2.13) exist once their module is imported
     import torch.nn.modules.linear_cross_entropy  # noqa: F401
 
-    register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default)(linear_cross_entropy_chunked)
-    register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default)(
+    register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked.default, products=True)(
+        linear_cross_entropy_chunked
+    )
+    register(torch.ops.torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default, products=True)(
         linear_cross_entropy_chunked_none
     )
 except (ImportError, AttributeError):

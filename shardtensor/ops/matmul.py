@@ -1,7 +1,8 @@
 """Lowerings of matrix products: mm, bmm, addmm, baddbmm, addbmm, mv, addmv, dot, vdot, addr.
 
 Products keep torch's dtype (bf16 stays bf16, int64 stays int64 and exact) and float32 runs at
-``Precision.HIGHEST`` so results match torch on CPU. bf16/f16 products accumulate in float32 and
+torch's float32 matmul precision (``ops.precision``; 'highest' by default, so results match torch's).
+bf16/f16 products accumulate in float32 and
 ``beta * self + alpha * prod`` is formed in float32 and rounded once, as torch's CPU kernels do.
 For integer results beta/alpha are truncated to integers first; ``beta=0`` ignores ``self`` entirely
 (its NaN/inf do not propagate), as in torch.
@@ -20,12 +21,11 @@ from jax import lax
 
 from shardtensor.dtypes import to_jax
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import transposed_source
 
 aten = torch.ops.aten
-
-HIGHEST = lax.Precision.HIGHEST
 
 
 def _check_same_dtype(name, *xs):
@@ -47,9 +47,9 @@ def product(a, b, out_dtype=None):
             lhs, lc = (at, 0) if at is not None else (a, 1)
             rhs, rc = (bt, 1) if bt is not None else (b, 0)
             return lax.dot_general(
-                lhs, rhs, (((lc,), (rc,)), ((), ())), precision=HIGHEST, preferred_element_type=acc_dtype(dtype)
+                lhs, rhs, (((lc,), (rc,)), ((), ())), precision=precision(), preferred_element_type=acc_dtype(dtype)
             )
-    return jnp.matmul(a, b, precision=HIGHEST, preferred_element_type=acc_dtype(dtype))
+    return jnp.matmul(a, b, precision=precision(), preferred_element_type=acc_dtype(dtype))
 
 
 def matmul(a, b, out_dtype=None):
@@ -94,43 +94,43 @@ def _need(x, ndim, name, what):
         raise RuntimeError(f"{name}: {what} must be a {ndim}D tensor, got {x.ndim}D")
 
 
-@register(aten.mm.default)
+@register(aten.mm.default, products=True)
 def mm(a, b):
     _need(a, 2, "mm", "self"), _need(b, 2, "mm", "mat2")
     _check_same_dtype("mm", a, b)
     return matmul(a, b)
 
 
-@register(aten.mm.dtype)
+@register(aten.mm.dtype, products=True)
 def mm_dtype(a, b, out_dtype):
     return matmul(a, b, to_jax(out_dtype))
 
 
-@register(aten.bmm.default)
+@register(aten.bmm.default, products=True)
 def bmm(a, b):
     _need(a, 3, "bmm", "self"), _need(b, 3, "bmm", "mat2")
     _check_same_dtype("bmm", a, b)
     return matmul(a, b)
 
 
-@register(aten.bmm.dtype)
+@register(aten.bmm.dtype, products=True)
 def bmm_dtype(a, b, out_dtype):
     return matmul(a, b, to_jax(out_dtype))
 
 
-@register(aten.addmm.default)
+@register(aten.addmm.default, products=True)
 def addmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 2, "addmm", "mat1"), _need(b, 2, "addmm", "mat2")
     _check_same_dtype("addmm", self, a, b)
     return add_scaled(self, product(a, b), beta, alpha)
 
 
-@register(aten.addmm.dtype)
+@register(aten.addmm.dtype, products=True)
 def addmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
     return add_scaled(self, product(a, b, to_jax(out_dtype)), beta, alpha, to_jax(out_dtype))
 
 
-@register(aten._addmm_activation.default)
+@register(aten._addmm_activation.default, products=True)
 def addmm_activation(self, a, b, *, beta=1, alpha=1, use_gelu=False):
     y = addmm(self, a, b, beta=beta, alpha=alpha)
     if use_gelu:
@@ -138,44 +138,44 @@ def addmm_activation(self, a, b, *, beta=1, alpha=1, use_gelu=False):
     return jnp.maximum(y, jnp.zeros((), y.dtype))
 
 
-@register(aten.baddbmm.default)
+@register(aten.baddbmm.default, products=True)
 def baddbmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 3, "baddbmm", "batch1"), _need(b, 3, "baddbmm", "batch2")
     _check_same_dtype("baddbmm", self, a, b)
     return add_scaled(self, product(a, b), beta, alpha)
 
 
-@register(aten.baddbmm.dtype)
+@register(aten.baddbmm.dtype, products=True)
 def baddbmm_dtype(self, a, b, out_dtype, *, beta=1, alpha=1):
     return add_scaled(self, product(a, b, to_jax(out_dtype)), beta, alpha, to_jax(out_dtype))
 
 
-@register(aten.addbmm.default)
+@register(aten.addbmm.default, products=True)
 def addbmm(self, a, b, *, beta=1, alpha=1):
     _need(a, 3, "addbmm", "batch1"), _need(b, 3, "addbmm", "batch2")
     _check_same_dtype("addbmm", self, a, b)
     # contract the batch and inner dims in one dot: sum_b a[b] @ b[b]
     prod = lax.dot_general(
-        a, b, (((0, 2), (0, 1)), ((), ())), precision=HIGHEST, preferred_element_type=acc_dtype(a.dtype)
+        a, b, (((0, 2), (0, 1)), ((), ())), precision=precision(), preferred_element_type=acc_dtype(a.dtype)
     )
     return add_scaled(self, prod, beta, alpha)
 
 
-@register(aten.mv.default)
+@register(aten.mv.default, products=True)
 def mv(a, v):
     _need(a, 2, "mv", "self"), _need(v, 1, "mv", "vec")
     _check_same_dtype("mv", a, v)
     return matmul(a, v)
 
 
-@register(aten.addmv.default)
+@register(aten.addmv.default, products=True)
 def addmv(self, a, v, *, beta=1, alpha=1):
     _need(a, 2, "addmv", "mat"), _need(v, 1, "addmv", "vec")
     _check_same_dtype("addmv", self, a, v)
     return add_scaled(self, product(a, v), beta, alpha)
 
 
-@register(aten.dot.default)
+@register(aten.dot.default, products=True)
 def dot(a, b):
     _need(a, 1, "dot", "self"), _need(b, 1, "dot", "tensor")
     _check_same_dtype("dot", a, b)
@@ -184,7 +184,7 @@ def dot(a, b):
     return matmul(a, b)
 
 
-@register(aten.vdot.default)
+@register(aten.vdot.default, products=True)
 def vdot(a, b):
     return dot(jnp.conj(a), b)
 

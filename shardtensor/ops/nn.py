@@ -35,6 +35,7 @@ import torch
 from shardtensor.ops import attention, conv, distance, embedding, loss, norm, pooling, resize, rnn, sampling  # noqa: F401
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.norm import batch_norm_update_stats  # noqa: F401
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -54,7 +55,7 @@ def rrelu_with_noise(key, x, noise, lower=0.125, upper=1.0 / 3.0, training=False
     return (xf * r).astype(x.dtype), r.astype(noise.dtype)
 
 
-@register(aten._trilinear.default)
+@register(aten._trilinear.default, products=True)
 def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     """sum over ``sumdim`` of i1 * i2 * i3, each unsqueezed at its ``expand`` dims (``F.bilinear``)."""
     total = i1.ndim + len(expand1)
@@ -75,7 +76,7 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     res = jnp.einsum(
         f"{','.join(subs)}->{out}",
         *arrays,
-        precision=jax.lax.Precision.HIGHEST,
+        precision=precision(),
         preferred_element_type=acc_dtype(i1.dtype),
     )
     return res.astype(i1.dtype)

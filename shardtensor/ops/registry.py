@@ -46,6 +46,9 @@ class Lowering:
     # ``float`` arguments (by name) that enter as runtime scalars, like Scalars: a learning rate that
     # a scheduler changes every step must not recompile the step
     runtime_floats: frozenset = frozenset()
+    # the lowering's dots/convolutions follow torch's float32 matmul precision (ops.precision): the
+    # dispatcher reads it when the op is recorded and keys the op on it
+    products: bool = False
 
     def for_platform(self, platform: str) -> Callable:
         """The function to run on ``platform`` ('cpu', 'cuda', 'tpu'): its variant, else ``fn``."""
@@ -75,12 +78,15 @@ def register(
     platform: str | None = None,
     checked: bool = False,
     runtime_floats: tuple = (),
+    products: bool = False,
 ):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
 
     ``platform="cpu"`` registers a variant for that platform of an op registered before.
     ``checked=True``: the lowering may call ``ops.checks.fail_where`` (torch raises on some values).
     ``runtime_floats``: names of ``float`` arguments passed as 0-d jax values, not baked in.
+    ``products=True``: the lowering's products use ``ops.precision.precision()`` (torch's float32
+    matmul precision when the op was recorded).
     ``static_scalars``: True bakes every ``Scalar`` argument into the program as a Python number; a
     set of values bakes only a Scalar equal to one of them (see the module docstring).
 
@@ -111,6 +117,7 @@ def register(
                 meta_from_lowering=meta_from_lowering,
                 checked=checked,
                 runtime_floats=frozenset(runtime_floats),
+                products=products,
             )
         return fn
 

@@ -29,22 +29,20 @@ import math
 
 import jax.numpy as jnp
 import torch
-from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.activation import gelu, relu
 from shardtensor.ops.norm import native_layer_norm
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
-
-HIGHEST = lax.Precision.HIGHEST
 
 
 def _linear(x, weight, bias):
     """x @ weight.T + bias at full float32 precision, rounded once to x's dtype."""
     acc = acc_dtype(x.dtype)
-    y = jnp.matmul(x, weight.T, precision=HIGHEST, preferred_element_type=acc) + bias.astype(acc)
+    y = jnp.matmul(x, weight.T, precision=precision(), preferred_element_type=acc) + bias.astype(acc)
     return y.astype(x.dtype)
 
 
@@ -100,7 +98,7 @@ def _check_mha(query, key, value, embed_dim, num_head, qkv_weight, qkv_bias):
         raise RuntimeError("`embed_dim` must divide evenly by `num_heads`")
 
 
-@register(aten._native_multi_head_attention.default)
+@register(aten._native_multi_head_attention.default, products=True)
 def native_multi_head_attention(
     query,
     key,
@@ -128,11 +126,11 @@ def native_multi_head_attention(
     q = heads(_linear(query, w_q, b_q) * jnp.asarray(1.0 / math.sqrt(head_dim), query.dtype))
     k, v = heads(_linear(key, w_k, b_k)), heads(_linear(value, w_v, b_v))
     acc = acc_dtype(query.dtype)
-    scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=HIGHEST, preferred_element_type=acc)
+    scores = jnp.matmul(q, jnp.swapaxes(k, -1, -2), precision=precision(), preferred_element_type=acc)
     scores = scores.astype(query.dtype)
     masked = None if mask is None else _masked_out(mask, mask_type, scores.shape)
     weights = masked_softmax_rows(scores, masked)
-    ctx = jnp.matmul(weights, v, precision=HIGHEST, preferred_element_type=acc).astype(query.dtype)
+    ctx = jnp.matmul(weights, v, precision=precision(), preferred_element_type=acc).astype(query.dtype)
     out = _linear(ctx.transpose(0, 2, 1, 3).reshape(B, T, D), proj_weight, proj_bias)
     if not need_weights:
         return out, jnp.zeros((0,), query.dtype)
@@ -145,7 +143,7 @@ def _layer_norm(x, weight, bias, eps):
     return native_layer_norm(x, (x.shape[-1],), weight, bias, eps)[0]
 
 
-@register(aten._transformer_encoder_layer_fwd.default)
+@register(aten._transformer_encoder_layer_fwd.default, products=True)
 def transformer_encoder_layer_fwd(
     src,
     embed_dim,

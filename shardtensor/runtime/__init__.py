@@ -209,6 +209,30 @@ class x64_scope:
         return False
 
 
+class x64_off_scope:
+    """JAX's 64-bit types off in the calling thread for a block, as they were afterwards: for tracing
+    a Pallas kernel inside shardtensor's `x64_scope` (Mosaic, the TPU's kernel compiler, takes only
+    32-bit grid indices, index maps and loop counters; under 64-bit types a literal ``0`` in an index
+    map is an int64).
+
+    Example::
+
+        with rt.x64_scope():
+            with rt.x64_off_scope():
+                jnp.array(1).dtype   # int32
+    """
+
+    __slots__ = ("_previous",)
+
+    def __enter__(self):
+        self._previous = _X64.swap_local(False)
+        return self
+
+    def __exit__(self, *exc):
+        _X64.set_local(self._previous)
+        return False
+
+
 def with_x64(fn, lock=None):
     """``fn`` running under `x64_scope` (the decorator form, one flag read when already inside).
 
@@ -417,6 +441,42 @@ def platform() -> str:
     """
     _global_devices()
     return jax.default_backend()
+
+
+class Float64OnTPUWarning(UserWarning):
+    """float64 / complex128 values computed on a TPU, which has no 64-bit float units."""
+
+
+_WIDE_FLOATS = frozenset({"float64", "complex128"})
+_FLOAT64_WARNED = [False]
+
+
+def _on_tpu() -> bool:
+    return platform() == "tpu"
+
+
+def warn_float64_on_tpu(dtype) -> None:
+    """Warn once per process when a float64 or complex128 value (``dtype``: a torch, numpy or jax
+    dtype) is made on a TPU: XLA emulates 64-bit floats there with pairs of float32s, so values keep
+    float32's exponent range (below about 1e-38 they become 0, above 3e38 inf, and NaN follows)
+    where torch's float64 goes to 1e-308 and 1e308.
+
+    Example::
+
+        rt.warn_float64_on_tpu(torch.float64)   # a Float64OnTPUWarning on a TPU, the first time
+    """
+    name = str(dtype).removeprefix("torch.")
+    if name not in _WIDE_FLOATS or _FLOAT64_WARNED[0] or not _on_tpu():
+        return
+    _FLOAT64_WARNED[0] = True
+    warnings.warn(
+        f"a {name} value is computed on the TPU, which has no 64-bit float units: XLA emulates {name} "
+        "with pairs of float32s, which keep float32's exponent range (values beyond about 1e-38..3e38 "
+        "become 0, inf or NaN where torch's float64 reaches 1e-308..1e308). Keep float64 work on the "
+        "CPU (.cpu()), or use float32 on the TPU (t.float(), model.float()). (Shown once per process.)",
+        Float64OnTPUWarning,
+        stacklevel=3,
+    )
 
 
 def device_type() -> str:

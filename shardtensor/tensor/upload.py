@@ -13,7 +13,7 @@ from shardtensor import sharding as sh
 from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import default_mesh
-from shardtensor.runtime import check_not_forked, with_x64
+from shardtensor.runtime import check_not_forked, warn_float64_on_tpu, with_x64
 from shardtensor.tensor.sharded import ShardedTensor
 
 
@@ -21,6 +21,7 @@ from shardtensor.tensor.sharded import ShardedTensor
 def upload(host: np.ndarray, mesh, spec):
     """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims."""
     check_not_forked("move data to the devices")
+    warn_float64_on_tpu(host.dtype)
     shape = tuple(host.shape)
     padded = tuple(sh.padded_shape(shape, mesh, spec))
     if padded != shape:
