@@ -74,7 +74,11 @@ def _scores(q, k, attn_bias, is_causal, scale):
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     hk = k.shape[-3]
-    s = _flat(_einsum("...hgqd,...hkd->...hgqk", _grouped(q, hk), k, acc)) * jnp.asarray(scale, acc)
+    if q.shape[-3] == hk:  # (no grouping: no reshape for XLA to see through)
+        s = _einsum("...hqd,...hkd->...hqk", q, k, acc)
+    else:
+        s = _flat(_einsum("...hgqd,...hkd->...hgqk", _grouped(q, hk), k, acc))
+    s = s * jnp.asarray(scale, acc)
     neg = jnp.asarray(-jnp.inf, acc)
     if attn_bias is not None:
         s = jnp.where(attn_bias, s, neg) if attn_bias.dtype == jnp.bool_ else s + attn_bias.astype(acc)
@@ -92,18 +96,34 @@ def sdpa_overrideable(
     _check(query, key, value, dropout_p)
     hk = key.shape[-3]
     s, _ = _scores(query, key, attn_bias, is_causal, scale)
+    p, m, total, empty = _probabilities(s)
+    acc = s.dtype
+    p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
+    out = _product(p, value, hk, acc)
+    out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
+    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
+    return out, lse, None, None, None, None, None, None, None
+
+
+def _probabilities(s):
+    """(softmax of the masked scores ``s`` with 0 for masked keys, row max, row sum, rows with every
+    key masked). The backward calls this on the same scores, so that XLA's common-subexpression pass
+    finds the forward's probabilities and keeps them, as autodiff does, instead of computing a second
+    exponential of every score from the log-sum-exp."""
     acc = s.dtype
     m = jnp.max(s, axis=-1, keepdims=True)
     empty = m == -jnp.inf  # rows with every key masked
     m = jnp.where(empty, jnp.zeros((), acc), m)
     p = jnp.exp(s - m)
     total = jnp.where(empty, jnp.ones((), acc), jnp.sum(p, axis=-1, keepdims=True))
-    p = p / total
-    p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
-    out = _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
-    out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
-    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
-    return out, lse, None, None, None, None, None, None, None
+    return p / total, m, total, empty
+
+
+def _product(p, value, hk, acc):
+    """p @ value over (..., heads), grouped only when key/value heads are fewer than query heads."""
+    if p.shape[-3] == hk:
+        return _einsum("...hqk,...hkd->...hqd", p, value, acc)
+    return _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
 
 
 @register(aten._scaled_dot_product_fused_attention_overrideable_backward.default, meta_from_lowering=True)
@@ -131,7 +151,7 @@ def sdpa_overrideable_backward(
     hk = key.shape[-3]
     s, scale = _scores(query, key, attn_bias, is_causal, scale)
     acc = s.dtype
-    p = jnp.where(s == -jnp.inf, jnp.zeros((), acc), jnp.exp(s - logsumexp.astype(acc)[..., None]))
+    p = _probabilities(s)[0]  # = exp(s - logsumexp), as the forward computed it (see _probabilities)
     g = grad_out.astype(acc)
     pg, gg = _grouped(p, hk), _grouped(g, hk)
     dv = _einsum("...hgqk,...hgqd->...hkd", pg, gg, acc)

@@ -1,0 +1,60 @@
+"""The programs shardtensor builds have the structure of the ones ``jax.jit`` builds for the same math
+(issue 36, item 2; bench/hlo_compare.py prints the whole comparison for a GPT): here the counts of
+the expensive elementwise ops in the HLO that XLA's CPU compiler optimized, which are what a TPU pays
+for too. Values are compared with eager torch; the structure is compared by counts, never by time.
+"""
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+import shardtensor as st
+from shardtensor.graph.capture import lower  # white box: the program a run would compile
+
+
+def _optimized_hlo(tensors) -> str:
+    return lower([t._cell for t in tensors]).compile().as_text()
+
+
+def _count(op: str, hlo: str) -> int:
+    return len(re.findall(rf"\s{op}\(", hlo))
+
+
+def _leaves(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _on_device(leaves):
+    return [t.detach().to(st.device()).requires_grad_() for t in leaves]
+
+
+def test_causal_sdpa_backward_reuses_the_forward_probabilities():
+    """bf16 causal attention, forward and backward: one exponential (the forward's softmax), as JAX's
+    autodiff has; the backward used to compute exp(scores - logsumexp) a second time."""
+    ref = _leaves([(2, 2, 16, 8)] * 3, torch.bfloat16)
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.float().square().sum().backward()
+    mine = _on_device(ref)
+    got = F.scaled_dot_product_attention(*mine, is_causal=True)
+    got.float().square().sum().backward()
+    hlo = _optimized_hlo([got] + [t.grad for t in mine])
+    assert _count("exponential", hlo) == 1, hlo
+    torch.testing.assert_close(got.cpu(), out, atol=2e-2, rtol=2e-2)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_tanh_gelu_backward_reuses_the_forward_tanh():
+    """bf16 tanh GELU, forward and backward: one tanh, the forward's."""
+    (ref,) = _leaves([(4, 32)], torch.bfloat16, seed=1)
+    out = F.gelu(ref, approximate="tanh")
+    out.float().square().sum().backward()
+    (mine,) = _on_device([ref])
+    got = F.gelu(mine, approximate="tanh")
+    got.float().square().sum().backward()
+    hlo = _optimized_hlo([got, mine.grad])
+    assert _count("tanh", hlo) == 1, hlo
+    torch.testing.assert_close(got.cpu(), out)
+    torch.testing.assert_close(mine.grad.cpu(), ref.grad)
