@@ -142,7 +142,8 @@ def jax_side(args, part, state, batch):
             params, m, v, count = jax_adamw(params, grads, m, v, count)
             return params, m, v, count, loss
 
-        fargs, donate = (params, m, dict(m), count), (0, 1, 2, 3)
+        v = {k: jnp.zeros_like(x) for k, x in params.items()}
+        fargs, donate = (params, m, v, count), (0, 1, 2, 3)
     jl = jax.jit(fn, donate_argnums=donate).lower(*fargs)
     return jl.as_text(), jl.compile().as_text()
 

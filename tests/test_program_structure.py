@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import shardtensor as st
-from shardtensor.graph.capture import lower  # white box: the program a run would compile
+from shardtensor.graph import program
+from shardtensor.graph.capture import capture, lower  # white box: the program a run would compile
+from shardtensor.runtime import x64_scope
 
 
 def _optimized_hlo(tensors) -> str:
@@ -58,3 +60,49 @@ def test_tanh_gelu_backward_reuses_the_forward_tanh():
     assert _count("tanh", hlo) == 1, hlo
     torch.testing.assert_close(got.cpu(), out)
     torch.testing.assert_close(mine.grad.cpu(), ref.grad)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.out = torch.nn.Linear(6, 5)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _step(model, opt, ids, targets):
+    loss = F.cross_entropy(model(ids), targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _checked_step_hlo(monkeypatch, selects: bool) -> str:
+    """The optimized HLO of a steady AdamW step of a net with an embedding (so a checked op),
+    its failed-check rollback by selects or by one conditional."""
+    monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: selects)
+    torch.manual_seed(0)
+    model = _Net().to(st.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=True)
+    ids, targets = torch.tensor([1, 2, 3, 9]).to(st.device()), torch.tensor([0, 1, 4, 2]).to(st.device())
+    _step(model, opt, ids, targets)
+    st.sync()
+    with capture() as seen:
+        loss = _step(model, opt, ids, targets)
+    lowered = lower(seen.pending(), donate=True, checks=True)
+    del loss
+    with x64_scope():
+        return lowered.jitted().lower(*lowered.abstract_arguments()).compile().as_text()
+
+
+def test_failed_check_rollback_by_selects_copies_no_state(monkeypatch):
+    """A checked step keeps the state before a failed check by selects fused into the updates: no
+    copy of each overwritten parameter and optimizer state (one conditional over all of them copies
+    each: what a TPU paid on every step). The selects' rollback itself: tests/test_checks.py."""
+    by_selects = _count("copy", _checked_step_hlo(monkeypatch, True))
+    by_conditional = _count("copy", _checked_step_hlo(monkeypatch, False))
+    state = 3 * 4  # parameters, exp_avg, exp_avg_sq of the 4 parameters
+    assert by_selects + state <= by_conditional, (by_selects, by_conditional)
