@@ -6,13 +6,19 @@ for too. Values are compared with eager torch; the structure is compared by coun
 
 import re
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 import shardtensor as st
 from shardtensor.graph import program
 from shardtensor.graph.capture import capture, lower  # white box: the program a run would compile
+from shardtensor.ops.registry import lookup
 from shardtensor.runtime import x64_scope
+
+aten = torch.ops.aten
 
 
 def _optimized_hlo(tensors) -> str:
@@ -106,3 +112,26 @@ def test_failed_check_rollback_by_selects_copies_no_state(monkeypatch):
     by_conditional = _count("copy", _checked_step_hlo(monkeypatch, False))
     state = 3 * 4  # parameters, exp_avg, exp_avg_sq of the 4 parameters
     assert by_selects + state <= by_conditional, (by_selects, by_conditional)
+
+
+def test_cpu_flash_attention_backward_reuses_the_forward_probabilities():
+    """The CPU attention ops (an exported or traced CPU graph's) too: forward and backward in one
+    program have the forward's exponential only; the gradients equal torch's CPU kernels'."""
+    fwd = lookup(aten._scaled_dot_product_flash_attention_for_cpu.default).fn
+    bwd = lookup(aten._scaled_dot_product_flash_attention_for_cpu_backward.default).fn
+    q, k, v, g = (t.detach() for t in _leaves([(2, 2, 16, 8)] * 4, torch.float32, seed=2))
+
+    def both(q, k, v, g):
+        out, lse = fwd(q, k, v, 0.0, True)
+        return out, bwd(g, q, k, v, out, lse, 0.0, True)
+
+    args = [jnp.asarray(t.numpy()) for t in (q, k, v, g)]
+    with x64_scope():
+        hlo = jax.jit(both).lower(*args).compile().as_text()
+        out, grads = jax.jit(both)(*args)
+    assert _count("exponential", hlo) == 1, hlo
+    ref_out, ref_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    ref = aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, ref_out, ref_lse, 0.0, True)
+    torch.testing.assert_close(torch.tensor(np.asarray(out)), ref_out)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(torch.tensor(np.asarray(a)), b)

@@ -96,7 +96,7 @@ def sdpa_overrideable(
     _check(query, key, value, dropout_p)
     hk = key.shape[-3]
     s, _ = _scores(query, key, attn_bias, is_causal, scale)
-    p, m, total, empty = _probabilities(s)
+    p, m, total, empty = probabilities(s)
     acc = s.dtype
     p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
     out = _product(p, value, hk, acc)
@@ -105,7 +105,7 @@ def sdpa_overrideable(
     return out, lse, None, None, None, None, None, None, None
 
 
-def _probabilities(s):
+def probabilities(s):
     """(softmax of the masked scores ``s`` with 0 for masked keys, row max, row sum, rows with every
     key masked). The backward calls this on the same scores, so that XLA's common-subexpression pass
     finds the forward's probabilities and keeps them, as autodiff does, instead of computing a second
@@ -151,7 +151,7 @@ def sdpa_overrideable_backward(
     hk = key.shape[-3]
     s, scale = _scores(query, key, attn_bias, is_causal, scale)
     acc = s.dtype
-    p = _probabilities(s)[0]  # = exp(s - logsumexp), as the forward computed it (see _probabilities)
+    p = probabilities(s)[0]  # = exp(s - logsumexp), as the forward computed it (see probabilities)
     g = grad_out.astype(acc)
     pg, gg = _grouped(p, hk), _grouped(g, hk)
     dv = _einsum("...hgqk,...hgqd->...hkd", pg, gg, acc)
