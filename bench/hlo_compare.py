@@ -14,6 +14,7 @@ Example::
 
     .venv/bin/python bench/hlo_compare.py                       # d=256, T=128, 2 layers
     .venv/bin/python bench/hlo_compare.py --d 128 --seq 64 --dump /tmp/hlo
+    SHARDTENSOR_PLATFORM=tpu python bench/hlo_compare.py      # on a TPU machine: the TPU's optimized HLO
 """
 
 from __future__ import annotations
@@ -201,6 +202,9 @@ def main():
         for kind in HLO_KINDS:
             print(f"   {kind:30s} {a[kind]:10d} {b[kind]:6d}")
         (n_st, b_st), (n_jx, b_jx) = copies(st_opt), copies(jx_opt)
+        starts_st = sum(n for k, n in a.items() if k.endswith("-start"))
+        starts_jx = sum(n for k, n in b.items() if k.endswith("-start"))
+        print(f"   {'async *-start (TPU: copies...)':30s} {starts_st:10d} {starts_jx:6d}")
         print(f"   {'copies outside fusions':30s} {n_st:10d} {n_jx:6d}")
         print(f"   {'their bytes':30s} {b_st:10d} {b_jx:6d}")
 
