@@ -78,6 +78,9 @@ def hlo_counts(text: str) -> collections.Counter:
     return counts
 
 
+_SIZES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "f64": 8, "pred": 1, "s8": 1, "u8": 1}
+
+
 def _unfused(text: str) -> str:
     """The optimized HLO without its fused computations' bodies (a copy inside a fusion moves nothing)."""
     kept, inside_fused = [], False
@@ -91,14 +94,43 @@ def _unfused(text: str) -> str:
 
 def copies(text: str) -> tuple[int, int]:
     """(count, bytes of the results) of the ``copy`` instructions outside fusions."""
-    sizes = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s64": 8, "f64": 8, "pred": 1, "s8": 1, "u8": 1}
     count = total = 0
     for m in re.finditer(r"=\s*([a-z0-9]+)\[([0-9,]*)\]\{[^}]*\}\s+copy\(", _unfused(text)):
         n = 1
         for d in filter(None, m.group(2).split(",")):
             n *= int(d)
-        count, total = count + 1, total + n * sizes.get(m.group(1), 4)
+        count, total = count + 1, total + n * _SIZES.get(m.group(1), 4)
     return count, total
+
+
+def _nbytes(shapes: str) -> int:
+    total = 0
+    for m in re.finditer(r"([a-z0-9]+)\[([0-9,]*)\]", shapes):
+        if m.group(1) in _SIZES:
+            n = 1
+            for d in filter(None, m.group(2).split(",")):
+                n *= int(d)
+            total += n * _SIZES[m.group(1)]
+    return total
+
+
+def traffic(text: str) -> int:
+    """Bytes the entry computation's instructions read and write (each one's result and operands;
+    parameters, tuples, bitcasts and constants move nothing): a rough measure of memory traffic."""
+    entry = text[text.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    shapes: dict[str, str] = {}
+    total = 0
+    for line in entry.splitlines():
+        m = re.match(r"\s*(?:ROOT )?(%\S+) = (.+?) (\S+?)\((.*)", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        shapes[name] = shape
+        if op not in ("parameter", "tuple", "get-tuple-element", "bitcast", "constant"):
+            operands = re.findall(r"(%[\w.\-]+)", rest.split("), ")[0])
+            total += _nbytes(shape) + sum(_nbytes(shapes.get(o, "")) for o in operands)
+    return total
 
 
 def torch_side(args, part, state, batch):
@@ -207,6 +239,7 @@ def main():
         print(f"   {'async *-start (TPU: copies...)':30s} {starts_st:10d} {starts_jx:6d}")
         print(f"   {'copies outside fusions':30s} {n_st:10d} {n_jx:6d}")
         print(f"   {'their bytes':30s} {b_st:10d} {b_jx:6d}")
+        print(f"   {'MB read+written (top level)':30s} {traffic(st_opt) / 1e6:10.1f} {traffic(jx_opt) / 1e6:6.1f}")
 
 
 if __name__ == "__main__":

@@ -74,11 +74,7 @@ def _scores(q, k, attn_bias, is_causal, scale):
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     hk = k.shape[-3]
-    if q.shape[-3] == hk:  # (no grouping: no reshape for XLA to see through)
-        s = _einsum("...hqd,...hkd->...hqk", q, k, acc)
-    else:
-        s = _flat(_einsum("...hgqd,...hkd->...hgqk", _grouped(q, hk), k, acc))
-    s = s * jnp.asarray(scale, acc)
+    s = _flat(_einsum("...hgqd,...hkd->...hgqk", _grouped(q, hk), k, acc)) * jnp.asarray(scale, acc)
     neg = jnp.asarray(-jnp.inf, acc)
     if attn_bias is not None:
         s = jnp.where(attn_bias, s, neg) if attn_bias.dtype == jnp.bool_ else s + attn_bias.astype(acc)
@@ -99,7 +95,7 @@ def sdpa_overrideable(
     p, m, total, empty = probabilities(s)
     acc = s.dtype
     p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
-    out = _product(p, value, hk, acc)
+    out = _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
     out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
     lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
     return out, lse, None, None, None, None, None, None, None
@@ -117,13 +113,6 @@ def probabilities(s):
     p = jnp.exp(s - m)
     total = jnp.where(empty, jnp.ones((), acc), jnp.sum(p, axis=-1, keepdims=True))
     return p / total, m, total, empty
-
-
-def _product(p, value, hk, acc):
-    """p @ value over (..., heads), grouped only when key/value heads are fewer than query heads."""
-    if p.shape[-3] == hk:
-        return _einsum("...hqk,...hkd->...hqd", p, value, acc)
-    return _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
 
 
 @register(aten._scaled_dot_product_fused_attention_overrideable_backward.default, meta_from_lowering=True)
