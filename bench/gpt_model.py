@@ -4,7 +4,7 @@ attention + MLP blocks): plain torch, no device setup, so any bench (or bench wo
 Example::
 
     from gpt_model import GPT
-    model = GPT(vocab=1024, seq=128, d=256, heads=4, layers=4)
+    model = GPT(vocab=1024, seq=128, d=256, heads=4, layers=4)   # gelu="tanh": GELU's tanh form
 """
 
 from __future__ import annotations

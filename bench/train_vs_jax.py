@@ -83,7 +83,7 @@ def jax_mlp(p, x, layers=4):
     return x
 
 
-def jax_block(p, pre, x, heads):
+def jax_block(p, pre, x, heads, gelu="none"):
     b, t, d = x.shape
     mask = jnp.tril(jnp.ones((t, t), bool))
     q, k, v = jnp.split(_linear(p, pre + "qkv", _layer_norm(p, pre + "ln1", x)), 3, axis=-1)
@@ -91,16 +91,17 @@ def jax_block(p, pre, x, heads):
     s = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d // heads), -jnp.inf)
     y = (jax.nn.softmax(s, axis=-1) @ v).transpose(0, 2, 1, 3).reshape(b, t, d)
     x = x + _linear(p, pre + "proj", y)
-    h = jax.nn.gelu(_linear(p, pre + "up", _layer_norm(p, pre + "ln2", x)), approximate=False)
+    h = jax.nn.gelu(_linear(p, pre + "up", _layer_norm(p, pre + "ln2", x)), approximate=gelu == "tanh")
     return x + _linear(p, pre + "down", h)
 
 
-def jax_gpt(p, idx, heads=4, layers=4, remat=False):
-    """The GPT; ``remat`` wraps each block in ``jax.checkpoint`` (JAX's gradient checkpointing)."""
-    block = jax.checkpoint(jax_block, static_argnums=(1, 3)) if remat else jax_block
+def jax_gpt(p, idx, heads=4, layers=4, remat=False, gelu="none"):
+    """The GPT; ``remat`` wraps each block in ``jax.checkpoint`` (JAX's gradient checkpointing);
+    ``gelu``: F.gelu's ``approximate``."""
+    block = jax.checkpoint(jax_block, static_argnums=(1, 3, 4)) if remat else jax_block
     x = p["tok.weight"][idx] + p["pos"][: idx.shape[1]]
     for i in range(layers):
-        x = block(p, f"blocks.{i}.", x, heads)
+        x = block(p, f"blocks.{i}.", x, heads, gelu)
     return _layer_norm(p, "ln_f", x) @ p["tok.weight"].T
 
 

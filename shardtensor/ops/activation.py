@@ -32,12 +32,18 @@ def relu(self):
     return lax.max(self, jnp.zeros_like(self)) if dt != BOOL else fresh(self)
 
 
+def _gelu_tanh_inner(x):
+    """tanh GELU's argument, sqrt(2/pi) * (x + 0.044715 x^3), as torch's kernels compute it. Forward and
+    backward build it with the same ops, so that XLA's common-subexpression pass reuses the forward's
+    tanh in the backward (one tanh per element, as autodiff has) instead of computing it twice."""
+    return _GELU_BETA * (x + _GELU_KAPPA * (x * x * x))
+
+
 @register(aten.gelu.default)
 def gelu(self, *, approximate="none"):
     rt, ct, x = promote(self)
     if approximate == "tanh":
-        inner = _GELU_BETA * (x + _GELU_KAPPA * x * x * x)
-        out = 0.5 * x * (1 + jnp.tanh(inner))
+        out = 0.5 * x * (1 + jnp.tanh(_gelu_tanh_inner(x)))
     else:
         out = x * 0.5 * (1 + lax.erf(x * _SQRT1_2))
     return cast(out, rt)
@@ -48,8 +54,7 @@ def gelu_backward(grad_output, self, *, approximate="none"):
     rt, ct, g, x = promote(grad_output, self)
     if approximate == "tanh":
         x_sq = x * x
-        inner = _GELU_BETA * (x + _GELU_KAPPA * x_sq * x)
-        t = jnp.tanh(inner)
+        t = jnp.tanh(_gelu_tanh_inner(x))
         left_derivative = 0.5 * (1 + t)
         right_derivative = 0.5 * x * (1 - t * t) * _GELU_BETA * (1 + 3 * _GELU_KAPPA * x_sq)
         out = g * (left_derivative + right_derivative)

@@ -24,6 +24,7 @@ from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.precision import precision
+from shardtensor.ops.fused_attention import probabilities
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -84,13 +85,8 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     k, v = _repeat_kv(k, hq), _repeat_kv(v, hq)
     s, _ = _scores(q, k, attn_mask, is_causal, scale)
     acc = s.dtype
-    m = jnp.max(s, axis=-1, keepdims=True)
-    empty = m == -jnp.inf  # rows with every key masked
-    m = jnp.where(empty, jnp.zeros((), acc), m)
-    p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)
-    safe = jnp.where(empty, jnp.ones((), acc), denom)
-    out = _mm((p / safe).astype(v.dtype) if v.dtype != acc else p / safe, v, acc)
+    p, m, safe, empty = probabilities(s)
+    out = _mm(p.astype(v.dtype) if v.dtype != acc else p, v, acc)
     out = jnp.where(empty, jnp.zeros((), acc), out).astype(q.dtype)
     lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(safe))[..., 0]
     return out, lse.astype(acc_dtype(q.dtype))
@@ -103,7 +99,7 @@ def sdpa_flash_cpu_backward(grad, q, k, v, out, lse, dropout_p, is_causal, *, at
     kr, vr = _repeat_kv(k, hq), _repeat_kv(v, hq)
     s, scale = _scores(q, kr, attn_mask, is_causal, scale)
     acc = s.dtype
-    p = jnp.where(s == -jnp.inf, jnp.zeros((), acc), jnp.exp(s - lse.astype(acc)[..., None]))
+    p = probabilities(s)[0]  # = exp(s - lse), as the forward computed it: XLA reuses the forward's
     g = grad.astype(acc)
     dv = _mm(jnp.swapaxes(p, -1, -2), g, acc)
     dp = _mm(g, jnp.swapaxes(vr.astype(acc), -1, -2), acc)

@@ -91,18 +91,27 @@ def sdpa_overrideable(
     _check(query, key, value, dropout_p)
     hk = key.shape[-3]
     s, _ = _scores(query, key, attn_bias, is_causal, scale)
+    p, m, total, empty = probabilities(s)
+    acc = s.dtype
+    p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
+    out = _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
+    out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
+    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
+    return out, lse, None, None, None, None, None, None, None
+
+
+def probabilities(s):
+    """(softmax of the masked scores ``s`` with 0 for masked keys, row max, row sum, rows with every
+    key masked). The backward calls this on the same scores, so that XLA's common-subexpression pass
+    finds the forward's probabilities and keeps them, as autodiff does, instead of computing a second
+    exponential of every score from the log-sum-exp."""
     acc = s.dtype
     m = jnp.max(s, axis=-1, keepdims=True)
     empty = m == -jnp.inf  # rows with every key masked
     m = jnp.where(empty, jnp.zeros((), acc), m)
     p = jnp.exp(s - m)
     total = jnp.where(empty, jnp.ones((), acc), jnp.sum(p, axis=-1, keepdims=True))
-    p = p / total
-    p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
-    out = _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
-    out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
-    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
-    return out, lse, None, None, None, None, None, None, None
+    return p / total, m, total, empty
 
 
 @register(
@@ -132,7 +141,7 @@ def sdpa_overrideable_backward(
     hk = key.shape[-3]
     s, scale = _scores(query, key, attn_bias, is_causal, scale)
     acc = s.dtype
-    p = jnp.where(s == -jnp.inf, jnp.zeros((), acc), jnp.exp(s - logsumexp.astype(acc)[..., None]))
+    p = probabilities(s)[0]  # = exp(s - logsumexp), as the forward computed it (see probabilities)
     g = grad_out.astype(acc)
     pg, gg = _grouped(p, hk), _grouped(g, hk)
     dv = _einsum("...hgqk,...hgqd->...hkd", pg, gg, acc)

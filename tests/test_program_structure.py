@@ -1,0 +1,137 @@
+"""The programs shardtensor builds have the structure of the ones ``jax.jit`` builds for the same math
+(issue 36, item 2; bench/hlo_compare.py prints the whole comparison for a GPT): here the counts of
+the expensive elementwise ops in the HLO that XLA's CPU compiler optimized, which are what a TPU pays
+for too. Values are compared with eager torch; the structure is compared by counts, never by time.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import shardtensor as st
+from shardtensor.graph import program
+from shardtensor.graph.capture import capture, lower  # white box: the program a run would compile
+from shardtensor.ops.registry import lookup
+from shardtensor.runtime import x64_scope
+
+aten = torch.ops.aten
+
+
+def _optimized_hlo(tensors) -> str:
+    return lower([t._cell for t in tensors]).compile().as_text()
+
+
+def _count(op: str, hlo: str) -> int:
+    return len(re.findall(rf"\s{op}\(", hlo))
+
+
+def _leaves(shapes, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=g).to(dtype).requires_grad_() for s in shapes]
+
+
+def _on_device(leaves):
+    return [t.detach().to(st.device()).requires_grad_() for t in leaves]
+
+
+def test_causal_sdpa_backward_reuses_the_forward_probabilities():
+    """bf16 causal attention, forward and backward: one exponential (the forward's softmax), as JAX's
+    autodiff has; the backward used to compute exp(scores - logsumexp) a second time."""
+    ref = _leaves([(2, 2, 16, 8)] * 3, torch.bfloat16)
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.float().square().sum().backward()
+    mine = _on_device(ref)
+    got = F.scaled_dot_product_attention(*mine, is_causal=True)
+    got.float().square().sum().backward()
+    hlo = _optimized_hlo([got] + [t.grad for t in mine])
+    assert _count("exponential", hlo) == 1, hlo
+    torch.testing.assert_close(got.cpu(), out, atol=2e-2, rtol=2e-2)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.grad.cpu(), b.grad, atol=5e-2, rtol=5e-2)
+
+
+def test_tanh_gelu_backward_reuses_the_forward_tanh():
+    """bf16 tanh GELU, forward and backward: one tanh, the forward's."""
+    (ref,) = _leaves([(4, 32)], torch.bfloat16, seed=1)
+    out = F.gelu(ref, approximate="tanh")
+    out.float().square().sum().backward()
+    (mine,) = _on_device([ref])
+    got = F.gelu(mine, approximate="tanh")
+    got.float().square().sum().backward()
+    hlo = _optimized_hlo([got, mine.grad])
+    assert _count("tanh", hlo) == 1, hlo
+    torch.testing.assert_close(got.cpu(), out)
+    torch.testing.assert_close(mine.grad.cpu(), ref.grad)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 6)
+        self.out = torch.nn.Linear(6, 5)
+
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+
+def _step(model, opt, ids, targets):
+    loss = F.cross_entropy(model(ids), targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _checked_step_hlo(monkeypatch, selects: bool) -> str:
+    """The optimized HLO of a steady AdamW step of a net with an embedding (so a checked op),
+    its failed-check rollback by selects or by one conditional."""
+    monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: selects)
+    torch.manual_seed(0)
+    model = _Net().to(st.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, capturable=True)
+    ids, targets = torch.tensor([1, 2, 3, 9]).to(st.device()), torch.tensor([0, 1, 4, 2]).to(st.device())
+    _step(model, opt, ids, targets)
+    st.sync()
+    with capture() as seen:
+        loss = _step(model, opt, ids, targets)
+    lowered = lower(seen.pending(), donate=True, checks=True)
+    del loss
+    with x64_scope():
+        return lowered.jitted().lower(*lowered.abstract_arguments()).compile().as_text()
+
+
+def test_failed_check_rollback_by_selects_copies_no_state(monkeypatch):
+    """A checked step keeps the state before a failed check by selects fused into the updates: no
+    copy of each overwritten parameter and optimizer state (one conditional over all of them copies
+    each: what a TPU paid on every step). The selects' rollback itself: tests/test_checks.py."""
+    by_selects = _count("copy", _checked_step_hlo(monkeypatch, True))
+    by_conditional = _count("copy", _checked_step_hlo(monkeypatch, False))
+    state = 3 * 4  # parameters, exp_avg, exp_avg_sq of the 4 parameters
+    assert by_selects + state <= by_conditional, (by_selects, by_conditional)
+
+
+def test_cpu_flash_attention_backward_reuses_the_forward_probabilities():
+    """The CPU attention ops (an exported or traced CPU graph's) too: forward and backward in one
+    program have the forward's exponential only; the gradients equal torch's CPU kernels'."""
+    fwd = lookup(aten._scaled_dot_product_flash_attention_for_cpu.default).fn
+    bwd = lookup(aten._scaled_dot_product_flash_attention_for_cpu_backward.default).fn
+    q, k, v, g = (t.detach() for t in _leaves([(2, 2, 16, 8)] * 4, torch.float32, seed=2))
+
+    def both(q, k, v, g):
+        out, lse = fwd(q, k, v, 0.0, True)
+        return out, bwd(g, q, k, v, out, lse, 0.0, True)
+
+    args = [jnp.asarray(t.numpy()) for t in (q, k, v, g)]
+    with x64_scope():
+        hlo = jax.jit(both).lower(*args).compile().as_text()
+        out, grads = jax.jit(both)(*args)
+    assert _count("exponential", hlo) == 1, hlo
+    ref_out, ref_lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    ref = aten._scaled_dot_product_flash_attention_for_cpu_backward(g, q, k, v, ref_out, ref_lse, 0.0, True)
+    torch.testing.assert_close(torch.tensor(np.asarray(out)), ref_out)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(torch.tensor(np.asarray(a)), b)
