@@ -4,7 +4,8 @@ The first calls run ``fn`` in lazy mode and record everything it does: which ten
 (arguments, parameters, optimizer state, the RNG key), which it writes, and what it returns. When two
 consecutive calls with the same input signature record the same program from the same tensors, with
 the same Python scalars, and touch no host state (no ``.item()`` on CPU tensors, no in-place update of
-CPU tensors such as Adam's default step counters), the program is frozen: later calls feed the
+CPU tensors; torch's default optimizers count their steps on the devices inside a trace:
+``optim_steps``), the program is frozen: later calls feed the
 current values in, run the executable and write the results back, running no Python of ``fn``.
 Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
 
@@ -43,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor import trace_diff
+from shardtensor import optim_steps, trace_diff
 from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, recompile, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
@@ -141,9 +142,13 @@ class CompiledFunction:
             )
         debug = recompile.enabled()
         sites = noting_sites(inflight.user_site) if debug else contextlib.nullcontext()
+        optim_steps.install()  # torch's default optimizers count their steps on the devices: they freeze
         with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor, sites:
             monitor.watched = watched
-            out = self.fn(*args, **kwargs)
+            try:
+                out = self.fn(*args, **kwargs)
+            finally:
+                optim_steps.restore_groups()
         broken = seen.broken or monitor.reason
         cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]

@@ -83,6 +83,11 @@ class Watched:
         return modules, tuple(self.optimizers.values()), tuple(tensors.values())
 
 
+def ignore_hook(handle_id: int) -> None:
+    """A global hook shardtensor installs for itself: the guard does not count it as the user's."""
+    _OURS.add(handle_id)
+
+
 _WATCHING = threading.local()  # .seen: the Watched of the trace running on this thread, or None
 _OPTIMIZER_HOOK: list = []  # the global optimizer pre-hook, once installed
 

@@ -1,7 +1,7 @@
 """Issue 2 §6: ``st.compile(fn, full_graph=False, name=None)`` — as a call and a decorator, results
-equal to eager torch, freezing of a trace (later calls run no Python of fn's body) with SGD and
-Adam(capturable=True), default Adam re-running Python but compiling once, in-place updates visible
-after the call, and full_graph=True errors."""
+equal to eager torch, freezing of a trace (later calls run no Python of fn's body) with SGD,
+Adam(capturable=True) and torch's default optimizers, Adagrad re-running Python but compiling once,
+in-place updates visible after the call, and full_graph=True errors."""
 
 import copy
 
@@ -370,15 +370,38 @@ def test_compile_adam_capturable_freezes_and_trains(foreach):
     _assert_same_training(ref, dev, losses, ref_losses, ref_opt, dev_opt)  # exp_avg, exp_avg_sq, step
 
 
-@pytest.mark.parametrize("opt", ["adam", "adamw_foreach_false"])
-def test_compile_default_adam_reruns_python_but_compiles_once(opt):
-    """Default Adam keeps its step counters on the CPU and reads them (.item()): the body re-runs
-    each call, yet after the warm-up (state created in call 1) every call reuses one executable."""
-    make = {
-        "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
-        "adamw_foreach_false": lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-    }[opt]
-    ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(make, steps=5)
+DEFAULT_OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
+    "adamw_foreach_false": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, foreach=False),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-3),  # two host counters: step and mu_product
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-3),  # a host branch on the step count
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(DEFAULT_OPTIMIZERS))
+def test_compile_default_optimizers_freeze_and_train(opt):
+    """torch's default optimizers keep their step counters on the CPU and read them (.item()); inside
+    st.compile they count on the devices (torch's capturable path), so the trace freezes, while
+    param_groups still say capturable=False and the results equal eager torch's default optimizer."""
+    ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(
+        DEFAULT_OPTIMIZERS[opt], steps=6
+    )
+    assert len(calls) <= 3, f"the body ran {len(calls)} times: the trace never froze"
+    assert n("CompileFrozen") == 1
+    assert compiles[-1] == compiles[2], f"replays must not compile: {compiles}"
+    assert [g["capturable"] for g in dev_opt.param_groups] == [False]
+    _assert_same_training(ref, dev, losses, ref_losses, ref_opt, dev_opt)  # step counters too
+
+
+def test_compile_adagrad_without_a_capturable_path_reruns_python_but_compiles_once():
+    """Adagrad has no capturable path in torch: its host counter keeps the body running each call,
+    still with one executable after the warm-up."""
+    ref, dev, ref_opt, dev_opt, losses, ref_losses, calls, compiles = _compiled_training(
+        lambda ps: torch.optim.Adagrad(ps, lr=1e-2), steps=5
+    )
     assert len(calls) == 5
     assert n("CompileFrozen") == 0
     assert compiles[-1] == compiles[1], f"recompiled after the warm-up: {compiles}"

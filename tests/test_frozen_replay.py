@@ -121,6 +121,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda ps, device: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     # a step counter on the device lets it freeze (torch refuses capturable=True on the CPU: same maths)
     "adam": lambda ps, device: torch.optim.Adam(ps, lr=0.01, capturable=device),
+    # torch's default: its host step counter moves to the devices inside st.compile (optim_steps)
+    "adamw_default": lambda ps, device: torch.optim.AdamW(ps, lr=0.01),
 }
 
 

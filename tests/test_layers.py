@@ -33,6 +33,7 @@ LAYERS = [
             "debug",
             "nn_utils",
             "optim_prime",
+            "optim_steps",
             "dynamo_backend",
             "checkpoint",
             "distributed",

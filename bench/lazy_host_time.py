@@ -1,0 +1,98 @@
+"""Where a repeated lazy training step spends the host's time (issue 37, section 2).
+
+An MLP (``--layers`` Linear+GELU blocks of ``--width``) trained lazily with torch's default AdamW on
+8 simulated CPU devices; after a warm-up, ``--steps`` steps are timed (wall, perf_counter) in parts:
+recording (the step's Python: model, autograd, optimizer, shardtensor's dispatch), building the
+program and its structural key at ``sync()`` (``Program.build``), the call into the jitted
+executable, and the rest of the host's time (mostly waiting for the devices once runs queue up).
+The parts are found by wrapping two internal functions, so this bench reads shardtensor's internals
+(it is a profile, not a comparison with JAX).
+
+Usage::
+
+    python bench/lazy_host_time.py
+    python bench/lazy_host_time.py --layers 12 --width 128 --steps 20
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
+os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+from shardtensor.graph import execute, program  # noqa: E402
+
+SPENT: dict[str, float] = {}
+
+
+def _timed(label, fn):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            SPENT[label] = SPENT.get(label, 0.0) + time.perf_counter() - start
+
+    return wrapper
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--steps", type=int, default=40)
+    args = p.parse_args()
+
+    build = program.Program.build.__func__
+    program.Program.build = classmethod(_timed("building the program and its key", build))
+    execute.call_executable = _timed("calling the jitted executable", execute.call_executable)
+
+    torch.manual_seed(0)
+    blocks = [m for _ in range(args.layers) for m in (nn.Linear(args.width, args.width), nn.GELU())]
+    model = nn.Sequential(*blocks).to(st.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # torch's default: step counters on the host
+    x = torch.randn(32, args.width).to(st.device())
+    y = torch.randint(0, args.width, (32,)).to(st.device())
+
+    def record():
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    for _ in range(5):
+        record()
+        st.sync()
+    st.sync(wait=True)
+    SPENT.clear()
+    recording = 0.0
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        loss = record()
+        recording += time.perf_counter() - t0
+        st.sync()
+    host = time.perf_counter() - start
+    loss.item()
+    n = args.steps
+    print(f"lazy step: {args.layers} Linear+GELU blocks of width {args.width}, default AdamW, 8 devices")
+    print(f"  host time per step {host / n * 1e3:.2f} ms, of which:")
+    print(f"    recording {recording / n * 1e3:.2f} ms")
+    for label, seconds in SPENT.items():
+        print(f"    {label} {seconds / n * 1e3:.2f} ms")
+    rest = host - recording - sum(SPENT.values())
+    print(f"    the rest (waiting for queued runs, bookkeeping) {rest / n * 1e3:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
