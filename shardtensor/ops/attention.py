@@ -23,8 +23,8 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops.precision import precision
 from shardtensor.ops.fused_attention import probabilities
+from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
