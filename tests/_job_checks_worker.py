@@ -3,7 +3,11 @@ disagree across the processes (issue 35) must raise a clear error in every proce
 
 import datetime
 
+import torch
 import torch.distributed as dist
+
+import shardtensor as st
+from shardtensor.distributed import agreement
 
 
 def _init_error(**kwargs) -> str | None:
@@ -22,4 +26,17 @@ def disagreements(index: int) -> dict:
     }
     report["good_init"] = _init_error()  # then a right one works
     dist.destroy_process_group()
+    report["shape"] = _all_reduce_error(torch.ones(2 + index).to(st.device()))  # gloo aborted process 0
+    report["dtype"] = _all_reduce_error(torch.ones(2, dtype=torch.float32 if index else torch.int32).to(st.device()))
+    x = torch.arange(4.0) * (index + 1)
+    report["sums"] = [st.all_reduce(st.REDUCE_SUM, x.to(st.device())).cpu() for _ in range(3)]
+    report["agreed"] = len(agreement._AGREED)  # the loop's signature exchanged once
     return report
+
+
+def _all_reduce_error(t) -> str | None:
+    try:
+        st.all_reduce(st.REDUCE_SUM, t).cpu()
+    except ValueError as error:
+        return str(error)
+    return None

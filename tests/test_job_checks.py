@@ -1,7 +1,10 @@
 """Issue 35: in a job of several processes, arguments that disagree across the processes raise a
 clear error in every process instead of hanging or aborting: ``dist.init_process_group`` with a
-world size or rank that is not the job's (torch's store waited for ever, or EADDRINUSE). One small
+world size or rank that is not the job's (torch's store waited for ever, or EADDRINUSE), and
+``st.all_reduce`` of a different shape or dtype in each process (gloo ended process 0 by SIGABRT). One small
 `st.launch` job (1 device per process) runs every case."""
+
+import torch
 
 import shardtensor as st
 from _job_checks_worker import disagreements
@@ -15,3 +18,12 @@ def test_disagreements_across_processes_raise_in_every_process():
         assert "process 0: rank 0 of world size 2, process 1: rank 0 of world size 2" in r["both_rank_0"]
         assert r["initialized_after"] is False
         assert r["good_init"] is None
+        assert (
+            "st.all_reduce: the processes passed different tensors (process 0: all_reduce((2,) torch.float32"
+            in r["shape"]
+        )
+        assert "process 1: all_reduce((3,) torch.float32" in r["shape"]
+        assert "process 0: all_reduce((2,) torch.int32" in r["dtype"] and "(2,) torch.float32" in r["dtype"]
+        for got in r["sums"]:
+            torch.testing.assert_close(got, torch.arange(4.0) * 3)
+        assert r["agreed"] == 1
