@@ -389,6 +389,7 @@ class _Frozen:
         if self.executable.program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
             return _STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
+        inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
         program = self.executable.program
         arrays, checked, passed = [], self.checked, []
         for i, (kind, ident, ref) in enumerate(self.sources):

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import torch
 
+from shardtensor.graph import memory
+from shardtensor.graph.modes import sync
 from shardtensor.integrations.generate_on_host import encoder_outputs_on_device
 
 # The smallest prompt bucket: shorter prompts all share one prefill program.
@@ -156,13 +159,75 @@ def generate(
         # transformers runs the encoder on the inputs as they are (it moves only the decoder's per-step
         # inputs to the model's device): run it here, on the device, once
         kwargs["encoder_outputs"] = encoder_outputs_on_device(model, ids, mask)
-    out = model.generate(ids, **kwargs)
+    # pending work of the caller's (the model's upload) runs now, on its own: a generation refused for
+    # memory then fails only its own tensors, never the weights
+    sync()
+    if implementation == "static":
+        _check_static_cache_fits(model, ids.shape[0], int(new_tokens), ids.shape[1], kwargs)
+    # transformers sizes every later static cache to at least this call's (``_previous_max_cache_length``):
+    # a call that fails (a cache too big) must not leave its size behind for the next ones
+    previous = model.__dict__.get("_previous_max_cache_length", _UNSET)
+    try:
+        out = model.generate(ids, **kwargs)
+    except BaseException:
+        if previous is _UNSET:
+            model.__dict__.pop("_previous_max_cache_length", None)
+        else:
+            model._previous_max_cache_length = previous
+        raise
     if model.config.is_encoder_decoder:
         pad = 0  # the result is the decoder's tokens only: no prompt, no padding in it
     if isinstance(out, torch.Tensor):
         return out[:, pad:].to(device)
     out.sequences = out.sequences[:, pad:].to(device)  # return_dict_in_generate: scores etc. as they are
     return out
+
+
+_UNSET = object()
+
+
+def static_cache_bytes(model: Any, batch: int, max_cache_len: int) -> int:
+    """Bytes of the keys and values of a static KV cache of ``max_cache_len`` positions for ``batch``
+    sequences of ``model`` (its decoder's self-attention; sliding-window layers hold their window).
+
+    Example::
+
+        static_cache_bytes(model, 1, 4096)   # 2 * layers * kv_heads * 4096 * head_dim * 4 for float32
+    """
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    positions = sum(
+        min(window, max_cache_len) if window and kind == "sliding_attention" else max_cache_len for kind in layer_types
+    )
+    itemsize = torch.empty((), dtype=model.dtype).element_size()
+    return 2 * batch * kv_heads * head_dim * positions * itemsize
+
+
+def _check_static_cache_fits(model: Any, batch: int, new_tokens: int, prompt: int, kwargs: dict) -> None:
+    """Refuse, before anything is allocated, a static cache larger than the memory of every device
+    together (it could not fit however it is sharded)."""
+    config = model.generation_config
+    length = max(
+        int(kwargs.get("max_cache_len") or 0),
+        prompt + new_tokens,
+        int(getattr(config, "max_cache_len", None) or 0),
+        int(getattr(model, "_previous_max_cache_length", -1)),  # transformers never shrinks it
+    )
+    beams = int(kwargs.get("num_beams", config.num_beams) or 1)
+    copies = max(beams, int(kwargs.get("num_return_sequences", config.num_return_sequences) or 1))
+    needed = static_cache_bytes(model, batch * copies, length)
+    free, where = memory.available_in_all(jax.local_devices())
+    if needed > free:
+        raise memory.OutOfDeviceMemoryError(
+            f"st.generate: max_new_tokens={new_tokens} needs a static KV cache of {length} positions for "
+            f"{batch * copies} sequence(s): {memory.format_size(needed)}, more than {memory.format_size(free)} "
+            f"({where}). Nothing was allocated. Ask for fewer new tokens (or a smaller batch), or use "
+            "cache_implementation='dynamic', which grows the cache only as far as generation goes."
+        )
 
 
 def _decode_compile_config() -> Any:

@@ -277,3 +277,28 @@ def test_model_generate_encoder_decoder_with_ids_on_device():
     out = model.generate(dev_ids, cache_implementation="static", **greedy)
     torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0)
     assert compiles() - before == 2
+
+
+def test_a_cache_that_cannot_fit_is_refused_and_a_failed_call_leaves_nothing():
+    """Issue 35: max_new_tokens=10**6 grew host memory to 8.9 GB, and every later call failed too."""
+    model = tiny("llama")
+    torch.manual_seed(1)
+    prompt = torch.randint(3, VOCAB, (1, 7))
+    expected = model.generate(prompt, **GREEDY)
+    model.to(st.device())  # not synced: its upload must not be lost with a refused generation
+    # 2**30 positions x 2 layers x 2 KV heads x 16 x (keys, values) x 4 bytes: 512 GiB, refused at once
+    assert st.generation.static_cache_bytes(model, 1, 2**30) == 2 * 2 * 2 * 16 * 2**30 * 4
+    refused = r"static KV cache of 1073741824 positions .*512\.0 GiB, more than"
+    with pytest.raises(torch.OutOfMemoryError, match=refused):
+        st.generate(model, prompt, **dict(GREEDY, max_new_tokens=10**9))
+    # a cache that passes that check, in a program refused under a device memory limit: the call fails,
+    # then a normal call works (transformers' remembered cache size and the weights are untouched)
+    previous = st.device_memory_limit()
+    st.set_device_memory_limit("8MiB")
+    try:
+        with pytest.raises(torch.OutOfMemoryError, match="more than the limit of 8.0 MiB per device"):
+            st.generate(model, prompt, **dict(GREEDY, max_new_tokens=20000))
+    finally:
+        st.set_device_memory_limit(previous)
+    assert "_previous_max_cache_length" not in model.__dict__
+    torch.testing.assert_close(st.generate(model, prompt, **GREEDY), expected, rtol=0, atol=0)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from shardtensor import runtime as rt
+from shardtensor.distributed.agreement import check_same_everywhere
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -189,12 +190,14 @@ def all_reduce(
     op = _reduce_op(reduce_type)
     flat, size = process_groups(groups, "all_reduce")
     if isinstance(inputs, torch.Tensor):
+        check_same_everywhere("all_reduce", [inputs], op, flat, size)
         return _scaled(_OPS.all_reduce(inputs, op, flat, size), scale, "all_reduce")
     if not isinstance(inputs, list | tuple):
         raise TypeError(f"all_reduce takes a tensor or a list of tensors, got {type(inputs).__name__}.")
     tensors = [_tensor(t, "all_reduce") for t in inputs]
     for t in tensors:  # every argument checked before any tensor is changed in place
         _check_scale(t.dtype, scale, "all_reduce")
+    check_same_everywhere("all_reduce", tensors, op, flat, size)
     small: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel() < JOIN_BELOW:
@@ -226,6 +229,7 @@ def all_gather(
     flat, size = process_groups(groups, "all_gather")
 
     def one(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        check_same_everywhere("all_gather", [t], dim, flat, size)
         return _into(out, _OPS.all_gather(t, _dim(t, dim, "all_gather"), flat, size), "all_gather")
 
     return _each(value, output, one, "all_gather")
@@ -270,6 +274,7 @@ def reduce_scatter(
 
     def one(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         dim = _dim(t, scatter_dim, "reduce_scatter", "scatter_dim")
+        check_same_everywhere("reduce_scatter", [t], op, dim, flat, size)
         return _into(
             out, _scaled(_OPS.reduce_scatter(t, op, dim, flat, size), scale, "reduce_scatter"), "reduce_scatter"
         )
@@ -298,6 +303,7 @@ def all_to_all(
     value = _tensor(value, "all_to_all")
     split = _dim(value, split_dimension, "all_to_all", "split_dimension")
     concat = _dim(value, concat_dimension, "all_to_all", "concat_dimension")
+    check_same_everywhere("all_to_all", [value], split, concat, flat, size)
     return _OPS.all_to_all(value, split, concat, flat, size)
 
 
@@ -322,4 +328,6 @@ def collective_permute(value: torch.Tensor, pairs: Sequence[Sequence[int]]) -> t
         ends = [pair[side] for pair in pairs]
         if len(set(ends)) != len(ends):
             raise ValueError(f"{usage}: each process is the {name} of at most one pair, got {pairs!r}.")
-    return _OPS.collective_permute(value, [int(p) for pair in pairs for p in pair])
+    flat_pairs = [int(p) for pair in pairs for p in pair]
+    check_same_everywhere("collective_permute", [value], flat_pairs)
+    return _OPS.collective_permute(value, flat_pairs)

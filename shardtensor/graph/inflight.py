@@ -20,6 +20,9 @@ With aliasing off (``aliasing``) nothing is donated, so every overwritten tensor
 The old buffers are kept until the run is known to have finished, and the next program waits for
 that before it starts: at most two copies of the overwritten state exist, as the memory analysis of
 the program says. With aliasing on, a run is only looked at (never waited for) before the next one.
+
+Every path that runs a program (lazy sync, eager ops, frozen ``st.compile`` replays) settles first,
+so a loop that never reads has at most ``max_in_flight()`` runs queued: the oldest are waited for.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import sys
 import types
 import weakref
 
+from shardtensor import runtime
 from shardtensor.graph import recompile
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
@@ -43,7 +47,14 @@ OOM_ADVICE = (
     "If it ran out of memory, set SHARDTENSOR_DEVICE_MEMORY (or st.set_device_memory_limit) to the "
     "memory a device really has, so that a program which cannot fit is refused before it runs."
 )
-MAX_IN_FLIGHT = 256  # beyond this many unfinished runs, the oldest are waited for (each holds its results)
+# At most this many unfinished runs: before another, the oldest are waited for (each holds its
+# results). XLA:CPU queues at most 32 programs per device; a dispatch past that blocks with the
+# program started on some devices only, whose collectives then hold the CPU client's threads while
+# they wait for the rest: the process dies ("Termination timeout for all reduce"). So on CPU the
+# bound stays well under 32.
+MAX_IN_FLIGHT = 256
+MAX_IN_FLIGHT_CPU = 16
+_bound: int | None = None  # the one for this process's platform, once known
 
 
 class ConsumedInputError(ExecutionFailedError):
@@ -132,6 +143,29 @@ def follow_copy(array, copy) -> None:
             run.entries = [(ref, copy if out is array else out, old, owned) for ref, out, old, owned in run.entries]
 
 
+def max_in_flight() -> int:
+    """How many runs may be in flight at once on this platform (see ``MAX_IN_FLIGHT``).
+
+    Example::
+
+        assert in_flight() <= max_in_flight()
+    """
+    global _bound
+    if _bound is None:
+        _bound = MAX_IN_FLIGHT_CPU if runtime.platform() == "cpu" else MAX_IN_FLIGHT
+    return _bound
+
+
+def in_flight() -> int:
+    """How many runs are noted as in flight (not yet seen to finish).
+
+    Example::
+
+        in_flight()   # 0 after a read of every result
+    """
+    return len(_RUNS)
+
+
 def forget() -> None:
     """Stop watching every run in flight (tests reset the engine between cases with it)."""
     _RUNS.clear()
@@ -157,7 +191,7 @@ def settle(wait_for=None) -> None:
     if not _RUNS:
         return
     first = None
-    crowded = len(_RUNS) - MAX_IN_FLIGHT  # this many of the oldest are waited for
+    crowded = len(_RUNS) + 1 - max_in_flight()  # this many of the oldest are waited for (the next run counts)
     polling = True  # runs finish in order: past the first unfinished one, only waits are worth it
     for run in list(_RUNS):
         crowded -= 1

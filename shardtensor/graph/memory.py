@@ -161,6 +161,26 @@ def check(memory, what: str) -> None:
             )
 
 
+def available_in_all(devices) -> tuple[int | float, str]:
+    """(bytes free on all ``devices`` together, where that number comes from): what the configured
+    limit allows, else what the devices report free, else (CPU devices) what the host has available;
+    ``inf`` when nothing says. For a buffer that must fit even when spread over every device.
+
+    Example::
+
+        free, where = available_in_all(jax.local_devices())
+    """
+    devices = list(devices)
+    limit = device_memory_limit()
+    if limit is not None:
+        return limit * len(devices), f"the limit of {_size(limit)} per device x {len(devices)} device(s) ({ENV})"
+    stats = [_device_stats(d) for d in devices]
+    if stats and all(s is not None for s in stats):
+        return sum(total - used for total, used in stats), f"free on {len(devices)} device(s)"
+    free, where = _host_free(float("inf"))
+    return free, f"{where} on the host"
+
+
 def _refuse(memory, what, available):
     raise OutOfDeviceMemoryError(
         f"{what} needs {memory.describe()}, more than {available}. It was not run: every tensor it "
@@ -217,6 +237,11 @@ def _mem_available():
     except OSError:  # not Linux: no cheap way to know; the program runs and may fail
         return None
     return None
+
+
+def format_size(n) -> str:
+    """Bytes as people read them. Example: ``format_size(3 * 2**30) == "3.0 GiB"``."""
+    return _size(n)
 
 
 def _size(n) -> str:
