@@ -113,6 +113,9 @@ def generate(
             f"buckets), not {implementation!r}: call model.generate directly for other caches (each new "
             "token is then a new program)"
         )
+    # pending work of the caller's (the model's upload) runs first, on its own: a generation refused for
+    # memory then fails only its own tensors, never the weights
+    sync()
     device = input_ids.device
     ids = input_ids.cpu()
     mask = attention_mask.cpu() if attention_mask is not None else None
@@ -159,9 +162,6 @@ def generate(
         # transformers runs the encoder on the inputs as they are (it moves only the decoder's per-step
         # inputs to the model's device): run it here, on the device, once
         kwargs["encoder_outputs"] = encoder_outputs_on_device(model, ids, mask)
-    # pending work of the caller's (the model's upload) runs now, on its own: a generation refused for
-    # memory then fails only its own tensors, never the weights
-    sync()
     if implementation == "static":
         _check_static_cache_fits(model, ids.shape[0], int(new_tokens), ids.shape[1], kwargs)
     # transformers sizes every later static cache to at least this call's (``_previous_max_cache_length``):
