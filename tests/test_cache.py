@@ -135,7 +135,7 @@ def test_an_unusable_path_warns_once_and_leaves_caching_off(tmp_path, where):
     assert "a file, not a directory" in messages[0] or "cannot be written" in messages[0]
     import jax
 
-    assert not jax.config.jax_compilation_cache_dir and st.runtime._CACHE is None
+    assert not jax.config.jax_compilation_cache_dir and st.runtime.compilation_cache._CACHE is None
 
 
 # One process: fill the cache, corrupt every entry (truncated, overwritten, one bit flipped), forget
