@@ -1,0 +1,189 @@
+"""Where the chip's time goes: shardtensor's program and JAX's for the same bf16 GPT, each run under
+``jax.profiler`` and its device time summed per HLO instruction (issue 36, item 2). Run on the TPU
+machine; writes, per part (``forward``, ``step``) and side (``st``, ``jax``), the optimized HLO text
+and a JSON of {instruction: [total ns, count]} into ``--out``, and prints the top instructions of each
+side and the device time per run. The programs are the ones bench/hlo_compare.py builds (a run's
+program: ``graph.capture`` + ``graph.lower``, buffers donated), fed their real inputs (donated ones
+copied before each run). On a CPU it runs too (the numbers are the CPU's thunks).
+
+Example::
+
+    source bench/tpu_setup.sh && python3 bench/tpu_profile.py --out $OUT/prof     # bench sizes
+    .venv/bin/python bench/tpu_profile.py --tiny --out /tmp/prof                     # on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hlo_compare  # noqa: E402  (sets the one-device CPU environment before jax is imported)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+from jax.profiler import ProfileData  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+from gpt_model import GPT  # noqa: E402
+from shardtensor.runtime import x64_scope  # noqa: E402
+
+
+def device_times(xplane_path):
+    """{HLO instruction: [total ns, count]} over the device planes' "XLA Ops" lines (a CPU: every
+    event carrying an ``hlo_op`` stat)."""
+    totals: dict = collections.defaultdict(lambda: [0.0, 0])
+    data = ProfileData.from_file(xplane_path)
+    for plane in data.planes:
+        on_device = plane.name.startswith("/device:")
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if (on_device and line.name == "XLA Ops") or (not on_device and "hlo_op" in stats):
+                    entry = totals[stats.get("hlo_op", event.name)]
+                    entry[0] += event.duration_ns
+                    entry[1] += 1
+    return dict(totals)
+
+
+def profiled(run, runs, warmup=2):
+    """(seconds per run by wall clock, {instruction: [ns, count]} per run) of ``run()`` (which
+    blocks until its result is ready)."""
+    for _ in range(warmup):
+        run()
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        run()
+    wall = (time.perf_counter() - t0) / runs
+    folder = tempfile.mkdtemp()
+    with jax.profiler.trace(folder):
+        for _ in range(runs):
+            run()
+    (path,) = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    per_run = {k: [ns / runs, n / runs] for k, (ns, n) in device_times(path).items()}
+    return wall, per_run
+
+
+def st_program(args, part, state, batch):
+    """(compiled, run) for shardtensor's program of ``part``: as hlo_compare.torch_side builds it."""
+    from shardtensor.graph.capture import capture, lower
+
+    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
+    model.to(torch.bfloat16).load_state_dict(state)
+    model = model.to(st.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    x, y = (t.to(st.device()) for t in batch)
+
+    def step():
+        if part == "forward":
+            with torch.no_grad():
+                out = model(x)
+                return [torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))]
+        out = model(x)
+        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return [loss]
+
+    if part == "step":
+        step()
+        st.sync()
+    with capture() as seen:
+        results = step()
+    lowered = lower(seen.pending(), donate=True)
+    del results
+    program = lowered.jitted().program
+    with x64_scope():
+        compiled = lowered.jitted().lower(*lowered.abstract_arguments()).compile()
+    donated = [lowered.arrays[i] for i in program.donated]
+    kept = [lowered.arrays[i] for i in program.kept]
+    scalars = lowered.scalars
+
+    def run():
+        with x64_scope():
+            out = compiled([jnp.copy(a) for a in donated], kept, scalars)
+        jax.block_until_ready(out)
+
+    return compiled, run
+
+
+def jax_program(args, part, state, batch):
+    import tpu  # the bench's JAX GPT (torch's bf16 numerics) and AdamW
+
+    params = {k: jnp.asarray(v.float().numpy(), jnp.bfloat16) for k, v in state.items()}
+    x, y = (jnp.asarray(t.numpy()) for t in batch)
+
+    def loss_fn(p):
+        return tpu.jax_loss(p, x, y, args.heads, args.layers)
+
+    if part == "forward":
+        compiled = jax.jit(loss_fn).lower(params).compile()
+
+        def run():
+            compiled(params).block_until_ready()
+
+        return compiled, run
+
+    m = {k: jnp.zeros_like(v) for k, v in params.items()}
+    v = {k: jnp.zeros_like(a) for k, a in params.items()}
+    count = jnp.zeros((), jnp.float32)
+
+    def fn(params, m, v, count):
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return (*tpu.jax_adamw(params, grads, m, v, count), loss)
+
+    compiled = jax.jit(fn, donate_argnums=(0, 1, 2, 3)).lower(params, m, v, count).compile()
+
+    def run():
+        fresh = jax.tree.map(jnp.copy, (params, m, v, count))
+        jax.block_until_ready(compiled(*fresh))
+
+    return compiled, run
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="forward,step")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    sizes = dict(vocab=512, seq=64, d=64, heads=4, layers=2, batch=2) if args.tiny else {}
+    sizes = {**dict(vocab=32768, seq=1024, d=1024, heads=16, layers=8, batch=8), **sizes}
+    for k, val in sizes.items():
+        setattr(args, k, val)
+    st.set_checks(False)  # JAX's program has none; the checks' cost is measured elsewhere
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    os.makedirs(args.out, exist_ok=True)
+    print(f"bf16 GPT {sizes} on {jax.devices()[0].device_kind}", flush=True)
+    for part in args.parts.split(","):
+        for side, build in (("jax", jax_program), ("st", st_program)):
+            compiled, run = build(args, part, state, batch)
+            text = compiled.as_text()
+            wall, per_run = profiled(run, args.runs)
+            with open(os.path.join(args.out, f"{part}_{side}_opt.txt"), "w") as f:
+                f.write(text)
+            with open(os.path.join(args.out, f"{part}_{side}_times.json"), "w") as f:
+                json.dump(per_run, f, indent=0, sort_keys=True)
+            device_ms = sum(ns for ns, _ in per_run.values()) / 1e6
+            print(f"\n== {part} {side}: wall {wall * 1e3:.2f} ms/run, device ops {device_ms:.2f} ms/run", flush=True)
+            for name, (ns, n) in sorted(per_run.items(), key=lambda kv: -kv[1][0])[: args.top]:
+                print(f"   {ns / 1e3:10.1f} us  x{n:5.1f}  {name}")
+            del compiled, run
+
+
+if __name__ == "__main__":
+    main()
