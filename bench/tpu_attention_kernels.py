@@ -41,9 +41,17 @@ def main():
 
     def flash(block):
         sizes = fa.BlockSizes(
-            block_q=block, block_k_major=block, block_k=block, block_b=1,
-            block_q_major_dkv=block, block_k_major_dkv=block, block_k_dkv=block, block_q_dkv=block,
-            block_k_major_dq=block, block_k_dq=block, block_q_dq=block,
+            block_q=block,
+            block_k_major=block,
+            block_k=block,
+            block_b=1,
+            block_q_major_dkv=block,
+            block_k_major_dkv=block,
+            block_k_dkv=block,
+            block_q_dkv=block,
+            block_k_major_dq=block,
+            block_k_dq=block,
+            block_q_dq=block,
         )
         return lambda q, k, v: fa.flash_attention(q, k, v, causal=True, sm_scale=scale, block_sizes=sizes)
 
@@ -51,6 +59,7 @@ def main():
         def f(q, k, v):
             out, vjp = jax.vjp(attend, q, k, v)
             return out, vjp(dout)
+
         return jax.jit(f)
 
     ref = fwd_bwd(xla)(q, k, v)
@@ -60,8 +69,10 @@ def main():
         try:
             fn = fwd_bwd(attend)
             out = fn(q, k, v)
-            err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-                      for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+            err = max(
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+                for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref))
+            )
             s = timed(fn, q, k, v)
             print(f"  {name:28s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s  max|diff| {err:.3g}", flush=True)
         except Exception as e:  # a block size the kernel refuses: say so and go on
@@ -72,16 +83,27 @@ def main():
 
         for bl in (256, 512, 1024):
             mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(h)])
-            bs = sk.BlockSizes(block_q=bl, block_kv=bl, block_kv_compute=bl, block_q_dkv=bl, block_kv_dkv=bl,
-                               block_kv_dkv_compute=bl, block_q_dq=bl, block_kv_dq=bl)
+            bs = sk.BlockSizes(
+                block_q=bl,
+                block_kv=bl,
+                block_kv_compute=bl,
+                block_q_dkv=bl,
+                block_kv_dkv=bl,
+                block_kv_dkv_compute=bl,
+                block_q_dq=bl,
+                block_kv_dq=bl,
+            )
             kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=bs)
             splash = lambda q, k, v, kernel=kernel: jax.vmap(kernel)(q * scale, k, v)  # noqa: E731
             fn = fwd_bwd(splash)
             out = fn(q, k, v)
-            err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-                      for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref)))
+            err = max(
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
+                for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref))
+            )
             s = timed(fn, q, k, v)
-            print(f"  {'splash block ' + str(bl):28s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s  max|diff| {err:.3g}", flush=True)
+            name = f"splash block {bl}"
+            print(f"  {name:28s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s  max|diff| {err:.3g}", flush=True)
     except Exception as e:
         print(f"  splash failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
 

@@ -23,8 +23,10 @@ import sys
 import tempfile
 import time
 
+os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "1")  # one device, like the chip (on a CPU)
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hlo_compare  # noqa: E402  (sets the one-device CPU environment before jax is imported)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import torch  # noqa: E402
