@@ -245,8 +245,24 @@ class _nullcontext:
         return False
 
 
+def xla_attention():
+    """torch's SDPA backends without flash: shardtensor's SDPA stays XLA's attention on a TPU (the
+    program JAX's jax.jit builds), instead of JAX's Pallas splash kernel (MATH: for CPU tensors)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.OVERRIDEABLE, SDPBackend.MATH])
+
+
 def time_st_training(state, size, batches, mode):
-    """mode: 'compile' (capturable AdamW), 'compile-default', 'lazy-item', 'lazy-10'."""
+    """mode: 'compile' (capturable AdamW), 'compile-default', 'lazy-item', 'lazy-10', each with XLA's
+    attention; 'compile-splash': 'compile' with SDPA through the splash kernel (a TPU's default)."""
+    if mode != "compile-splash":
+        with xla_attention():
+            return _time_st_training(state, size, batches, mode)
+    return _time_st_training(state, size, batches, "compile")
+
+
+def _time_st_training(state, size, batches, mode):
     trainer = TorchTrainer(state, size, capturable=mode != "compile-default")
     dev = _device_batches(batches)
     index = {id(b[0]): i for i, b in enumerate(batches)}
@@ -289,9 +305,10 @@ def time_forward(state, size, batches):
     trainer = TorchTrainer(state, size, capturable=True)
     dev = _device_batches(batches)
     compiled = st.compile(trainer.forward_loss)
-    st_s, st_loss = _timed(
-        lambda x, y: compiled(*dev[index[id(x)]]), batches, ARGS.warmup, ARGS.steps, lambda v: v.item()
-    )
+    with xla_attention():
+        st_s, st_loss = _timed(
+            lambda x, y: compiled(*dev[index[id(x)]]), batches, ARGS.warmup, ARGS.steps, lambda v: v.item()
+        )
     return jax_s, st_s, float(jax_loss_v), st_loss
 
 
@@ -315,6 +332,7 @@ def gpt_section():
         ("lazy-item", "lazy with st.step() + loss.item() each step"),
         ("lazy-10", "lazy, one read after all steps"),
         ("compile-default", "st.compile, default AdamW"),
+        ("compile-splash", "st.compile, capturable, SDPA via Pallas splash (TPU default)"),
     ):
         if ARGS.modes and mode not in ARGS.modes:
             continue
@@ -390,6 +408,12 @@ def attention_section():
     def pallas_attend(q, k, v):
         return st.kernels.flash_attention_jax(q, k, v, causal=True)
 
+    def splash_attend(q, k, v):  # what shardtensor's SDPA runs on a TPU (ops/tpu_attention.py)
+        from shardtensor.ops import tpu_attention
+
+        with st.runtime.x64_off_scope():
+            return tpu_attention._attend(q, k, v, True, dh**-0.5)
+
     def time_jax(fn):
         return _time_calls(lambda: fn(jq, jk, jv), lambda r: r[0].block_until_ready())
 
@@ -402,11 +426,18 @@ def attention_section():
         base,
         flops,
     )
+    if not ARGS.tiny:  # (interpret mode on a CPU: minutes)
+        splash = time_jax(jax_loss_of(splash_attend))
+        row(f"attention T={t}", "JAX's Pallas splash attention, jax.jit", splash, base, flops)
     dq, dk, dv, dw = (x.to(st.device()) for x in (q, k, v, w))
     st.sync()
     for name, attend in (
         (
-            "F.scaled_dot_product_attention, st.compile",
+            "F.scaled_dot_product_attention, st.compile (XLA's attention)",
+            lambda a, b_, c: _in_xla_attention(F.scaled_dot_product_attention, a, b_, c, is_causal=True),
+        ),
+        (
+            "F.scaled_dot_product_attention, st.compile (TPU default: splash)",
             lambda a, b_, c: F.scaled_dot_product_attention(a, b_, c, is_causal=True),
         ),
         (
@@ -423,6 +454,11 @@ def attention_section():
         compiled = st.compile(grads)
         seconds = _time_calls(functools.partial(compiled, dq, dk, dv), lambda r: r[0].cpu())
         row(f"attention T={t}", name, seconds, base, flops)
+
+
+def _in_xla_attention(fn, *args, **kwargs):
+    with xla_attention():
+        return fn(*args, **kwargs)
 
 
 def _time_calls(call, read):

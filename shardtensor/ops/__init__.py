@@ -36,6 +36,7 @@ from shardtensor.ops import (  # noqa: F401  (each module registers its lowering
     shape,
     sorting,
     special,
+    tpu_attention,
     transformer,
 )
 from shardtensor.ops.registry import Lowering, bakes_scalar, lookup, register, registered_ops  # noqa: F401
