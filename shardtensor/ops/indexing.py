@@ -408,17 +408,19 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
 
 @register(aten.embedding_dense_backward.default)
 def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    # Accumulated in the gradient's own dtype, as torch's CPU kernel does (its index_add_ adds bf16
+    # rows to bf16 rows in index order, which XLA:CPU's scatter reproduces exactly): JAX's program for
+    # a bf16 embedding, which on a TPU scatter-adds into the tied weight's gradient in place.
     idx = indices.reshape(-1)
     dim = grad.shape[-1]
     g = grad.reshape(-1, dim)
-    acc = acc_dtype(grad.dtype)
-    g = g.astype(acc)
     if scale_grad_by_freq:
+        acc = acc_dtype(grad.dtype)
         counts = write_at(jnp.zeros((num_weights,), acc), (idx,), 1, "add")
-        g = g / counts[idx][:, None]
+        g = (g.astype(acc) / counts[idx][:, None]).astype(grad.dtype)
     if padding_idx >= 0:
-        g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), acc), g)
-    return write_at(jnp.zeros((num_weights, dim), acc), (idx,), g, "add").astype(grad.dtype)
+        g = jnp.where((idx == padding_idx)[:, None], jnp.zeros((), grad.dtype), g)
+    return write_at(jnp.zeros((num_weights, dim), grad.dtype), (idx,), g, "add")
 
 
 @register(aten.embedding_renorm.default)
