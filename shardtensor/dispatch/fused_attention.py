@@ -24,8 +24,8 @@ shardtensor_ops = torch.ops.shardtensor
 
 
 def splash_chosen(query, key, value, attn_bias, dropout_p) -> bool:
-    """Whether this SDPA runs through the splash kernel: on a TPU, torch's flash backend enabled, and
-    the kernel applies (``tpu_attention.kernel_applies``).
+    """Whether this SDPA runs through the splash kernel: on a single TPU chip, torch's flash backend
+    enabled, and the kernel applies (``tpu_attention.kernel_applies``).
 
     Example: ``splash_chosen(q, k, v, None, 0.0)``   # False on a CPU
     """
@@ -37,7 +37,9 @@ def splash_chosen(query, key, value, attn_bias, dropout_p) -> bool:
 
 
 def _on_tpu() -> bool:
-    return runtime.platform() == "tpu"
+    # one chip: the kernel is opaque to XLA's partitioner, which would run it whole on every device of
+    # a larger mesh (gathering a batch-sharded q, k, v); there XLA's attention stays partitioned
+    return runtime.platform() == "tpu" and runtime.global_runtime_device_count() == 1
 
 
 def _scale(query, kwargs) -> float:
