@@ -23,7 +23,7 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops.fused_attention import probabilities, rows_may_be_empty
+from shardtensor.ops.fused_attention import probabilities
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
 
@@ -53,12 +53,11 @@ def _sum_groups(g, hk):
 
 
 def _scores(q, k, attn_mask, is_causal, scale):
-    """Masked, scaled q @ k^T in float32 (for half inputs), with -inf where masked (JAX's finite
-    large negative where no row can lose every key: see fused_attention._scores)."""
+    """Masked, scaled q @ k^T in float32 (for half inputs), with -inf where masked."""
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = _mm(q, jnp.swapaxes(k, -1, -2), acc) * jnp.asarray(scale, acc)
-    neg = jnp.asarray(-jnp.inf if attn_mask is not None else -0.7 * float(jnp.finfo(jnp.float32).max), acc)
+    neg = jnp.asarray(-jnp.inf, acc)
     if attn_mask is not None:
         if attn_mask.dtype == jnp.bool_:
             s = jnp.where(attn_mask, s, neg)
@@ -86,12 +85,11 @@ def sdpa_flash_cpu(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, s
     k, v = _repeat_kv(k, hq), _repeat_kv(v, hq)
     s, _ = _scores(q, k, attn_mask, is_causal, scale)
     acc = s.dtype
-    p, m, total, empty = probabilities(s, rows_may_be_empty(attn_mask, k.shape[-2]))
+    p, m, safe, empty = probabilities(s)
     out = _mm(p.astype(v.dtype) if v.dtype != acc else p, v, acc)
-    lse = m + jnp.log(total)
-    if empty is not None:
-        out, lse = jnp.where(empty, jnp.zeros((), acc), out), jnp.where(empty, jnp.zeros((), acc), lse)
-    return out.astype(q.dtype), lse[..., 0].astype(acc_dtype(q.dtype))
+    out = jnp.where(empty, jnp.zeros((), acc), out).astype(q.dtype)
+    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(safe))[..., 0]
+    return out, lse.astype(acc_dtype(q.dtype))
 
 
 @register(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, products=True)
@@ -101,7 +99,7 @@ def sdpa_flash_cpu_backward(grad, q, k, v, out, lse, dropout_p, is_causal, *, at
     kr, vr = _repeat_kv(k, hq), _repeat_kv(v, hq)
     s, scale = _scores(q, kr, attn_mask, is_causal, scale)
     acc = s.dtype
-    p = probabilities(s, rows_may_be_empty(attn_mask, k.shape[-2]))[0]  # the forward's: XLA reuses them
+    p = probabilities(s)[0]  # = exp(s - lse), as the forward computed it: XLA reuses the forward's
     g = grad.astype(acc)
     dv = _mm(jnp.swapaxes(p, -1, -2), g, acc)
     dp = _mm(g, jnp.swapaxes(vr.astype(acc), -1, -2), acc)

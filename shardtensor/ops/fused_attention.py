@@ -3,8 +3,11 @@
 backend choice with "overrideable", see ``tensor/device_guard.cpp``), instead of torch's math path
 (matmul → reshape to (batch*heads, L, E) → bmm) that loses a heads split over a mesh axis.
 
-Every product is one ``jnp.einsum`` whose batch dims are (batch..., heads), so XLA keeps a batch or
-heads sharding through attention, forward and backward. Supported: a float (additive) or bool (keep)
+Attention without a mask (``is_causal`` or none) is JAX's own ``jax.nn.dot_product_attention`` (XLA's
+implementation) at torch's product precision, and its backward JAX's autodiff of it: the program
+``jax.jit`` builds, which XLA's TPU compiler fuses best (see ``_jax_attention``). Otherwise every
+product is one ``jnp.einsum`` whose batch dims are (batch..., heads), so XLA keeps a batch or heads
+sharding through attention, forward and backward. Supported: a float (additive) or bool (keep)
 ``attn_bias`` broadcastable to (..., heads, L, S) — with its gradient —, ``is_causal`` (key j > query
 i masked, top-left aligned), ``scale`` (default 1/sqrt(E)), grouped-query heads (fewer key/value heads
 than query heads: query head h reads key/value head h // (hq // hk), without repeating k and v).
@@ -70,15 +73,12 @@ def _flat(x):
 
 
 def _scores(q, k, attn_bias, is_causal, scale):
-    """(scaled, masked scores (..., hq, L, S) in the accumulation dtype, scale). Masked keys get -inf,
-    or, where no row can lose every key (no ``attn_bias``: a causal row keeps key 0), JAX's finite
-    large negative: the same program as ``jax.nn.dot_product_attention``'s, whose softmax XLA's TPU
-    compiler fuses into the scores' product (see ``probabilities``)."""
+    """(scaled, masked scores (..., hq, L, S) in the accumulation dtype with -inf where masked, scale)."""
     acc = acc_dtype(q.dtype)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     hk = k.shape[-3]
     s = _flat(_einsum("...hgqd,...hkd->...hgqk", _grouped(q, hk), k, acc)) * jnp.asarray(scale, acc)
-    neg = jnp.asarray(-jnp.inf if attn_bias is not None else -0.7 * float(jnp.finfo(jnp.float32).max), acc)
+    neg = jnp.asarray(-jnp.inf, acc)
     if attn_bias is not None:
         s = jnp.where(attn_bias, s, neg) if attn_bias.dtype == jnp.bool_ else s + attn_bias.astype(acc)
     if is_causal:
@@ -88,12 +88,6 @@ def _scores(q, k, attn_bias, is_causal, scale):
     return s, scale
 
 
-def rows_may_be_empty(attn_bias, key_length) -> bool:
-    """Whether a row of scores can have every key masked: only a mask (bool or -inf bias) can do it,
-    or no keys at all; ``is_causal`` keeps key 0 in every row."""
-    return attn_bias is not None or key_length == 0
-
-
 @register(aten._scaled_dot_product_fused_attention_overrideable.default, meta_from_lowering=True, products=True)
 def sdpa_overrideable(
     query, key, value, attn_bias=None, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None
@@ -101,19 +95,19 @@ def sdpa_overrideable(
     _check(query, key, value, dropout_p)
     if _jax_attention_applies(query, key, value, attn_bias):
         out = _jax_attention(query, key, value, is_causal, scale)
-        s, _ = _scores(query, key, attn_bias, is_causal, scale)  # (for logsumexp only: dead in training)
+        # logsumexp: computed only if something holds it (the backward does not read it)
+        s, _ = _scores(query, key, attn_bias, is_causal, scale)
         lse = jnp.log(jnp.sum(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), axis=-1)) + jnp.max(s, axis=-1)
         return out, lse, None, None, None, None, None, None, None
     hk = key.shape[-3]
     s, _ = _scores(query, key, attn_bias, is_causal, scale)
-    p, m, total, empty = probabilities(s, rows_may_be_empty(attn_bias, key.shape[-2]))
+    p, m, total, empty = probabilities(s)
     acc = s.dtype
     p = p.astype(value.dtype) if value.dtype != acc else p  # as torch's CPU kernel: p in v's dtype
     out = _flat(_einsum("...hgqk,...hkd->...hgqd", _grouped(p, hk), value, acc))
-    lse = m + jnp.log(total)
-    if empty is not None:
-        out, lse = jnp.where(empty, jnp.zeros((), acc), out), jnp.where(empty, jnp.zeros((), acc), lse)
-    return out.astype(query.dtype), lse[..., 0], None, None, None, None, None, None, None
+    out = jnp.where(empty, jnp.zeros((), acc), out).astype(query.dtype)
+    lse = jnp.where(empty, jnp.zeros((), acc), m + jnp.log(total))[..., 0]
+    return out, lse, None, None, None, None, None, None, None
 
 
 _PRECISION_NAMES = {lax.Precision.HIGHEST: "highest", lax.Precision.HIGH: "high", lax.Precision.DEFAULT: "default"}
@@ -150,21 +144,12 @@ def _jax_attention(query, key, value, is_causal, scale):
     return jnp.swapaxes(out, 1, 2).reshape(query.shape).astype(query.dtype)
 
 
-def probabilities(s, may_be_empty: bool = True):
-    """(softmax of the masked scores ``s`` with 0 for masked keys, row max, row sum, the rows with every
-    key masked, or None where ``may_be_empty`` is False: see ``rows_may_be_empty``). The backward calls
-    this on the same scores, so that XLA's common-subexpression pass finds the forward's probabilities
-    and keeps them, as autodiff does, instead of computing a second exponential of every score.
-
-    Without empty rows these are ``jax.nn.softmax``'s ops, in its order: XLA's TPU compiler then
-    computes the row max, the exponentials and their sum in the fusion of the scores' product (a
-    guard on the max, as the empty rows need, made it read all the scores once more per attention)."""
+def probabilities(s):
+    """(softmax of the masked scores ``s`` with 0 for masked keys, row max, row sum, rows with every
+    key masked). The backward calls this on the same scores, so that XLA's common-subexpression pass
+    finds the forward's probabilities and keeps them, as autodiff does, instead of computing a second
+    exponential of every score from the log-sum-exp."""
     acc = s.dtype
-    if not may_be_empty:
-        m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
-        p = jnp.exp(s - m)
-        total = jnp.sum(p, axis=-1, keepdims=True)
-        return p / total, m, total, None
     m = jnp.max(s, axis=-1, keepdims=True)
     empty = m == -jnp.inf  # rows with every key masked
     m = jnp.where(empty, jnp.zeros((), acc), m)
@@ -207,7 +192,7 @@ def sdpa_overrideable_backward(
     hk = key.shape[-3]
     s, scale = _scores(query, key, attn_bias, is_causal, scale)
     acc = s.dtype
-    p = probabilities(s, rows_may_be_empty(attn_bias, key.shape[-2]))[0]  # the forward's (see probabilities)
+    p = probabilities(s)[0]  # = exp(s - logsumexp), as the forward computed it (see probabilities)
     g = grad_out.astype(acc)
     pg, gg = _grouped(p, hk), _grouped(g, hk)
     dv = _einsum("...hgqk,...hgqd->...hkd", pg, gg, acc)
