@@ -137,6 +137,8 @@ class Plan:
     structure: str | tuple  # "one" | "tuple" | "list" | group sizes of a tuple of lists (meta.regroup)
     random: bool
     single: bool = False  # one tensor result, no random key: the commonest op, with a short path
+    # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
+    checked: dict = dataclasses.field(default_factory=dict)
 
 
 _PLANS: dict = {}
