@@ -146,15 +146,27 @@ class Program:
             return (2, len(scalar_refs) - 1)
 
         constrained = []  # meshes of mark_sharding constraints on pending values
+        steps, sites = prog.steps, prog.sites
+        # (code_of inlined for the commonest inputs: this loop runs for every node of every step)
         for node in _topological_order([c.value.node for c in cells]):
-            codes = tuple(code_of(r) for r in node.inputs)
+            codes: list = []
+            for r in node.inputs:
+                kind = type(r)
+                if kind is Pending:
+                    codes.append((0, node_pos[id(r.node)], r.index))
+                elif kind is Leaf and id(r.array) in leaf_pos:
+                    codes.append((1, leaf_pos[id(r.array)]))
+                else:
+                    codes.append(code_of(r))
+            wiring = tuple(codes)
             if node.site is not None:
-                prog.sites[len(prog.steps)] = node.site
-            node_pos[id(node)] = len(prog.steps)
-            prog.steps.append((node.caller, codes))
-            key_parts.append((node.key, codes))
-            if type(node.key[0]) is str and node.key[0] == "constraint":  # (annotate.mark_sharding's key)
-                constrained.append(node.key[1].mesh)
+                sites[len(steps)] = node.site
+            node_pos[id(node)] = len(steps)
+            steps.append((node.caller, wiring))
+            key = node.key
+            key_parts.append((key, wiring))
+            if type(key[0]) is str and key[0] == "constraint":  # (annotate.mark_sharding's key)
+                constrained.append(key[1].mesh)
 
         mesh = _graph_mesh(cells, arrays, constrained)
         for i, a in enumerate(arrays):
