@@ -139,6 +139,7 @@ class Plan:
     single: bool = False  # one tensor result, no random key: the commonest op, with a short path
     # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
     checked: dict = dataclasses.field(default_factory=dict)
+    view_steps: tuple | None = None  # a view op's steps (dispatch.view_ops), made on its first call
 
 
 _PLANS: dict = {}
