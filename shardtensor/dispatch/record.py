@@ -38,6 +38,12 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
             return ("C", value.dtype)
         raise device_mismatch(value)
     if isinstance(value, (list, tuple)):
+        if not is_scalar_slot or static_scalars is True:
+            for v in value:  # sizes and dims (view, sum, permute): the commonest list, static ints
+                if type(v) is not int:
+                    break
+            else:
+                return ("X", tuple(value))
         if any(isinstance(v, torch.Tensor) for v in value):
             return ("L", tuple(_encode(v, False, False, refs) for v in value))
         if is_scalar_slot and static_scalars is not True and value and not isinstance(value[0], (list, tuple)):

@@ -387,20 +387,25 @@ def _scalar_inputs(prog, values, key_parts) -> dict[str, np.ndarray]:
 def _topological_order(roots):
     """Nodes reachable from ``roots``, inputs before users (iterative: graphs can be deep)."""
     order, seen = [], set()
-    stack = [(n, False) for n in reversed(roots)]
+    stack = list(reversed(roots))
+    push, pop, done = stack.append, stack.pop, _DONE
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
+        node = pop()
+        if node is done:  # every input of the node below the marker is placed: place it
+            order.append(pop())
             continue
         if id(node) in seen:
             continue
         seen.add(id(node))
-        stack.append((node, True))
+        push(node)
+        push(done)
         for ref in reversed(node.inputs):
-            if isinstance(ref, Pending) and id(ref.node) not in seen:
-                stack.append((ref.node, False))
+            if type(ref) is Pending and id(ref.node) not in seen:
+                push(ref.node)
     return order
+
+
+_DONE = object()  # _topological_order's marker (cheaper than a (node, expanded) pair per node)
 
 
 def _output_layout(cell: Cell, mesh):
