@@ -173,3 +173,17 @@ def test_structural_keys_equal_and_pickle_as_their_tuples():
     assert k == (("mul", (1, 2)), ("add", 3)) and hash(k) == hash((("mul", (1, 2)), ("add", 3)))
     assert {k: 1}[(("mul", (1, 2)), ("add", 3))] == 1
     assert pickle.loads(pickle.dumps(k)) == k and copy.deepcopy(k) == k
+
+
+def test_a_new_python_scalar_value_repeats_the_graph_with_the_new_value():
+    reset_state()
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 3), torch.randn(5, 4)
+    dw, dx = w.to(st.device()), x.to(st.device())
+    for lr in (0.1, 0.2, 0.3, 0.4):
+        repeated, compiles = _count("RepeatedGraph"), _count("UncachedCompile")
+        got = (dx @ dw).mul(lr).sum(dim=0)
+        st.sync()
+        torch.testing.assert_close(got.cpu(), (x @ w).mul(lr).sum(dim=0))
+        if lr >= 0.3:  # the first two may compile (a scalar's input sharing settles); then repeats
+            assert _count("RepeatedGraph") == repeated + 1 and _count("UncachedCompile") == compiles

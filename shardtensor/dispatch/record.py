@@ -23,6 +23,7 @@ from shardtensor.graph.state import STATE, set_pending
 from shardtensor.ops import bakes_scalar, checks, lookup, precision
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.geometry import contiguous_strides
 
 aten = torch.ops.aten
 
@@ -146,6 +147,9 @@ class Plan:
     # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
     checked: dict = dataclasses.field(default_factory=dict)
     view_steps: tuple | None = None  # a view op's steps (dispatch.view_ops), made on its first call
+    # a single contiguous result: its template entry ("T", shape, dtype, strides, 0), shared by every
+    # tensor this plan makes (so the next op's template compares it by identity)
+    sig: tuple | None = None
 
 
 _PLANS: dict = {}
@@ -198,7 +202,10 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         return out + (key,) if random else out
 
     single = structure == "one" and not random and outs[0] is not None and len(outs[0]) > 2
-    return Plan(caller, (func, template), outs, structure, random, single)
+    sig = None
+    if single and outs[0][2] == contiguous_strides(outs[0][0]) and not (len(outs[0]) > 3 and outs[0][3]):
+        sig = ("T", tuple(outs[0][0]), outs[0][1], tuple(outs[0][2]), 0)
+    return Plan(caller, (func, template), outs, structure, random, single, sig=sig)
 
 
 def _at_precision(fn, name):
@@ -293,7 +300,8 @@ def record_and_wrap(func, args, kwargs):
         shape, dtype, strides = plan.outs[0][:3]
         cell = Cell(ref, shape, dtype)
         set_pending(cell, ref)
-        return ShardedTensor(cell, strides=strides)
+        sig = plan.sig
+        return ShardedTensor(cell, strides=strides) if sig is None else ShardedTensor._result(cell, sig)
     return wrap(func, out_refs, plan)
 
 
