@@ -140,7 +140,7 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
             pos.append(a._sig or signature(a))
         else:
             pos.append(_encode(a, i in slots, static_scalars, refs))
-    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()) if kwargs else ()
+    kw = tuple([(k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()]) if kwargs else ()
     return (tuple(pos), kw), refs
 
 
