@@ -22,7 +22,7 @@ from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Leaf, Pending
 from shardtensor.graph.program import describe_mesh, mesh_of
 from shardtensor.graph.state import STATE
-from shardtensor.ops.schema import OpFacts, is_inplace
+from shardtensor.ops.schema import OpFacts, facts, is_inplace
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.geometry import contiguous_strides
 
@@ -33,6 +33,15 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     """An in-place or ``out=`` op: run its functional twin and write the results into the targets."""
     if f.functional is None:
         return record_and_wrap(func, args, kwargs)
+    shape = _SHAPES.get((id(func), len(args), tuple(kwargs) if kwargs else ()))
+    if shape is None or shape.func is not func:
+        shape = _call_shape(func, f, args, kwargs)
+    if shape.fast:
+        for i in shape.targets:
+            if not isinstance(args[i], ShardedTensor):
+                break  # (the general path says what is wrong)
+        else:
+            return _inplace(func, shape, args, kwargs)
     bound = f.bind(args, kwargs)
     targets = [bound[name] for name, write in f.written if write]
     flat_targets: list = []  # per result of the functional twin: the tensor it is written into, or None
@@ -114,6 +123,92 @@ def mutating_op(func, f: OpFacts, args, kwargs):
     if len(returns) == 1:
         return targets[0]
     return tuple(targets)
+
+
+class _CallShape:
+    """What an in-place op's call looks like, for a given op, number of positional arguments and
+    keyword names: memoised, so a repeated op skips binding its arguments by name again.
+
+    ``fast``: a plain in-place op (``mul_``, ``addcdiv_``, ``lerp_``: the optimizer's ops) whose
+    written arguments are single tensors passed by position; ``targets``: their positions, in the
+    order of the functional twin's results (None: a result not written back); ``fill``: the defaults
+    torch left out (``_with_defaults``); ``returns``: how many results the op returns.
+    """
+
+    __slots__ = ("func", "fast", "targets", "flat", "fill", "returns")
+
+    def __init__(self, func, fast, targets=(), flat=(), fill=(), returns=0):
+        self.func, self.fast, self.targets, self.flat, self.fill, self.returns = (
+            func,
+            fast,
+            targets,
+            flat,
+            fill,
+            returns,
+        )
+
+
+_SHAPES: dict = {}  # (id(op), len(args), keyword names) -> _CallShape
+
+
+def _call_shape(func, f: OpFacts, args, kwargs) -> _CallShape:
+    key = (id(func), len(args), tuple(kwargs) if kwargs else ())
+    schema = func._schema
+    position = {name: i for i, name in enumerate(f.arg_names[: len(args)])}
+    single = all(
+        name in position and isinstance(schema.arguments[position[name]].type, torch.TensorType)
+        for name, _ in f.written
+    )
+    if not (is_inplace(func) and not f.out_names and not f.functional_by_name and single):
+        shape = _SHAPES[key] = _CallShape(func, False)
+        return shape
+    filled = _with_defaults(func, args, kwargs)
+    flat = tuple(position[name] if write else None for name, write in f.written)
+    shape = _SHAPES[key] = _CallShape(
+        func,
+        True,
+        tuple(position[name] for name, write in f.written if write),
+        flat,
+        tuple(filled[len(args) :]),
+        len(schema.returns),
+    )
+    return shape
+
+
+def _inplace(func, shape: _CallShape, args, kwargs):
+    """``mutating_op`` for a plain in-place op (``shape.fast``): the same steps, without rebinding."""
+    targets = [args[i] for i in shape.targets]
+    _check_one_mesh(func, targets, args, kwargs)
+    f = facts(func)
+    refs, plan = record(f.functional, tuple(args) + shape.fill if shape.fill else args, kwargs)
+    if plan is not None:
+        metas = plan.outs
+        if plan.checked.get(id(func)) is not func:  # torch's own checks (broadcast into self, casts), once
+            meta_outputs(func, args, kwargs)
+            plan.checked[id(func)] = func
+    else:  # torch's decomposition computed the values
+        meta_outputs(func, args, kwargs)
+        flat = [refs] if isinstance(refs, torch.Tensor) else list(refs)
+        refs = [views.read(r) for r in flat]
+        metas = [(tuple(r.shape), r.dtype, r.stride(), 0) for r in flat]
+    cells = []
+    for i, ref, meta in zip(shape.flat, refs, metas):
+        if i is None:  # a result torch does not write back
+            continue
+        t = args[i]
+        if tuple(meta[0]) != tuple(t.shape):
+            raise RuntimeError(
+                f"{func}: result of shape {tuple(meta[0])} cannot be written into a tensor of shape {tuple(t.shape)}"
+            )
+        if meta[1] != t.dtype:
+            ref = cast(ref, t.dtype)
+        views.write(t, ref)
+        cells.append(t._cell)
+    if STATE.eager:  # one run: a second would find the rng key donated by the first
+        run_cells(cells + rng.pending_cells())
+    if not shape.returns:
+        return None
+    return targets[0] if shape.returns == 1 else tuple(targets)
 
 
 def _check_one_mesh(func, targets, args, kwargs) -> None:

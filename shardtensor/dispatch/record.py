@@ -23,12 +23,20 @@ from shardtensor.graph.state import STATE, set_pending
 from shardtensor.ops import bakes_scalar, checks, lookup, precision
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.geometry import contiguous_strides
 
 aten = torch.ops.aten
 
 
 # --- turning arguments into a template (static, hashable) and dynamic references ------------------
+_NONE = ("X", None)
+# static values of these types skip the torch.Generator test (its metaclass runs Python: ~0.3 us)
+_PLAIN = frozenset((int, float, bool, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format))
+
+
 def _encode(value, is_scalar_slot, static_scalars, refs):
+    if value is None:  # an optional tensor or argument left out (LayerNorm's weight, a bias)
+        return _NONE
     if isinstance(value, ShardedTensor):
         refs.append(views.read(value))
         return value._sig or signature(value)
@@ -38,6 +46,12 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
             return ("C", value.dtype)
         raise device_mismatch(value)
     if isinstance(value, (list, tuple)):
+        if not is_scalar_slot or static_scalars is True:
+            for v in value:  # sizes and dims (view, sum, permute): the commonest list, static ints
+                if type(v) is not int:
+                    break
+            else:
+                return ("X", tuple(value))
         if any(isinstance(v, torch.Tensor) for v in value):
             return ("L", tuple(_encode(v, False, False, refs) for v in value))
         if is_scalar_slot and static_scalars is not True and value and not isinstance(value[0], (list, tuple)):
@@ -51,6 +65,8 @@ def _encode(value, is_scalar_slot, static_scalars, refs):
     ):
         refs.append(ScalarLeaf(value))
         return ("S", type(value))
+    if type(value) in _PLAIN:
+        return _static(value)
     if isinstance(value, torch.Generator):
         return ("X", None)
     return _static(value)
@@ -124,7 +140,7 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
             pos.append(a._sig or signature(a))
         else:
             pos.append(_encode(a, i in slots, static_scalars, refs))
-    kw = tuple((k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()) if kwargs else ()
+    kw = tuple([(k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()]) if kwargs else ()
     return (tuple(pos), kw), refs
 
 
@@ -137,6 +153,13 @@ class Plan:
     structure: str | tuple  # "one" | "tuple" | "list" | group sizes of a tuple of lists (meta.regroup)
     random: bool
     single: bool = False  # one tensor result, no random key: the commonest op, with a short path
+    # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
+    checked: dict = dataclasses.field(default_factory=dict)
+    view_steps: tuple | None = None  # a view op's steps (dispatch.view_ops), made on its first call
+    # per result: its template entry ("T", shape, dtype, strides, 0) if it is contiguous (else None),
+    # shared by every tensor this plan makes (so the next op's template compares it by identity)
+    sigs: tuple = ()
+    sig: tuple | None = None  # sigs[0] of a single result
 
 
 _PLANS: dict = {}
@@ -189,7 +212,17 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
         return out + (key,) if random else out
 
     single = structure == "one" and not random and outs[0] is not None and len(outs[0]) > 2
-    return Plan(caller, (func, template), outs, structure, random, single)
+    sigs = tuple(_contiguous_sig(o) for o in outs)
+    sig = sigs[0] if single else None
+    return Plan(caller, (func, template), outs, structure, random, single, sigs=sigs, sig=sig)
+
+
+def _contiguous_sig(meta):
+    """The template entry of a result described by ``meta`` (shape, dtype, strides, offset) if it is
+    contiguous, else None."""
+    if meta is None or len(meta) < 3 or tuple(meta[2]) != contiguous_strides(meta[0]) or (len(meta) > 3 and meta[3]):
+        return None
+    return ("T", tuple(meta[0]), meta[1], tuple(meta[2]), 0)
 
 
 def _at_precision(fn, name):
@@ -267,7 +300,7 @@ def wrap(func, out_refs, plan=None):
     """ShardedTensors for the outputs of a recorded op (run at once in eager mode)."""
     if plan is None:
         return out_refs  # a decomposition already produced the result
-    cells, outs = new_tensors(out_refs, plan.outs)
+    cells, outs = new_tensors(out_refs, plan.outs, plan.sigs)
     if STATE.eager:
         if plan.random or len(cells) != len(out_refs):
             run_cells(cells + rng.pending_cells())
@@ -284,22 +317,28 @@ def record_and_wrap(func, args, kwargs):
         shape, dtype, strides = plan.outs[0][:3]
         cell = Cell(ref, shape, dtype)
         set_pending(cell, ref)
-        return ShardedTensor(cell, strides=strides)
+        sig = plan.sig
+        return ShardedTensor(cell, strides=strides) if sig is None else ShardedTensor._result(cell, sig)
     return wrap(func, out_refs, plan)
 
 
-def new_tensors(refs, metas):
-    """A fresh pending Cell and ShardedTensor per output reference (None stays None)."""
+def new_tensors(refs, metas, sigs=()):
+    """A fresh pending Cell and ShardedTensor per output reference (None stays None); ``sigs``: the
+    plan's template entries of its contiguous results (``Plan.sigs``), if known."""
     cells: list[Cell] = []
     outs: list[ShardedTensor | None] = []
-    for ref, meta in zip(refs, metas):
+    for i, (ref, meta) in enumerate(zip(refs, metas)):
         if ref is None:
             outs.append(None)
             continue
         cell = Cell(ref, meta[0], meta[1])
         set_pending(cell, ref)
         cells.append(cell)
-        outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
+        sig = sigs[i] if sigs else None
+        if sig is not None:
+            outs.append(ShardedTensor._result(cell, sig))
+        else:
+            outs.append(ShardedTensor(cell, strides=meta[2] if len(meta) > 2 else None))
     return cells, outs
 
 

@@ -24,14 +24,20 @@ def view_op(func, args, kwargs):
     if len(refs) != 1:  # a view with other dynamic inputs: compute it as a copy
         return record_and_wrap(func, args, kwargs)
     plan = plan_for(func, template, args, kwargs, lowering)
-    outs = []
-    for i, meta in enumerate(plan.outs):
-        step = views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
-        outs.append(
-            ShardedTensor(
-                base._cell, meta[0], meta[1], chain=base._chain + (step,), strides=meta[2], storage_offset=meta[3]
-            )
+    steps = plan.view_steps
+    if steps is None:
+        # the plan's template holds everything a view step depends on (the base's geometry, the
+        # static arguments): one step per plan, whose scatter (its inverse) is then made only once
+        steps = plan.view_steps = tuple(
+            views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
+            for i, meta in enumerate(plan.outs)
         )
+    outs = [
+        ShardedTensor(
+            base._cell, meta[0], meta[1], chain=base._chain + (step,), strides=meta[2], storage_offset=meta[3]
+        )
+        for step, meta in zip(steps, plan.outs)
+    ]
     return regroup(outs, plan.structure)
 
 
@@ -44,9 +50,13 @@ def alias(func, args, kwargs):
         earlier = param_moves.parameter_for(t)
         if earlier is not None:  # a parameter two modules hold: both get the one it became
             return earlier
-    out = ShardedTensor(
-        t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(), storage_offset=t.storage_offset()
-    )
+    sig = t._sig  # ("T", shape, dtype, strides, storage offset), when known
+    if sig is not None:
+        out = ShardedTensor(t._cell, sig[1], sig[2], chain=t._chain, strides=sig[3], storage_offset=sig[4])
+    else:
+        out = ShardedTensor(
+            t._cell, t.shape, t.dtype, chain=t._chain, strides=t.stride(), storage_offset=t.storage_offset()
+        )
     if moved:
         param_moves.remember(t, out)
     return out

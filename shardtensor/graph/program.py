@@ -49,6 +49,45 @@ def scalar_kind(value) -> str:
 SCALAR_DTYPES = {"b": np.bool_, "i": np.int64, "f": np.float64, "c": np.complex128}
 
 
+class StructuralKey(tuple):
+    """A tuple whose hash is computed once: a program key (thousands of nested node keys) is looked up
+    in the executable cache and the scalar-sharing table at every sync, and Python does not keep a
+    tuple's hash. It equals the plain tuple of the same items.
+
+    Example::
+
+        k = StructuralKey((("add", 1), ("mul", 2)))
+        k == (("add", 1), ("mul", 2)) and hash(k) == hash(tuple(k))   # True
+    """
+
+    _hash: int
+
+    def __new__(cls, items):
+        self = super().__new__(cls, items)
+        self._hash = tuple.__hash__(self)
+        return self
+
+    def __hash__(self):
+        return self._hash
+
+    def __reduce__(self):  # pickles (and copies) as the plain tuple it equals
+        return tuple, (tuple(self),)
+
+
+# The key of the last program built (any thread): a step that repeats the last one has an equal key;
+# reusing that object skips hashing it again, and makes the cache lookup an identity match.
+_LAST_KEY: list = [None]
+REPEATED_GRAPH = "RepeatedGraph"  # counter: builds whose key equals the previous build's
+
+
+def _reuse(key: tuple, last):
+    """``last`` when it equals ``key`` (cheap: equal parts are mostly the same objects), else ``key``
+    as a new ``StructuralKey``."""
+    if last is not None and len(last) == len(key) and last == key:
+        return last
+    return StructuralKey(key)
+
+
 class Program:
     """The structure of one graph: everything about it except the concrete input values."""
 
@@ -107,15 +146,27 @@ class Program:
             return (2, len(scalar_refs) - 1)
 
         constrained = []  # meshes of mark_sharding constraints on pending values
+        steps, sites = prog.steps, prog.sites
+        # (code_of inlined for the commonest inputs: this loop runs for every node of every step)
         for node in _topological_order([c.value.node for c in cells]):
-            codes = tuple(code_of(r) for r in node.inputs)
+            codes: list = []
+            for r in node.inputs:
+                kind = type(r)
+                if kind is Pending:
+                    codes.append((0, node_pos[id(r.node)], r.index))
+                elif kind is Leaf and id(r.array) in leaf_pos:
+                    codes.append((1, leaf_pos[id(r.array)]))
+                else:
+                    codes.append(code_of(r))
+            wiring = tuple(codes)
             if node.site is not None:
-                prog.sites[len(prog.steps)] = node.site
-            node_pos[id(node)] = len(prog.steps)
-            prog.steps.append((node.caller, codes))
-            key_parts.append((node.key, codes))
-            if type(node.key[0]) is str and node.key[0] == "constraint":  # (annotate.mark_sharding's key)
-                constrained.append(node.key[1].mesh)
+                sites[len(steps)] = node.site
+            node_pos[id(node)] = len(steps)
+            steps.append((node.caller, wiring))
+            key = node.key
+            key_parts.append((key, wiring))
+            if type(key[0]) is str and key[0] == "constraint":  # (annotate.mark_sharding's key)
+                constrained.append(key[1].mesh)
 
         mesh = _graph_mesh(cells, arrays, constrained)
         for i, a in enumerate(arrays):
@@ -155,11 +206,12 @@ class Program:
                 if k is not None and prog.leaf_shapes[k][0] == cell.shape:
                     prog.rollback[i] = k
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
-        parts = tuple(key_parts)
+        last = _LAST_KEY[0]
+        parts = _reuse(tuple(key_parts), last[0] if last is not None else None)
         scalars = _scalar_inputs(prog, scalar_refs, parts)
         prog.mesh = mesh
         checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
-        prog.key = (
+        key = (
             parts,
             tuple(out_keys),
             leaf_sigs,
@@ -169,6 +221,10 @@ class Program:
             checked,
             prog.aliasing,
         )
+        prog.key = _reuse(key, last)
+        if prog.key is last:
+            counters.increment(REPEATED_GRAPH)
+        _LAST_KEY[0] = prog.key
         return prog, arrays, scalars
 
     def make_executable(self):
@@ -307,7 +363,7 @@ def _scalar_inputs(prog, values, key_parts) -> dict[str, np.ndarray]:
     first: dict = {}
     groups = tuple(first.setdefault(_scalar_identity(v), i) for i, v in enumerate(values))
     if len(first) < len(values):  # some values repeat: share them as far as earlier builds agree
-        structure = tuple(key_parts)
+        structure = key_parts if type(key_parts) is StructuralKey else tuple(key_parts)
         before = _SHARING.get(structure)
         if before is not None and before != groups:
             meet: dict = {}
@@ -331,20 +387,25 @@ def _scalar_inputs(prog, values, key_parts) -> dict[str, np.ndarray]:
 def _topological_order(roots):
     """Nodes reachable from ``roots``, inputs before users (iterative: graphs can be deep)."""
     order, seen = [], set()
-    stack = [(n, False) for n in reversed(roots)]
+    stack = list(reversed(roots))
+    push, pop, done = stack.append, stack.pop, _DONE
     while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            order.append(node)
+        node = pop()
+        if node is done:  # every input of the node below the marker is placed: place it
+            order.append(pop())
             continue
         if id(node) in seen:
             continue
         seen.add(id(node))
-        stack.append((node, True))
+        push(node)
+        push(done)
         for ref in reversed(node.inputs):
-            if isinstance(ref, Pending) and id(ref.node) not in seen:
-                stack.append((ref.node, False))
+            if type(ref) is Pending and id(ref.node) not in seen:
+                push(ref.node)
     return order
+
+
+_DONE = object()  # _topological_order's marker (cheaper than a (node, expanded) pair per node)
 
 
 def _output_layout(cell: Cell, mesh):

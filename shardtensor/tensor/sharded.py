@@ -157,6 +157,21 @@ class ShardedTensor(torch.Tensor):
         r._sig = ("T", shape, dtype, strides, storage_offset)
         return r
 
+    @classmethod
+    def _result(cls, cell: Cell, sig: tuple) -> ShardedTensor:
+        """A new contiguous tensor over ``cell`` whose template entry ``sig`` (``("T", shape, dtype,
+        contiguous strides, 0)``, kept by the recorded op's plan and shared by all its results) is
+        known: a recorded op's result, the commonest tensor made, by the shortest way.
+
+        Example: ``ShardedTensor._result(cell, ("T", (2, 3), torch.float32, (3, 1), 0)).shape == (2, 3)``.
+        """
+        r = torch.Tensor._make_wrapper_subclass(cls, sig[1], dtype=sig[2], device=torch_device._DEVICE)
+        r._cell = cell
+        r._chain = ()
+        r._vcache = None
+        r._sig = sig
+        return r
+
     # (torch's documented way for a subclass; its stubs give the two attributes other types)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
