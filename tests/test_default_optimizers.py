@@ -152,3 +152,28 @@ def test_a_step_that_raises_inside_compile_leaves_the_groups_as_they_were():
     handle.remove()
     assert dev_opt.param_groups[0]["capturable"] is False
     reset_state()
+
+
+def test_torch_takes_its_foreach_path_for_shardtensor_parameters():
+    """As for DTensor, torch's default optimizers use their multi-tensor (foreach) path on
+    shardtensor's device (one _foreach_ op per stage, not one op per parameter); CPU parameters keep
+    torch's own choice, and a foreach AdamW step equals eager torch's."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    cpu = [torch.nn.Parameter(torch.randn(3))]
+    assert _default_to_fused_or_foreach(cpu, False) == (False, False)
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(4, 3)
+    mine = torch.nn.Linear(4, 3)
+    mine.load_state_dict(ref.state_dict())
+    mine.to(st.device())
+    assert _default_to_fused_or_foreach(list(mine.parameters()), False) == (False, True)
+    x = torch.randn(5, 4)
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (ref, mine)]
+    for _ in range(3):
+        for m, opt, inp in ((ref, opts[0], x), (mine, opts[1], x.to(st.device()))):
+            m(inp).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(mine.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.detach().cpu(), b.detach())
