@@ -18,7 +18,7 @@ def _register_foreach_type() -> None:
 
     for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
         if ShardedTensor not in types:
-            types.append(ShardedTensor)
+            types.append(ShardedTensor)  # type: ignore[arg-type]  (torch types its lists loosely)
 
 
 _register_foreach_type()
