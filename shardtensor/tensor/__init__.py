@@ -16,9 +16,10 @@ def _register_foreach_type() -> None:
     from torch.optim import optimizer
     from torch.utils import _foreach_utils
 
-    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+    lists: tuple[list, ...] = (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    for types in lists:
         if ShardedTensor not in types:
-            types.append(ShardedTensor)  # type: ignore[arg-type]  (torch types its lists loosely)
+            types.append(ShardedTensor)
 
 
 _register_foreach_type()
