@@ -139,7 +139,9 @@ class _DynamoGraph:
 
     def __call__(self, *args):
         check_execution_allowed(f"compiled graph {self.name} called inside a compiled function")
-        opener = _STEP.opener if has_pending() else None  # the graph that opened a still pending step
+        opener = _STEP.opener  # the graph that opened a still pending step
+        if opener is not None and not has_pending():
+            opener = None
         if opener is None and not self.defers:
             _STEP.opener = None
             return self.compiled(*args)
