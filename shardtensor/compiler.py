@@ -101,10 +101,27 @@ def compile(
 
 
 class CompiledFunction:
-    """A function traced once per input signature into one JAX program."""
+    """A function traced once per input signature into one JAX program.
 
-    def __init__(self, fn: Callable[..., Any], full_graph: bool = False, name: str | None = None) -> None:
+    ``guarded_state`` and ``guarded_layout`` are for a caller that checks the arguments itself before
+    each call (``dynamo_backend``: Dynamo's guards): with ``guarded_state`` a frozen replay does not
+    check the arguments' requires_grad, gradients and hooks (nor those of watched tensors passed as
+    arguments), with ``guarded_layout`` it does not key sharded-tensor arguments by their shape,
+    dtype, strides, spec and requires_grad (each input's array is still checked against the program
+    when it changed).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        full_graph: bool = False,
+        name: str | None = None,
+        *,
+        guarded_state: bool = False,
+        guarded_layout: bool = False,
+    ) -> None:
         self.fn, self.full_graph = fn, full_graph
+        self.guarded_state, self.guarded_layout = guarded_state, guarded_layout
         self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
         self._last_trace: dict = {}
@@ -118,10 +135,15 @@ class CompiledFunction:
         synced = bool(STATE.pending)
         if synced:
             run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
-        flat, signature = _key(args, kwargs)
+        tensors = None
+        if self.guarded_layout and not kwargs and set(map(type, args)) == _ONLY_SHARDED:
+            flat = tensors = list(args)
+            signature = (("guarded", len(args)), matmul_precision.recorded())
+        else:
+            flat, signature = _key(args, kwargs)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat, self.name)  # (it reads the earlier runs' checks first)
+            result = frozen.replay(flat, self.name, tensors)  # (it reads the earlier runs' checks first)
             if result is not _STALE:
                 checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
@@ -181,7 +203,8 @@ class CompiledFunction:
         again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
         # (and only with the state on entry known: a dropped object leaves it unknown for one call)
         if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
-            self._frozen[signature] = trace.freeze(exit_guard, self.name)
+            replay_guard = Guard(objects, tensor_args, args_guarded=True) if self.guarded_state else exit_guard
+            self._frozen[signature] = trace.freeze(replay_guard, self.name)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and debug:
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
@@ -447,10 +470,13 @@ class _Frozen:
         self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
 
     @locked
-    def replay(self, flat, name):
-        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``)."""
+    def replay(self, flat, name, tensors=None):
+        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``);
+        ``tensors``: the sharded tensors among ``flat`` when the caller knows them."""
         checks.verify()  # a failed check of an earlier run raises first
-        if not self.guard.holds([x for x in flat if isinstance(x, ShardedTensor)]):
+        if tensors is None:
+            tensors = [x for x in flat if isinstance(x, ShardedTensor)]
+        if not self.guard.holds(tensors):
             return _STALE  # the Python would now do something else: run it
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
@@ -477,7 +503,38 @@ class _Frozen:
         if self.donated and others_pending():
             return _STALE  # another thread's pending graph may read a buffer the program donates
         counters.increment("CompileReplay")
-        memory.check(getattr(self.executable, "memory", None), f"compiled function {name}")
+        memory.check(getattr(self.executable, "memory", None), self.what)
+        scalars = self._scalar_arrays
+        if scalars is None:
+            scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
+        donated_at, kept_at = self._call_order
+        with deferred_interrupts():  # from donating the inputs to storing every output
+            try:
+                # (lists, as the program was lowered with: a tuple would be another signature for jit)
+                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
+            except Exception as error:
+                out_cells, _ = self._targets(flat)
+                _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
+                raise
+            # (the cells it writes, made or read while the program runs: they still hold their values)
+            out_cells, results = self._targets(flat)
+            assign_outputs(program, out_cells, outs, self.sites, before=self._before(out_cells), what=self.what)
+            for c in out_cells:
+                if c is not None:
+                    c.version += 1
+        written = self._written
+        for j, r in written:  # what it wrote into its inputs passes as those inputs next time
+            fits = self._written_pass.get((j, r))
+            if fits is None:
+                fits = self._written_pass[(j, r)] = self._fits(outs[j], self._read_sources[r], program)
+            if fits:
+                passed[r] = weakref.ref(outs[j])
+        if self._plain_out:
+            return self.out_spec.type(results)
+        return pytree.tree_unflatten(results, self.out_spec)
+
+    def _targets(self, flat) -> tuple[list, list]:
+        """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""
         out_cells, results = [], list(self.out_flat)
         for kind, ident, ref in self.targets:
             if kind == "arg":
@@ -489,32 +546,11 @@ class _Frozen:
             else:
                 cell = ref()
             out_cells.append(cell)
-        written = self._written
-        before = {id(out_cells[j]): out_cells[j].value for j, _ in written if out_cells[j] is not None}
-        scalars = self._scalar_arrays
-        if scalars is None:
-            scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
-        donated_at, kept_at = self._call_order
-        with deferred_interrupts():  # from donating the inputs to storing every output
-            try:
-                # (lists, as the program was lowered with: a tuple would be another signature for jit)
-                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
-            except Exception as error:
-                _consumed_by_failed_call(out_cells, before, self.what, error)
-                raise
-            assign_outputs(program, out_cells, outs, self.sites, before=before, what=self.what)
-            for c in out_cells:
-                if c is not None:
-                    c.version += 1
-        for j, r in written:  # what it wrote into its inputs passes as those inputs next time
-            fits = self._written_pass.get((j, r))
-            if fits is None:
-                fits = self._written_pass[(j, r)] = self._fits(outs[j], self._read_sources[r], program)
-            if fits:
-                passed[r] = weakref.ref(outs[j])
-        if self._plain_out:
-            return self.out_spec.type(results)
-        return pytree.tree_unflatten(results, self.out_spec)
+        return out_cells, results
+
+    def _before(self, out_cells) -> dict:
+        """id(cell) -> the value each cell the program overwrites holds before it stores its outputs."""
+        return {id(out_cells[j]): out_cells[j].value for j, _ in self._written if out_cells[j] is not None}
 
     def _check(self, cells, values, program) -> bool:
         """Check in full the inputs whose array changed since they last passed (``values`` takes

@@ -140,16 +140,23 @@ class Guard:
     weak references, and any of those objects dying makes it fail, so an id cannot be reused.
 
     A watched tensor that is also one of ``args`` (a parameter passed to a Dynamo graph) is checked
-    once, as an argument, while the same object is passed at that position.
+    once, as an argument, while the same object is passed at that position. With ``args_guarded``
+    the arguments are not checked at all (nor those watched tensors, while passed there): the caller
+    vouches for them (a Dynamo graph's, whose guards check each input's requires_grad, and whose
+    frozen replays build no autograd graph through which hooks or gradients could act).
     """
 
-    def __init__(self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = ()) -> None:
+    def __init__(
+        self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = (), args_guarded: bool = False
+    ) -> None:
         self.alive = True
         self._refs: list[Callable[[], Any]] = []  # weak references (their callbacks mark the guard dead), or the object
         self.counts = tuple(map(len, objects))
         self._roots = [self._watch(o) for o in itertools.chain(*objects)]
         modules, optimizers, tensors = objects
-        plain, identities, hooks = self._state(modules, optimizers, tensors, args)
+        # args_guarded: the caller checks the arguments' state itself (Dynamo's guards do, for a graph)
+        self._args_guarded = args_guarded
+        plain, identities, hooks = self._state(modules, optimizers, tensors, () if args_guarded else args)
         for o in identities:
             if o is not None:
                 self._watch(o)
@@ -167,7 +174,7 @@ class Guard:
                 len(args),
             )
             rest = self._shared[2](tensors)
-            plain, identities, hooks = self._state(modules, optimizers, rest, args)
+            plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
             self._rest_state = plain, list(map(id, identities)), hooks
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
@@ -190,7 +197,7 @@ class Guard:
             passed_again = all(map(operator.is_, shared[0](args), shared[1](tensors)))
             if passed_again:  # (the arguments' check covers them)
                 tensors, state = shared[2](tensors), self._rest_state
-        plain, identities, hooks = self._state(modules, optimizers, tensors, args)
+        plain, identities, hooks = self._state(modules, optimizers, tensors, () if self._args_guarded else args)
         return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
