@@ -464,7 +464,7 @@ class _Frozen:
         # arrays are immutable: the same one passes again); a constant is always itself
         self._passed = [_NOTHING] * self._cells_read + [functools.partial(_same, c) for c in self._consts]
         self._written = [(j, read_of[i]) for j, i in self.overwrites]
-        self._written_pass: dict = {}  # (target, read position) -> whether that output passes as that input
+        self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
         self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
         spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
         self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
@@ -522,13 +522,13 @@ class _Frozen:
             for c in out_cells:
                 if c is not None:
                     c.version += 1
-        written = self._written
-        for j, r in written:  # what it wrote into its inputs passes as those inputs next time
-            fits = self._written_pass.get((j, r))
-            if fits is None:
-                fits = self._written_pass[(j, r)] = self._fits(outs[j], self._read_sources[r], program)
-            if fits:
-                passed[r] = weakref.ref(outs[j])
+        fitting = self._written_fit
+        if fitting is None:  # (the program's outputs have fixed layouts: found once)
+            fitting = self._written_fit = [
+                (j, r) for j, r in self._written if self._fits(outs[j], self._read_sources[r], program)
+            ]
+        for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
+            passed[r] = weakref.ref(outs[j])
         if self._plain_out:
             return self.out_spec.type(results)
         return pytree.tree_unflatten(results, self.out_spec)
