@@ -141,9 +141,10 @@ class Guard:
 
     A watched tensor that is also one of ``args`` (a parameter passed to a Dynamo graph) is checked
     once, as an argument, while the same object is passed at that position. With ``args_guarded``
-    the arguments are not checked at all (nor those watched tensors, while passed there): the caller
-    vouches for them (a Dynamo graph's, whose guards check each input's requires_grad, and whose
-    frozen replays build no autograd graph through which hooks or gradients could act).
+    the arguments are not checked at all, nor the watched tensors among them: the caller vouches for
+    them (a Dynamo graph, whose function reads only its arguments, whose guards check each input's
+    requires_grad, and whose frozen replays build no autograd graph through which hooks or
+    gradients could act).
     """
 
     def __init__(
@@ -151,11 +152,15 @@ class Guard:
     ) -> None:
         self.alive = True
         self._refs: list[Callable[[], Any]] = []  # weak references (their callbacks mark the guard dead), or the object
+        # args_guarded: the caller checks the arguments' state itself (Dynamo's guards do, for a graph,
+        # whose function reads its arguments only: the watched tensors passed as arguments are left out)
+        self._args_guarded = args_guarded
+        if args_guarded:
+            passed = set(map(id, args))
+            objects = (objects[0], objects[1], tuple(t for t in objects[2] if id(t) not in passed))
         self.counts = tuple(map(len, objects))
         self._roots = [self._watch(o) for o in itertools.chain(*objects)]
         modules, optimizers, tensors = objects
-        # args_guarded: the caller checks the arguments' state itself (Dynamo's guards do, for a graph)
-        self._args_guarded = args_guarded
         plain, identities, hooks = self._state(modules, optimizers, tensors, () if args_guarded else args)
         for o in identities:
             if o is not None:
@@ -163,7 +168,7 @@ class Guard:
         self.state = plain, list(map(id, identities)), hooks
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
-        position = {id(a): i for i, a in enumerate(args)}
+        position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
         shared = [(i, position[id(t)]) for i, t in enumerate(tensors) if id(t) in position]
         self._shared = None
         if shared:
