@@ -34,6 +34,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import operator
 import weakref
 from collections.abc import Callable
 from typing import Any, overload
@@ -45,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
 from shardtensor import optim_steps, trace_diff
+from shardtensor.dispatch.record import signature as record_signature
 from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, recompile, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
@@ -53,6 +55,7 @@ from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell, Failed, noting_sites
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import (
+    STATE,
     check_execution_allowed,
     locked,
     others_pending,
@@ -98,10 +101,27 @@ def compile(
 
 
 class CompiledFunction:
-    """A function traced once per input signature into one JAX program."""
+    """A function traced once per input signature into one JAX program.
 
-    def __init__(self, fn: Callable[..., Any], full_graph: bool = False, name: str | None = None) -> None:
+    ``guarded_state`` and ``guarded_layout`` are for a caller that checks the arguments itself before
+    each call (``dynamo_backend``: Dynamo's guards): with ``guarded_state`` a frozen replay does not
+    check the arguments' requires_grad, gradients and hooks (nor those of watched tensors passed as
+    arguments), with ``guarded_layout`` it does not key sharded-tensor arguments by their shape,
+    dtype, strides, spec and requires_grad (each input's array is still checked against the program
+    when it changed).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        full_graph: bool = False,
+        name: str | None = None,
+        *,
+        guarded_state: bool = False,
+        guarded_layout: bool = False,
+    ) -> None:
         self.fn, self.full_graph = fn, full_graph
+        self.guarded_state, self.guarded_layout = guarded_state, guarded_layout
         self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
         self._last_trace: dict = {}
@@ -110,17 +130,26 @@ class CompiledFunction:
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        check_execution_allowed(f"compiled function {self.name} called inside another")
-        run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
-        flat, structure = _flatten(args, kwargs)
-        signature = _signature(flat, structure)
+        if STATE.execution_guard is not None:
+            check_execution_allowed(f"compiled function {self.name} called inside another")
+        synced = bool(STATE.pending)
+        if synced:
+            run_cells(pending_cells())  # PyTorch/XLA syncs pending work on entry too
+        tensors = None
+        if self.guarded_layout and not kwargs and set(map(type, args)) == _ONLY_SHARDED:
+            flat = tensors = list(args)
+            signature = (("guarded", len(args)), matmul_precision.recorded())
+        else:
+            flat, signature = _key(args, kwargs)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat, self.name)
+            result = frozen.replay(flat, self.name, tensors)  # (it reads the earlier runs' checks first)
             if result is not _STALE:
                 checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
             self._frozen.pop(signature, None)
+        elif not synced:
+            run_cells(())  # nothing pending: an earlier run's failed check or failure raises first
         out = self._trace(signature, flat, args, kwargs, frozen)
         checks.verify()
         return out
@@ -174,7 +203,8 @@ class CompiledFunction:
         again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
         # (and only with the state on entry known: a dropped object leaves it unknown for one call)
         if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
-            self._frozen[signature] = trace.freeze(exit_guard)
+            replay_guard = Guard(objects, tensor_args, args_guarded=True) if self.guarded_state else exit_guard
+            self._frozen[signature] = trace.freeze(replay_guard, self.name)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and debug:
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
@@ -225,10 +255,37 @@ def _same_objects(a, b) -> bool:
     return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
+def _key(args, kwargs):
+    """``(flat, signature)``: the leaves of ``(args, kwargs)`` and what a frozen trace is keyed by
+    (``_signature``). Sharded tensors alone (a decode step's call, every token) take C-level passes:
+    each is a leaf, and its geometry (``ShardedTensor._sig``: shape, dtype, strides, offset), spec
+    and requires_grad are read by one getter."""
+    if (
+        not kwargs
+        and args
+        and set(map(type, args)) == _ONLY_SHARDED
+        and not any(map(_CHAIN, args))  # (a view is keyed apart: it never replays a trace of its base)
+        and ShardedTensor not in pytree.SUPPORTED_NODES
+    ):
+        with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+            parts = tuple(map(_SHARDED_PART, args))
+            if None in map(_FIRST, parts):  # a geometry changed in place: read it again
+                parts = tuple((a._sig or record_signature(a), *p[1:]) for a, p in zip(args, parts))
+        return list(args), (("sharded", len(args)), parts, matmul_precision.recorded())
+    flat, structure = _flatten(args, kwargs)
+    return flat, _signature(flat, structure)
+
+
+_ONLY_SHARDED = {ShardedTensor}
+_SHARDED_PART = operator.attrgetter("_sig", "_cell.spec", "requires_grad")
+_FIRST = operator.itemgetter(0)
+_CHAIN = operator.attrgetter("_chain")
+
+
 def _flatten(args, kwargs):
     """``(flat, structure)``: the leaves of ``(args, kwargs)`` and a hashable key of their nesting
-    (for the signature). Tensors alone (a decode step's call, every token) skip pytree: each is a
-    leaf, and ``("tensors", n)`` hashes at once where a TreeSpec hashes node by node in Python."""
+    (for the signature). Tensors alone skip pytree: each is a leaf, and ``("tensors", n)`` hashes
+    at once where a TreeSpec hashes node by node in Python."""
     nodes = pytree.SUPPORTED_NODES  # (a tensor subclass registered as a node is walked as usual)
     if not kwargs and all(isinstance(a, torch.Tensor) and type(a) not in nodes for a in args):
         return list(args), ("tensors", len(args))
@@ -248,7 +305,8 @@ def _signature_parts(flat):
     parts: list[tuple] = []
     for x in flat:
         if isinstance(x, ShardedTensor):
-            parts.append(("T", tuple(x.shape), x.dtype, x._cell.spec, x.requires_grad))
+            # (a view reads its base's cell: a trace of a plain tensor must not replay on it)
+            parts.append(("T", tuple(x.shape), x.dtype, x._cell.spec, x.requires_grad, bool(x._chain)))
         elif isinstance(x, torch.Tensor):
             parts.append(("C", tuple(x.shape), x.dtype))
         else:
@@ -312,8 +370,8 @@ class _Trace:
             _hashable(plain_outputs),
         )
 
-    def freeze(self, guard):
-        return _Frozen(self, guard)
+    def freeze(self, guard, name="compiled"):
+        return _Frozen(self, guard, name)
 
 
 def _hashable(values):
@@ -352,9 +410,16 @@ def _source(cell, array, arg_cells, first_serial, donated):
 
 
 class _Frozen:
-    """A replayable trace: where each input comes from and where each output goes."""
+    """A replayable trace: where each input comes from and where each output goes.
 
-    def __init__(self, trace: _Trace, guard: Guard):
+    What a replay does per call is prepared here once: the positions of the arguments it reads, in
+    the program's order, and what it last checked. A replay reads each input's array and compares
+    it, by identity, with the array that input held when last checked (or that the last replay
+    wrote into it: a decode step's KV cache); only an array that differs is checked in full (its
+    cell computed, its shape, dtype and layout the program's).
+    """
+
+    def __init__(self, trace: _Trace, guard: Guard, name: str = "compiled"):
         self.guard = guard  # the Python state the replay assumes (replay_guard)
         self.fingerprint = trace.fingerprint
         ex = trace.execution
@@ -368,63 +433,109 @@ class _Frozen:
             kind = target[0]
             self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
         self.leaf_sigs = ex.program.key[2] if ex else ()
-        # per source: a weak reference to the array it held at the last replay, when that array passed
-        # every check below as it was (jax arrays are immutable: the same one passes again)
-        self.checked: list = [None] * len(self.sources)
         self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
         self.donated = set(ex.program.donated) if ex else set()
         # (target, source) positions of the cells it overwrites (their values before a replay are kept)
         leaf_of = {id(c): i for i, c in enumerate(ex.leaf_cells) if c is not None} if ex else {}
         self.overwrites = [(j, leaf_of[id(c)]) for j, c in enumerate(ex.cells if ex else ()) if id(c) in leaf_of]
+        self.what = f"compiled function {name} ({len(ex.program.steps)} ops)" if ex else name
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The per-call plumbing, in "read order": the arguments' cells, then the other old cells,
+        then the constants (``_order`` maps it to the program's input order)."""
+        sources = self.sources
+        args = [i for i, s in enumerate(sources) if s[0] == "arg"]
+        olds = [i for i, s in enumerate(sources) if s[0] == "old"]
+        consts = [i for i, s in enumerate(sources) if s[0] not in ("arg", "old")]
+        order = args + olds + consts  # read position -> source position
+        self._read_sources = order
+        self._pick_args = _picker([sources[i][1] for i in args])
+        self._old_refs = [sources[i][2] for i in olds]
+        self._consts = [sources[i][2] for i in consts]
+        self._cells_read = len(args) + len(olds)
+        read_of = {i: r for r, i in enumerate(order)}
+        program = self.executable.program if self.executable is not None else None
+        self._donated_reads = _picker([read_of[i] for i in sorted(self.donated)])
+        # the program's donated and kept inputs, picked from the read order
+        donated, kept = (program.donated, program.kept) if program is not None else ((), ())
+        self._call_order = (_picker([read_of[i] for i in donated]), _picker([read_of[i] for i in kept]))
+        # per read position: a weak reference to the array that passed every check as it was (jax
+        # arrays are immutable: the same one passes again); a constant is always itself
+        self._passed = [_NOTHING] * self._cells_read + [functools.partial(_same, c) for c in self._consts]
+        self._written = [(j, read_of[i]) for j, i in self.overwrites]
+        self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
+        self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
+        spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
+        self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
 
     @locked
-    def replay(self, flat, name):
-        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``)."""
-        if not self.guard.holds([x for x in flat if isinstance(x, ShardedTensor)]):
+    def replay(self, flat, name, tensors=None):
+        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``);
+        ``tensors``: the sharded tensors among ``flat`` when the caller knows them."""
+        checks.verify()  # a failed check of an earlier run raises first
+        if tensors is None:
+            tensors = [x for x in flat if isinstance(x, ShardedTensor)]
+        if not self.guard.holds(tensors):
             return _STALE  # the Python would now do something else: run it
         if self.executable is None:
             return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
-        if self.executable.program.checks != checks_enabled():  # st.set_checks changed: trace again
+        program = self.executable.program
+        if program.checks != checks_enabled():  # st.set_checks changed: trace again
             return _STALE
-        if self.executable.program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
+        if program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
             return _STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
-        program = self.executable.program
-        arrays, checked, passed = [], self.checked, []
-        for i, (kind, ident, ref) in enumerate(self.sources):
-            if kind == "arg":
-                cell = flat[ident]._cell
-            elif kind == "old":
-                cell = ref()
-                if cell is None:
-                    return _STALE
-            else:
-                arrays.append(ref)
-                continue
-            value = cell.value
-            last = checked[i]
-            if last is not None and last() is value:  # (parameters: the same array every call)
-                arrays.append(value)
-                continue
-            if cell.is_pending() or isinstance(value, Failed) or (i in self.donated and not cell.owned):
-                return _STALE  # (a failed value raises when the Python reads it)
-            on_mesh = to_mesh(value, program.mesh)
-            if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
-                mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
-            sig = self.leaf_sigs[i]
-            if (on_mesh.shape, on_mesh.dtype) != sig[:2] or on_mesh.sharding != sig[3]:
+        cells = list(map(_CELL, self._pick_args(flat)))
+        for ref in self._old_refs:
+            cell = ref()
+            if cell is None:
                 return _STALE
-            if on_mesh is value and i not in self.donated:
-                passed.append((i, value))
-            arrays.append(on_mesh)
-        for i, value in passed:
-            checked[i] = weakref.ref(value)
+            cells.append(cell)
+        values = list(map(_VALUE, cells))
+        values += self._consts
+        passed = self._passed
+        if not all(map(operator.is_, values, map(operator.call, passed))) and not self._check(cells, values, program):
+            return _STALE
+        if not all(map(_OWNED, self._donated_reads(cells))):
+            return _STALE  # a donated input's buffer is shared with another tensor now
         if self.donated and others_pending():
             return _STALE  # another thread's pending graph may read a buffer the program donates
         counters.increment("CompileReplay")
-        memory.check(getattr(self.executable, "memory", None), f"compiled function {name}")
-        cells, results = [], list(self.out_flat)
+        memory.check(getattr(self.executable, "memory", None), self.what)
+        scalars = self._scalar_arrays
+        if scalars is None:
+            scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
+        donated_at, kept_at = self._call_order
+        with deferred_interrupts():  # from donating the inputs to storing every output
+            try:
+                # (lists, as the program was lowered with: a tuple would be another signature for jit)
+                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
+            except Exception as error:
+                out_cells, _ = self._targets(flat)
+                _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
+                raise
+            # (the cells it writes, made or read while the program runs: they still hold their values)
+            out_cells, results = self._targets(flat)
+            assign_outputs(program, out_cells, outs, self.sites, before=self._before(out_cells), what=self.what)
+            for c in out_cells:
+                if c is not None:
+                    c.version += 1
+        fitting = self._written_fit
+        if fitting is None:  # (the program's outputs have fixed layouts: found once)
+            fitting = self._written_fit = [
+                (j, r) for j, r in self._written if self._fits(outs[j], self._read_sources[r], program)
+            ]
+        for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
+            passed[r] = weakref.ref(outs[j])
+        if self._plain_out:
+            return self.out_spec.type(results)
+        return pytree.tree_unflatten(results, self.out_spec)
+
+    def _targets(self, flat) -> tuple[list, list]:
+        """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""
+        out_cells, results = [], list(self.out_flat)
         for kind, ident, ref in self.targets:
             if kind == "arg":
                 cell = flat[ident]._cell
@@ -434,20 +545,66 @@ class _Frozen:
                 results[ident] = ShardedTensor(cell)
             else:
                 cell = ref()
-            cells.append(cell)
-        before = {id(cells[j]): cells[j].value for j, _ in self.overwrites if cells[j] is not None}
-        what = f"compiled function {name} ({len(program.steps)} ops)"
-        with deferred_interrupts():  # from donating the inputs to storing every output
-            try:
-                outs = execute.call_executable(self.executable, arrays, self.scalars)
-            except Exception as error:
-                _consumed_by_failed_call(cells, before, what, error)
-                raise
-            assign_outputs(program, cells, outs, self.sites, before=before, what=what)
-            for c in cells:
-                if c is not None:
-                    c.version += 1
-        return pytree.tree_unflatten(results, self.out_spec)
+            out_cells.append(cell)
+        return out_cells, results
+
+    def _before(self, out_cells) -> dict:
+        """id(cell) -> the value each cell the program overwrites holds before it stores its outputs."""
+        return {id(out_cells[j]): out_cells[j].value for j, _ in self._written if out_cells[j] is not None}
+
+    def _check(self, cells, values, program) -> bool:
+        """Check in full the inputs whose array changed since they last passed (``values`` takes
+        the copy of one moved onto the program's mesh); False if the replay cannot run."""
+        passed = self._passed
+        newly = []
+        for r in range(self._cells_read):
+            value = values[r]
+            if passed[r]() is value:
+                continue
+            cell = cells[r]
+            i = self._read_sources[r]
+            if cell.is_pending() or isinstance(value, Failed) or (i in self.donated and not cell.owned):
+                return False  # (a failed value raises when the Python reads it)
+            on_mesh = to_mesh(value, program.mesh)
+            if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
+                mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
+            if not self._fits(on_mesh, i, program):
+                return False
+            if on_mesh is value:
+                newly.append((r, value))
+            values[r] = on_mesh
+        for r, value in newly:
+            passed[r] = weakref.ref(value)
+        return True
+
+    def _fits(self, array, source: int, program) -> bool:
+        """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
+        sig = self.leaf_sigs[source]
+        return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
+
+
+def _same(value):
+    return value
+
+
+def _nothing():
+    return None
+
+
+_NOTHING = _nothing  # what no input has passed yet (never an array)
+_CELL = operator.attrgetter("_cell")
+_VALUE = operator.attrgetter("value")
+_OWNED = operator.attrgetter("owned")
+
+
+def _picker(indices: list[int]):
+    """A function giving the items of a sequence at ``indices``, as a tuple (C-level for 2 or more)."""
+    if len(indices) >= 2:
+        return operator.itemgetter(*indices)
+    if indices:
+        (i,) = indices
+        return lambda items: (items[i],)
+    return lambda items: ()
 
 
 def _consumed_by_failed_call(cells, before, what, error) -> None:

@@ -75,7 +75,7 @@ from shardtensor.dispatch import entry as dispatch_entry
 from shardtensor.dispatch import factories
 from shardtensor.graph import checks
 from shardtensor.graph.execute import run_cells
-from shardtensor.graph.state import check_execution_allowed, has_pending, pending_cells
+from shardtensor.graph.state import STATE, check_execution_allowed, has_pending, pending_cells
 from shardtensor.ops import elementwise
 from shardtensor.tensor import ShardedTensor, backward_errors
 from shardtensor.tensor import device as torch_device
@@ -134,12 +134,19 @@ class _DynamoGraph:
         # gm.forward, not gm: calling the module would run nn.Module hooks machinery on every call
         self.forward = gm.forward
         self.name = name
-        self.compiled = CompiledFunction(gm.forward, full_graph=full_graph, name=name)
+        # Dynamo's guards check every input's requires_grad (and, for a graph without symbolic shapes,
+        # its shape, strides, dtype and sharding context) before each call: its frozen replays need not
+        self.compiled = CompiledFunction(
+            gm.forward, full_graph=full_graph, name=name, guarded_state=True, guarded_layout=_static(gm)
+        )
         self.defers = _returns_grad(gm)  # (Dynamo guards on grad mode: fixed for this graph)
 
     def __call__(self, *args):
-        check_execution_allowed(f"compiled graph {self.name} called inside a compiled function")
-        opener = _STEP.opener if has_pending() else None  # the graph that opened a still pending step
+        if STATE.execution_guard is not None:
+            check_execution_allowed(f"compiled graph {self.name} called inside a compiled function")
+        opener = _STEP.opener  # the graph that opened a still pending step
+        if opener is not None and not has_pending():
+            opener = None
         if opener is None and not self.defers:
             _STEP.opener = None
             return self.compiled(*args)
@@ -166,6 +173,16 @@ def _returns_grad(gm: torch.fx.GraphModule) -> bool:
     return _requires_grad(
         [a.meta.get("example_value") for a in pytree.tree_leaves(output.args) if isinstance(a, torch.fx.Node)]
     )
+
+
+def _static(gm: torch.fx.GraphModule) -> bool:
+    """Whether every input of a graph is a tensor of fixed shape (Dynamo then guards each input's
+    exact sizes and strides; a graph with symbolic shapes takes other sizes without a guard failing)."""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or not all(type(d) is int for d in (*value.shape, *value.stride())):
+            return False
+    return True
 
 
 def _requires_grad(out) -> bool:

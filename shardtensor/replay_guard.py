@@ -138,18 +138,49 @@ class Guard:
     identity (a gradient, a parameter, a storage cell), hooks by their handles' ids, flags and
     hyperparameters by value. The guard keeps nothing alive (a dropped model is freed): it holds
     weak references, and any of those objects dying makes it fail, so an id cannot be reused.
+
+    A watched tensor that is also one of ``args`` (a parameter passed to a Dynamo graph) is checked
+    once, as an argument, while the same object is passed at that position. With ``args_guarded``
+    the arguments are not checked at all, nor the watched tensors among them: the caller vouches for
+    them (a Dynamo graph, whose function reads only its arguments, whose guards check each input's
+    requires_grad, and whose frozen replays build no autograd graph through which hooks or
+    gradients could act).
     """
 
-    def __init__(self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = ()) -> None:
+    def __init__(
+        self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = (), args_guarded: bool = False
+    ) -> None:
         self.alive = True
         self._refs: list[Callable[[], Any]] = []  # weak references (their callbacks mark the guard dead), or the object
+        # args_guarded: the caller checks the arguments' state itself (Dynamo's guards do, for a graph,
+        # whose function reads its arguments only: the watched tensors passed as arguments are left out)
+        self._args_guarded = args_guarded
+        if args_guarded:
+            passed = set(map(id, args))
+            objects = (objects[0], objects[1], tuple(t for t in objects[2] if id(t) not in passed))
         self.counts = tuple(map(len, objects))
         self._roots = [self._watch(o) for o in itertools.chain(*objects)]
-        plain, identities, hooks = self._state(*objects, args)
+        modules, optimizers, tensors = objects
+        plain, identities, hooks = self._state(modules, optimizers, tensors, () if args_guarded else args)
         for o in identities:
             if o is not None:
                 self._watch(o)
         self.state = plain, list(map(id, identities)), hooks
+        # the watched tensors passed as arguments: while each is passed again at its position, the
+        # argument's check covers it (the others are checked as tensors, ``_rest``)
+        position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
+        shared = [(i, position[id(t)]) for i, t in enumerate(tensors) if id(t) in position]
+        self._shared = None
+        if shared:
+            self._shared = (
+                _picker([a for _, a in shared]),
+                _picker([t for t, _ in shared]),
+                _picker([i for i in range(len(tensors)) if id(tensors[i]) not in position]),
+                len(args),
+            )
+            rest = self._shared[2](tensors)
+            plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
+            self._rest_state = plain, list(map(id, identities)), hooks
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
         """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
@@ -164,8 +195,15 @@ class Guard:
         objects = self.objects()
         if objects is None:
             return False
-        plain, identities, hooks = self._state(*objects, args)
-        return plain == self.state[0] and list(map(id, identities)) == self.state[1] and hooks == self.state[2]
+        modules, optimizers, tensors = objects
+        state = self.state
+        shared = self._shared
+        if shared is not None and len(args) == shared[3]:
+            passed_again = all(map(operator.is_, shared[0](args), shared[1](tensors)))
+            if passed_again:  # (the arguments' check covers them)
+                tensors, state = shared[2](tensors), self._rest_state
+        plain, identities, hooks = self._state(modules, optimizers, tensors, () if self._args_guarded else args)
+        return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
         ref: Callable[[], Any]
@@ -183,20 +221,29 @@ class Guard:
     def _state(modules, optimizers, tensors, args):
         """(plain values, objects to compare by identity, hook ids)."""
         with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-            requires_grad = list(map(_REQUIRES_GRAD, tensors))
+            flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
             grads = list(map(_GRAD, tensors))
-            tensor_hooks = list(map(_HOOKS, tensors))
-            arg_requires_grad = [a.requires_grad for a in args]
-            arg_grads = [a.grad if a.grad_fn is None else None for a in args]  # only a leaf's
-            arg_hooks = [_HOOKS(a) for a in args]
+            arg_flags = list(map(_FLAGS, args))
+            grad_fns = list(map(_GRAD_FN, args))
+            if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
+                arg_grads = list(map(_GRAD, args))
+            else:
+                arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
+        # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
+        # so the ids of all hooks together say whether one was added or removed; a tensor without
+        # hooks has None for both dicts, and those tuples compare as they are
+        if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
+            flags = list(map(_hook_ids, flags))
+        if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
+            arg_flags = list(map(_hook_ids, arg_flags))
         containers = list(itertools.chain.from_iterable(map(_CONTAINERS, modules)))
         identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
         identities += itertools.chain.from_iterable(map(dict.values, containers))
         plain = [
             torch.is_grad_enabled(),
             torch.is_inference_mode_enabled(),
-            requires_grad,
-            arg_requires_grad,
+            flags,
+            arg_flags,
             list(map(_TRAINING, modules)),
             list(map(len, containers)),
         ]
@@ -212,24 +259,38 @@ class Guard:
                             plain.append(v)
                         else:
                             identities.append(v)
-        # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
-        # so the ids of all hooks together say whether one was added or removed
-        dicts = list(itertools.chain.from_iterable(tensor_hooks + arg_hooks))
-        dicts += itertools.chain.from_iterable(map(_MODULE_HOOKS, modules))
+        dicts = list(itertools.chain.from_iterable(map(_MODULE_HOOKS, modules)))
         for opt in optimizers:
             dicts += (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
         hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
-        hooks += itertools.chain.from_iterable(filter(None, dicts))  # (None: a tensor without hooks)
+        hooks += itertools.chain.from_iterable(filter(None, dicts))
         return plain, identities, hooks
+
+
+def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
+    """A function giving the items of a sequence at ``indices``, as a tuple (C-level for 2 or more)."""
+    if len(indices) >= 2:
+        return operator.itemgetter(*indices)
+    if indices:
+        (i,) = indices
+        return lambda items: (items[i],)
+    return lambda items: ()
+
+
+def _hook_ids(flags: tuple) -> tuple:
+    """(requires_grad, ids of the backward hooks, ids of the post-accumulate-grad hooks)."""
+    requires_grad, backward, accumulate = flags
+    return requires_grad, tuple(backward or ()), tuple(accumulate or ())
 
 
 def _same_object(obj):
     return obj
 
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _GRAD = operator.attrgetter("grad")
-_HOOKS = operator.attrgetter("_backward_hooks", "_post_accumulate_grad_hooks")
+_GRAD_FN = operator.attrgetter("grad_fn")
+_FLAGS = operator.attrgetter("requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+_NO_HOOKS, _NO_HOOKS_GRAD = (False, None, None), (True, None, None)
 _CONTAINERS = operator.attrgetter("_parameters", "_buffers", "_modules")
 _TRAINING = operator.attrgetter("training")
 _MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")

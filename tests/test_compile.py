@@ -165,6 +165,31 @@ def test_compile_tensors_alone_and_nested_arguments_are_apart():
     assert n("CompileReplay") == 3
 
 
+def test_a_view_argument_never_replays_a_trace_of_a_plain_tensor():
+    """A transposed view of a square tensor has the shape, dtype and layout of a plain one, but its
+    values are read through its view: a trace frozen on plain tensors must not replay on it (it read
+    the base's values, untransposed), with tensors alone or beside a Python number."""
+
+    @st.compile
+    def alone(x):
+        return x * 2
+
+    @st.compile
+    def with_number(x, s):
+        return x * s
+
+    a = _data((4, 4), 0)
+    x = a.to(st.device())
+    for _ in range(3):
+        alone(x), with_number(x, 2.0)
+    assert n("CompileReplay") == 2  # frozen on plain tensors
+    y = _data((4, 4), 1).to(st.device())
+    torch.testing.assert_close(alone(y.t()).cpu(), y.cpu().t() * 2)
+    torch.testing.assert_close(with_number(y.t(), 2.0).cpu(), y.cpu().t() * 2)
+    torch.testing.assert_close(alone(x).cpu(), a * 2)  # the plain call still replays
+    assert n("CompileReplay") == 3
+
+
 def test_compile_python_scalar_argument():
     """A Python number argument is part of the signature: results follow it."""
 

@@ -364,3 +364,42 @@ def test_aot_autograd_backends_are_refused_clearly():
     x = st.shard(_x(0, (8, 6)), mesh_8(), ("d", None))
     with pytest.raises(Exception, match="backend='shardtensor'"):
         torch.compile(lambda t: t * 2 + 1, backend="aot_eager")(x)
+
+
+def test_frozen_graph_replays_follow_what_dynamo_guards():
+    """A graph's frozen replays leave its inputs' checks to Dynamo's guards (requires_grad, and for a
+    graph of fixed shapes: shapes, strides, dtypes, shardings). Whatever changes between calls, each
+    result equals eager torch: another shape (Dynamo's graph with symbolic sizes, keyed by shape
+    again), a parameter's requires_grad, a hook on an input, a transposed view of a square input."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    dev = copy.deepcopy(ref).to(st.device())
+    compiled = torch.compile(dev, backend="shardtensor")
+
+    def check(x):
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x.to(st.device())).cpu(), ref(x), rtol=RTOL, atol=ATOL)
+
+    for step in range(4):
+        check(_x(step, (8, 8)))
+    assert n("CompileReplay") >= 2
+    for step in range(4):  # other batch sizes: Dynamo's graph with symbolic sizes, replayed per shape
+        check(_x(10 + step, (4 + 2 * (step % 2), 8)))
+    check(_x(20, (8, 8)).t())  # a transposed view: values through the view
+    with torch.no_grad():  # (a square view replays nothing of the plain input's program)
+        square = _x(21, (8, 8))
+        out = compiled(square.to(st.device()).t())
+        torch.testing.assert_close(out.cpu(), ref(square.t()), rtol=RTOL, atol=ATOL)
+    for p, q in zip(ref[0].parameters(), dev[0].parameters()):  # requires_grad: Dynamo recompiles
+        p.requires_grad_(False)
+        q.requires_grad_(False)
+    for step in range(3):
+        check(_x(30 + step, (8, 8)))
+    replays = n("CompileReplay")
+    dev[2].weight.register_hook(lambda g: g * 0)  # (no backward runs through an inference replay)
+    with torch.no_grad():
+        dev[2].weight.add_(1.0)  # the new value is read: the program's inputs are read each call
+        ref[2].weight.add_(1.0)
+    for step in range(3):
+        check(_x(40 + step, (8, 8)))
+    assert n("CompileReplay") > replays

@@ -258,3 +258,53 @@ def test_a_module_made_inside_the_call_does_not_block_freezing():
     traces = st.counter_value("CompileTrace")
     step(x.to(st.device()), y.to(st.device()))
     assert st.counter_value("CompileTrace") == traces + 1
+
+
+def test_parameters_passed_as_arguments_are_still_guarded():
+    """A parameter passed as an argument (as Dynamo passes a graph's parameters) is checked once, as an
+    argument, while the same one is passed: a hook or a gradient on it still makes the call run its
+    Python, and another parameter passed in its place is read, as in eager torch."""
+    reset_state()
+    torch.manual_seed(0)
+    weights = [torch.randn(6, 3), torch.randn(6, 3)]
+    ref = [nn.Parameter(w.clone()) for w in weights]
+    dev = [nn.Parameter(w.to(st.device())) for w in weights]
+    scale = nn.Linear(3, 3)  # a watched module's parameter, read but not passed
+    dev_scale = copy.deepcopy(scale).to(st.device())
+
+    def make_step(layer):
+        def step(x, w):
+            loss = layer(x @ w).pow(2).sum()
+            loss.backward()
+            with torch.no_grad():
+                w -= 0.1 * w.grad
+            w.grad = None
+            layer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return step
+
+    eager, compiled = make_step(scale), st.compile(make_step(dev_scale))
+    gen = torch.Generator().manual_seed(3)
+    events = [e for event in ["step", "hook", "unhook", "grad", "other", "first"] for e in [event] + ["step"] * 4]
+    hooks, which = [], 0
+    replays = st.counter_value("CompileReplay") or 0
+    for event in events:
+        if event == "hook":
+            hooks = [p[which].register_hook(lambda g: g * 0.5) for p in (ref, dev)]
+        elif event == "unhook":
+            for h in hooks:
+                h.remove()
+        elif event == "grad":
+            ref[which].grad = torch.ones(6, 3)
+            dev[which].grad = torch.ones(6, 3).to(st.device())
+        elif event in ("other", "first"):
+            which = 1 if event == "other" else 0
+        else:
+            x = torch.randn(4, 6, generator=gen)
+            expected = eager(x, ref[which])
+            assert_close(compiled(x.to(st.device()), dev[which]).cpu(), expected, rtol=1e-5, atol=1e-5)
+        for a, b in zip(ref, dev):
+            assert_close(b.detach().cpu(), a.detach(), rtol=1e-5, atol=1e-5, msg=lambda m, e=event: f"{e}: {m}")
+            assert (a.grad is None) == (b.grad is None)
+    assert (st.counter_value("CompileReplay") or 0) - replays >= 8  # replays between the events

@@ -302,3 +302,29 @@ def test_a_cache_that_cannot_fit_is_refused_and_a_failed_call_leaves_nothing():
         st.set_device_memory_limit(previous)
     assert "_previous_max_cache_length" not in model.__dict__
     torch.testing.assert_close(st.generate(model, prompt, **GREEDY), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("batch,compile_decode", [(1, False), (3, False), (1, True)])
+def test_second_call_with_the_same_shapes_compiles_nothing(batch, compile_decode):
+    """Issue 37: the weights' upload still pending when generation starts (``model.to(st.device())``
+    with no sync, as a user writes it) runs on its own, not inside the first call's prefill; so the
+    second call, with the weights on the device, reuses the prefill and decode programs (it compiled
+    its prefill again when the upload was part of the first one's). With ``compile_decode`` the second
+    call traces nothing either: its decode step replays frozen from the first token."""
+    model = tiny("llama")
+    torch.manual_seed(6)
+    ids = torch.randint(3, VOCAB, (batch, 7))
+    expected = model.generate(ids, **GREEDY)
+    model.to(st.device())  # pending: no st.sync()
+    fresh_executable_cache()
+    torch._dynamo.reset()
+    try:
+        first = st.generate(model, ids, compile_decode=compile_decode, **GREEDY)
+        before, traces = compiles(), st.counter_value("CompileTrace") or 0
+        second = st.generate(model, ids, compile_decode=compile_decode, **GREEDY)
+        assert compiles() == before
+        assert (st.counter_value("CompileTrace") or 0) == traces
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(first, expected, rtol=0, atol=0)
+    torch.testing.assert_close(second, expected, rtol=0, atol=0)

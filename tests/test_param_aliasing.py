@@ -162,13 +162,18 @@ def _train_and_watch(mode, steps=3):
 def donations(monkeypatch):
     """The number of donated inputs of every program called (whatever the path that calls it)."""
     seen: list[int] = []
-    real = execute.call_executable
+    real, real_prepared = execute.call_executable, execute.call_prepared  # (frozen replays call the second)
 
     def counting(fn, arrays, scalars):
         seen.append(len(fn.program.donated))
         return real(fn, arrays, scalars)
 
+    def counting_prepared(fn, *arguments):
+        seen.append(len(fn.program.donated))
+        return real_prepared(fn, *arguments)
+
     monkeypatch.setattr(execute, "call_executable", counting)
+    monkeypatch.setattr(execute, "call_prepared", counting_prepared)
     return seen
 
 
@@ -276,21 +281,22 @@ def _reset_runtime_tokens():
 def failing_runs(monkeypatch, at_once=False):
     """Every program called inside fails on the devices after it ran (its results, check rows
     included, become errors; with ``at_once``, the call raises after consuming its donated inputs)."""
-    real = execute.call_executable
+    real, real_prepared = execute.call_executable, execute.call_prepared  # (frozen replays call the second)
 
-    def failing(fn, arrays, scalars):
-        outs = real(fn, arrays, scalars)
+    def fail(outs):
         if at_once:
             raise RuntimeError("RESOURCE_EXHAUSTED: injected failure at dispatch")
         poisoned = execute.Results(_poison(o) for o in outs)
         poisoned.check_rows = None if outs.check_rows is None else _poison(outs.check_rows)
         return poisoned
 
-    monkeypatch.setattr(execute, "call_executable", failing)
+    monkeypatch.setattr(execute, "call_executable", lambda fn, arrays, scalars: fail(real(fn, arrays, scalars)))
+    monkeypatch.setattr(execute, "call_prepared", lambda fn, *arguments: fail(real_prepared(fn, *arguments)))
     try:
         yield
     finally:
         monkeypatch.setattr(execute, "call_executable", real)
+        monkeypatch.setattr(execute, "call_prepared", real_prepared)
         _reset_runtime_tokens()
 
 

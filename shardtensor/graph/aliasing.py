@@ -52,7 +52,7 @@ def enabled_by_environment(environ=os.environ) -> bool:
 
     Example: ``enabled_by_environment({"XLA_ENABLE_PARAM_ALIASING": "false"}) is False``.
     """
-    raw = tuple(environ.get(name) for name in ENVS)
+    raw = (environ.get(ENVS[0]), environ.get(ENVS[1]))  # (read before every replay: no generator)
     if raw == _parsed[0]:
         return _parsed[1]
     enabled = True

@@ -63,6 +63,8 @@ def verify() -> None:
 
 
 def _error(rows, program, sites):
+    if not rows[:, 0].any():  # (the usual answer, read after every run: one pass)
+        return None
     failed = np.flatnonzero(rows[:, 0])
     if failed.size == 0:
         return None

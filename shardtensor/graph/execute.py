@@ -345,7 +345,17 @@ def _device_scalars(vec: np.ndarray, mesh):
 def _call_arguments(program, arrays, scalars):
     donated = [arrays[i] for i in program.donated]
     kept = [arrays[i] for i in program.kept]
-    return donated, kept, {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
+    return donated, kept, device_scalars(program, scalars)
+
+
+def device_scalars(program, scalars) -> dict:
+    """A program's scalar vectors (kind -> numpy vector) as the arrays on its mesh it is called with.
+
+    Example::
+
+        call_prepared(fn, donated, kept, device_scalars(fn.program, {"f64": np.array([0.1])}))
+    """
+    return {k: _device_scalars(v, program.mesh) for k, v in scalars.items()}
 
 
 class Results(list):
@@ -359,7 +369,22 @@ def call_executable(fn, arrays, scalars):
     Donated inputs are consumed, so callers hold Ctrl-C back around this and the storing of its
     outputs (``deferred_interrupts``)."""
     start = time.perf_counter_ns()
-    outs = fn(*_call_arguments(fn.program, arrays, scalars))
+    return _called(fn, fn(*_call_arguments(fn.program, arrays, scalars)), start)
+
+
+def call_prepared(fn, donated: list, kept: list, scalar_arrays: dict):
+    """``call_executable`` with its arguments already in the program's order (a frozen replay's):
+    the donated arrays, the kept ones and the scalar vectors on the devices (``device_scalars``).
+
+    Example::
+
+        outs = call_prepared(fn, [cache], [weights, ids], device_scalars(fn.program, {}))
+    """
+    start = time.perf_counter_ns()
+    return _called(fn, fn(donated, kept, scalar_arrays), start)
+
+
+def _called(fn, outs, start):
     if fn.program.checks:
         outs, rows = outs
         outs = Results(outs)

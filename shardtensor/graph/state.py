@@ -132,7 +132,9 @@ def set_computed(cell: Cell, array, owned: bool) -> None:
     cell.value = array
     cell._leaf = None
     cell.owned = owned
-    STATE.pending.pop(weakref.ref(cell), None)
+    pending = STATE.pending
+    if pending:  # (a frozen replay's outputs: nothing of this thread pending, no reference to make)
+        pending.pop(weakref.ref(cell), None)
 
 
 def pending_cells() -> list:
