@@ -64,7 +64,7 @@ from shardtensor.graph.state import (
 )
 from shardtensor.ops import precision as matmul_precision
 from shardtensor.ops.checks import checks_enabled
-from shardtensor.replay_guard import Guard, Watched, watch
+from shardtensor.replay_guard import Guard, Watched, picker, watch
 from shardtensor.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -450,16 +450,16 @@ class _Frozen:
         consts = [i for i, s in enumerate(sources) if s[0] not in ("arg", "old")]
         order = args + olds + consts  # read position -> source position
         self._read_sources = order
-        self._pick_args = _picker([sources[i][1] for i in args])
+        self._pick_args = picker([sources[i][1] for i in args])
         self._old_refs = [sources[i][2] for i in olds]
         self._consts = [sources[i][2] for i in consts]
         self._cells_read = len(args) + len(olds)
         read_of = {i: r for r, i in enumerate(order)}
         program = self.executable.program if self.executable is not None else None
-        self._donated_reads = _picker([read_of[i] for i in sorted(self.donated)])
+        self._donated_reads = picker([read_of[i] for i in sorted(self.donated)])
         # the program's donated and kept inputs, picked from the read order
         donated, kept = (program.donated, program.kept) if program is not None else ((), ())
-        self._call_order = (_picker([read_of[i] for i in donated]), _picker([read_of[i] for i in kept]))
+        self._call_order = (picker([read_of[i] for i in donated]), picker([read_of[i] for i in kept]))
         # per read position: a weak reference to the array that passed every check as it was (jax
         # arrays are immutable: the same one passes again); a constant is always itself
         self._passed = [_NOTHING] * self._cells_read + [functools.partial(_same, c) for c in self._consts]
@@ -595,16 +595,6 @@ _NOTHING = _nothing  # what no input has passed yet (never an array)
 _CELL = operator.attrgetter("_cell")
 _VALUE = operator.attrgetter("value")
 _OWNED = operator.attrgetter("owned")
-
-
-def _picker(indices: list[int]):
-    """A function giving the items of a sequence at ``indices``, as a tuple (C-level for 2 or more)."""
-    if len(indices) >= 2:
-        return operator.itemgetter(*indices)
-    if indices:
-        (i,) = indices
-        return lambda items: (items[i],)
-    return lambda items: ()
 
 
 def _consumed_by_failed_call(cells, before, what, error) -> None:

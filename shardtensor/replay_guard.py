@@ -173,9 +173,9 @@ class Guard:
         self._shared = None
         if shared:
             self._shared = (
-                _picker([a for _, a in shared]),
-                _picker([t for t, _ in shared]),
-                _picker([i for i in range(len(tensors)) if id(tensors[i]) not in position]),
+                picker([a for _, a in shared]),
+                picker([t for t, _ in shared]),
+                picker([i for i in range(len(tensors)) if id(tensors[i]) not in position]),
                 len(args),
             )
             rest = self._shared[2](tensors)
@@ -267,8 +267,11 @@ class Guard:
         return plain, identities, hooks
 
 
-def _picker(indices: list[int]) -> Callable[[Sequence], tuple]:
-    """A function giving the items of a sequence at ``indices``, as a tuple (C-level for 2 or more)."""
+def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
+    """A function giving the items of a sequence at ``indices``, as a tuple (C-level for 2 or more).
+
+    Example: ``picker([2, 0])("abc") == ("c", "a")``
+    """
     if len(indices) >= 2:
         return operator.itemgetter(*indices)
     if indices:
