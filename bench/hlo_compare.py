@@ -133,20 +133,33 @@ def traffic(text: str) -> int:
     return total
 
 
-def torch_side(args, part, state, batch):
-    """(StableHLO text, optimized HLO text) of shardtensor's program for ``part``."""
+def gpt_inputs(args):
+    """(bf16 state dict, (tokens, targets)) of the seeded GPT and batch both sides run."""
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
+    return state, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def st_lowered(args, part, state, batch, forward_loss=False):
+    """shardtensor's program for ``part`` as a run builds it (``graph.lower``, buffers donated), not
+    compiled; ``forward_loss``: the forward part ends with the loss."""
     model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
     model.to(torch.bfloat16).load_state_dict(state)
     model = model.to(st.device())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True)
     x, y = (t.to(st.device()) for t in batch)
 
+    def loss_of(out):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
     def step():
         if part == "forward":  # (under no_grad: with autograd on, every saved activation is an output)
             with torch.no_grad():
-                return [model(x)]
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+                return [loss_of(model(x)) if forward_loss else model(x)]
+        loss = loss_of(model(x))
         loss.backward()
         if part == "backward":
             return [loss] + [p.grad for p in model.parameters()]
@@ -161,6 +174,12 @@ def torch_side(args, part, state, batch):
         results = step()  # (held: a result nothing holds is not computed)
     lowered = lower(seen.pending(), donate=True)
     del results
+    return lowered
+
+
+def torch_side(args, part, state, batch):
+    """(StableHLO text, optimized HLO text) of shardtensor's program for ``part``."""
+    lowered = st_lowered(args, part, state, batch)
     with x64_scope():
         jl = lowered.jitted().lower(*lowered.abstract_arguments())
         return jl.as_text(), jl.compile().as_text()
@@ -206,12 +225,7 @@ def main():
     ap.add_argument("--dump", help="a folder to write each program's texts into")
     args = ap.parse_args()
     st.set_checks(args.checks)
-    torch.manual_seed(0)
-    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    state, batch = gpt_inputs(args)
     print(
         f"bf16 GPT d={args.d} heads={args.heads} layers={args.layers} T={args.seq} batch={args.batch} "
         f"vocab={args.vocab}, tanh GELU, causal SDPA, AdamW(capturable); checks {'on' if args.checks else 'off'}"

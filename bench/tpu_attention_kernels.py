@@ -15,6 +15,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from shardtensor.ops import tpu_attention
+
 
 def timed(fn, *args, runs=20):
     out = fn(*args)
@@ -64,8 +66,8 @@ def main():
 
     ref = fwd_bwd(xla)(q, k, v)
     flops = 4 * b * h * t * t * d * 3 / 2 * 2 / 2  # fwd 2 products + bwd 4: causal half
-    print(f"causal attention fwd+bwd bf16 b={b} h={h} T={t} d={d}")
-    for name, attend in [("xla", xla)] + [(f"pallas flash block {bl}", flash(bl)) for bl in (128, 256, 512, 1024)]:
+
+    def report(name, attend):
         try:
             fn = fwd_bwd(attend)
             out = fn(q, k, v)
@@ -75,37 +77,19 @@ def main():
             )
             s = timed(fn, q, k, v)
             print(f"  {name:28s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s  max|diff| {err:.3g}", flush=True)
-        except Exception as e:  # a block size the kernel refuses: say so and go on
+        except Exception as e:  # a block size a kernel refuses: say so and go on
             print(f"  {name:28s} failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    try:
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-        from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-        for bl in (256, 512, 1024):
-            mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(h)])
-            bs = sk.BlockSizes(
-                block_q=bl,
-                block_kv=bl,
-                block_kv_compute=bl,
-                block_q_dkv=bl,
-                block_kv_dkv=bl,
-                block_kv_dkv_compute=bl,
-                block_q_dq=bl,
-                block_kv_dq=bl,
-            )
-            kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=bs)
-            splash = lambda q, k, v, kernel=kernel: jax.vmap(kernel)(q * scale, k, v)  # noqa: E731
-            fn = fwd_bwd(splash)
-            out = fn(q, k, v)
-            err = max(
-                float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32))))
-                for a, r in zip(jax.tree.leaves(out), jax.tree.leaves(ref))
-            )
-            s = timed(fn, q, k, v)
-            name = f"splash block {bl}"
-            print(f"  {name:28s} {s * 1e3:8.2f} ms  {flops / s / 1e12:6.1f} TFLOP/s  max|diff| {err:.3g}", flush=True)
-    except Exception as e:
-        print(f"  splash failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    def splash(block):  # shardtensor's SDPA kernel on a TPU (ops/tpu_attention.py) at one block size
+        kernel = tpu_attention._kernel(h, t, t, True, False, block=block)
+        return lambda q, k, v: kernel(q * scale, k, v)
+
+    print(f"causal attention fwd+bwd bf16 b={b} h={h} T={t} d={d}")
+    report("xla", xla)
+    for bl in (128, 256, 512, 1024):
+        report(f"pallas flash block {bl}", flash(bl))
+    for bl in (256, 512, 1024):
+        report(f"splash block {bl}", splash(bl))
 
 
 if __name__ == "__main__":

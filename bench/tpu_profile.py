@@ -29,11 +29,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
+import hlo_compare  # noqa: E402  (bench/hlo_compare.py: the same model, batch and program)
 import shardtensor as st  # noqa: E402
-from gpt_model import GPT  # noqa: E402
 from shardtensor.runtime import x64_scope  # noqa: E402
 
 
@@ -73,34 +72,9 @@ def profiled(run, runs, warmup=2):
 
 
 def st_program(args, part, state, batch):
-    """(compiled, run) for shardtensor's program of ``part``: as hlo_compare.torch_side builds it."""
-    from shardtensor.graph.capture import capture, lower
-
-    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
-    model.to(torch.bfloat16).load_state_dict(state)
-    model = model.to(st.device())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
-    x, y = (t.to(st.device()) for t in batch)
-
-    def step():
-        if part == "forward":
-            with torch.no_grad():
-                out = model(x)
-                return [torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))]
-        out = model(x)
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return [loss]
-
-    if part == "step":
-        step()
-        st.sync()
-    with capture() as seen:
-        results = step()
-    lowered = lower(seen.pending(), donate=True)
-    del results
+    """(compiled, run) for shardtensor's program of ``part`` (bench/hlo_compare.py's, the forward with
+    its loss)."""
+    lowered = hlo_compare.st_lowered(args, part, state, batch, forward_loss=True)
     program = lowered.jitted().program
     with x64_scope():
         compiled = lowered.jitted().lower(*lowered.abstract_arguments()).compile()
@@ -163,12 +137,7 @@ def main():
     for k, val in sizes.items():
         setattr(args, k, val)
     st.set_checks(False)  # JAX's program has none; the checks' cost is measured elsewhere
-    torch.manual_seed(0)
-    model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
-    batch = (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    state, batch = hlo_compare.gpt_inputs(args)
     os.makedirs(args.out, exist_ok=True)
     print(f"bf16 GPT {sizes} on {jax.devices()[0].device_kind}", flush=True)
     for part in args.parts.split(","):

@@ -96,15 +96,15 @@ def _splash_backward_fake(grad, q, k, v, is_causal, scale):
 
 
 @functools.cache
-def _kernel(heads: int, q_len: int, k_len: int, is_causal: bool, interpret: bool):
+def _kernel(heads: int, q_len: int, k_len: int, is_causal: bool, interpret: bool, block: int | None = None):
     """The splash kernel for one head count and shape, vmapped over the batch (built once: its mask
-    tables are numpy work)."""
+    tables are numpy work); blocks of ``block``, by default the largest of ``BLOCKS`` that divides."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     one = masks.CausalMask((q_len, k_len)) if is_causal else masks.FullMask((q_len, k_len))
-    bq = next(b for b in BLOCKS if q_len % b == 0)
-    bk = next(b for b in BLOCKS if k_len % b == 0)
+    bq = block or next(b for b in BLOCKS if q_len % b == 0)
+    bk = block or next(b for b in BLOCKS if k_len % b == 0)
     sizes = splash.BlockSizes(
         block_q=bq,
         block_kv=bk,
