@@ -33,7 +33,7 @@ import torch
 from jax import lax
 
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops.precision import precision
+from shardtensor.ops.precision import as_jax_default, precision
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -110,9 +110,6 @@ def sdpa_overrideable(
     return out, lse, None, None, None, None, None, None, None
 
 
-_PRECISION_NAMES = {lax.Precision.HIGHEST: "highest", lax.Precision.HIGH: "high", lax.Precision.DEFAULT: "default"}
-
-
 def _jax_attention_applies(query, key, value, attn_bias) -> bool:
     """Whether the attention is one ``jax.nn.dot_product_attention`` computes with torch's results: no
     mask but ``is_causal`` (no row loses every key), keys present, one float dtype, value's head dim
@@ -137,7 +134,7 @@ def _jax_attention(query, key, value, is_causal, scale):
     def bthd(x):  # (..., h, t, d) -> (batch, t, h, d), JAX's layout
         return jnp.swapaxes(x.reshape((-1,) + x.shape[-3:]), 1, 2)
 
-    with jax.default_matmul_precision(_PRECISION_NAMES[precision()]):
+    with as_jax_default():
         out = jax.nn.dot_product_attention(
             bthd(query), bthd(key), bthd(value), scale=scale, is_causal=is_causal, implementation="xla"
         )
@@ -186,7 +183,7 @@ def sdpa_overrideable_backward(
         # autodiff of the forward: its recomputation is the forward's ops on the same inputs, which XLA
         # merges with the forward's when both are in one program
         _, pullback = jax.vjp(lambda q, k, v: _jax_attention(q, k, v, is_causal, scale), query, key, value)
-        with jax.default_matmul_precision(_PRECISION_NAMES[precision()]):
+        with as_jax_default():
             dq, dk, dv = pullback(grad_out.astype(query.dtype))
         return dq, dk, dv, None
     hk = key.shape[-3]

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import jax
 import torch
 from jax import lax
 
@@ -35,6 +36,7 @@ _XLA = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "medium": 
 # PyTorch/XLA's names (torch_xla.backends.set_mat_mul_precision) -> torch's
 _FROM_XLA_NAME = {"highest": "highest", "high": "high", "default": "medium"}
 
+_JAX_NAMES = {lax.Precision.HIGHEST: "highest", lax.Precision.HIGH: "high", lax.Precision.DEFAULT: "default"}
 _LOWERING = threading.local()  # .precision: the XLA precision of the product lowering running now
 
 
@@ -56,6 +58,18 @@ def precision() -> lax.Precision:
         jnp.matmul(a, b, precision=precision())
     """
     return getattr(_LOWERING, "precision", lax.Precision.HIGHEST)
+
+
+def as_jax_default():
+    """``jax.default_matmul_precision`` at the precision of the product lowering running now: for
+    library functions (``jax.nn``) whose products take JAX's default precision.
+
+    Example::
+
+        with as_jax_default():
+            jax.nn.dot_product_attention(q, k, v)    # its float32 products at torch's setting
+    """
+    return jax.default_matmul_precision(_JAX_NAMES[precision()])
 
 
 @contextlib.contextmanager
