@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import torch
 
+from shardtensor import decode_loop
 from shardtensor.graph import memory
 from shardtensor.graph.modes import sync
 from shardtensor.integrations.generate_on_host import encoder_outputs_on_device
@@ -65,6 +66,7 @@ def generate(
     *,
     buckets: bool = True,
     compile_decode: bool = False,
+    device_loop: bool = True,
     **kwargs: Any,
 ) -> Any:
     """``model.generate(input_ids, **kwargs)`` with a static KV cache, compiled as two programs.
@@ -90,6 +92,13 @@ def generate(
     replayed frozen after, without recording its ops again each token (the lowest host time per
     token). It costs Dynamo's tracing on the first call and one more small program, run every token:
     the upload of the step's inputs (in lazy mode it is part of the step's program).
+
+    ``device_loop=True`` (the default) keeps greedy search with the static cache on the device
+    (:mod:`shardtensor.decode_loop`): the decode step is replayed frozen and chooses each token
+    itself, and the host reads only, a few steps late, whether every sequence has ended, so the
+    chip never waits for it. Sampling, beams, the caller's logits processors or stopping criteria,
+    streamers and ``return_dict_in_generate`` run transformers' loop, which reads each token's
+    logits to the host; ``device_loop=False`` runs that loop always.
 
     Example::
 
@@ -167,8 +176,15 @@ def generate(
     # transformers sizes every later static cache to at least this call's (``_previous_max_cache_length``):
     # a call that fails (a cache too big) must not leave its size behind for the next ones
     previous = model.__dict__.get("_previous_max_cache_length", _UNSET)
+    on_device = device_loop and implementation == "static" and not compile_decode
+    if on_device and not model.config.is_encoder_decoder and not _HOST_LOOP_ARGUMENTS & set(kwargs):
+        kwargs["custom_generate"] = decode_loop.decode
     try:
-        out = model.generate(ids, **kwargs)
+        try:
+            out = model.generate(ids, **kwargs)
+        except decode_loop.NotOnDevice:  # a mode transformers runs its own way (assisted, from the Hub)
+            kwargs.pop("custom_generate")
+            out = model.generate(ids, **kwargs)
     except BaseException:
         if previous is _UNSET:
             model.__dict__.pop("_previous_max_cache_length", None)
@@ -184,6 +200,8 @@ def generate(
 
 
 _UNSET = object()
+# generate() arguments that need transformers' own loop (or are the caller's own loop)
+_HOST_LOOP_ARGUMENTS = frozenset({"custom_generate", "streamer", "synced_gpus", "assistant_model", "tokenizer"})
 
 
 def static_cache_bytes(model: Any, batch: int, max_cache_len: int) -> int:

@@ -43,7 +43,7 @@ LAYERS = [
             "integrations",
         },
     ),
-    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "kernels"}),
+    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "decode_loop", "kernels"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
 

@@ -14,8 +14,10 @@ do not depend on it are kept.
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import weakref
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -24,6 +26,30 @@ from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
 
 _UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
+_LEFT_UNREAD: list[int] = []  # innermost ``deferred``: how many of the newest runs verify() leaves unread
+
+
+@contextlib.contextmanager
+def deferred(newest: int) -> Iterator[None]:
+    """Inside, ``verify`` reads every run's checks but the newest ``newest`` runs'.
+
+    Reading a run's checks waits for the run; a loop that queues run after run (the device decode
+    loop) reads them a few runs late instead, when they are long computed, and calls ``verify()``
+    after the block for the rest. A failure still raises, at most ``newest`` runs late, before
+    any value of a later run is read back.
+
+    Example::
+
+        with checks.deferred(4):
+            for _ in range(n):
+                step()          # a compiled call: its checks are read four calls later
+        checks.verify()
+    """
+    _LEFT_UNREAD.append(max(int(newest), 0))
+    try:
+        yield
+    finally:
+        _LEFT_UNREAD.pop()
 
 
 def watch(program, rows, sites, cells, results) -> None:
@@ -44,10 +70,11 @@ def verify() -> None:
         loss = F.cross_entropy(logits, bad_targets); st.sync()
         checks.verify()   # IndexError: Target 7 is out of bounds. ... (at train.py:12)
     """
-    if not _UNREAD:
+    older = len(_UNREAD) - (_LEFT_UNREAD[-1] if _LEFT_UNREAD else 0)
+    if older <= 0:
         return
-    runs = list(_UNREAD)
-    _UNREAD.clear()
+    runs = _UNREAD[:older]
+    del _UNREAD[:older]
     first = None
     for rows, program, sites, suspects in runs:
         try:
