@@ -64,6 +64,8 @@ CASES = {
     ),
     "index_add_": (lambda x, i: x.clone().index_add_(0, i, x[:2]), (X, _t(0, 6)), (X, _t(5, 5))),
     "index_copy_": (lambda x, i: x.clone().index_copy_(0, i, x[:2]), (X, _t(-1, 2)), (X, _t(5, 2))),
+    # one position: a slice update (a KV cache's decode step), checked all the same
+    "index_copy_one": (lambda x, i: x.clone().index_copy_(0, i, x[1:2]), (X, _t(6)), (X, _t(4))),
     "index_fill_": (lambda x, i: x.clone().index_fill_(0, i, 1.0), (X, _t(0, -7)), (X, _t(0, -6))),
     "take": (lambda x, i: x.take(i), (X, _t(0, 1, 2, 3, 4, 18)), (X, _t(0, 1, 2, 3, 4, -18))),
     "embedding": (lambda w, i: F.embedding(i, w), (X, _t(0, 1, 2, 3, 4, 6)), (X, _t(5, 1, 2, 3, 4, 0))),

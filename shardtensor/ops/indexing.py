@@ -346,6 +346,14 @@ def index_add(x, dim, index, source, *, alpha=1):
 @register(aten.index_copy.default, checked=True)
 def index_copy(x, dim, index, source):
     check_along(x, dim, index, IndexError, "index_copy_(): " + _BOUNDS)
+    if index.size == 1 and x.ndim > 0:
+        # one position (a KV cache's decode step): an in-place slice update, which XLA keeps in the
+        # buffer, where a scatter may not be (the check above has ruled out a position out of range)
+        d = wrap_dim(dim, x.ndim)
+        starts = [0] * x.ndim
+        starts[d] = index.reshape(())
+        piece = jnp.asarray(source).astype(x.dtype).reshape(x.shape[:d] + (1,) + x.shape[d + 1 :])
+        return jax.lax.dynamic_update_slice(x, piece, starts)
     return _index_dim_apply(x, dim, index, source, "set")
 
 
