@@ -479,6 +479,7 @@ def main():
     ap.add_argument("--f32", action="store_true", help="the float32 GPT at each matmul precision")
     ap.add_argument("--attention", action="store_true", help="flash attention vs SDPA vs JAX at T=2048")
     ap.add_argument("--llama", action="store_true", help="issue 37: HF Llama training and st.generate")
+    ap.add_argument("--llama-generate-only", action="store_true", help="with --llama: st.generate rows only")
     ap.add_argument(
         "--modes", nargs="*", help="only these bf16 GPT modes (compile, lazy-item, lazy-10, compile-default)"
     )

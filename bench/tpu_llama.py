@@ -115,12 +115,16 @@ def jax_generate(params, prompt, new, cfg, fns):
 
 
 def section(args, row, time_calls):
+    import transformers  # noqa: PLC0415  (optional dependency)
+
     c = TINY if args.tiny else FULL
+    print(f"transformers {transformers.__version__}")
     model, cfg = _model(c)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     n = sum(v.numel() for v in state.values())
     print(f"\n== HF LlamaForCausalLM, {n / 1e6:.0f}M parameters (hidden {c['hidden']}, {c['layers']} layers), bf16")
-    _training(row, time_calls, model, c, n)
+    if not getattr(args, "llama_generate_only", False):
+        _training(row, time_calls, model, c, n)
     _generation(args, row, model, cfg, state, c)
 
 

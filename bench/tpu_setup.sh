@@ -5,7 +5,8 @@
 PIP="env PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --only-binary=:all: --index-url file:///opt/pypi/simple"
 [ -d /tmp/site/torch ] || $PIP --target /tmp/site torch==2.13.0 rich tqdm flatbuffers ninja --find-links /opt/wheels
 if [ -n "$TPU_SETUP_HF" ] && [ ! -d /tmp/site_hf/transformers ]; then
-    $PIP --target /tmp/site_hf transformers   # with its needs; numpy etc. there come after the machine's own
+    # the project's pin (pyproject.toml): st.generate's device loop follows transformers' decoding code
+    $PIP --target /tmp/site_hf transformers==5.24.0 || $PIP --target /tmp/site_hf transformers
 fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/site:/tmp/site_hf:$PWD"
 export PATH="/tmp/site/bin:$PATH"   # ninja, for the device guard extension built on first import
