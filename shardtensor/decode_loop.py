@@ -114,7 +114,11 @@ def decode(
 
 
 # model inputs the device loop passes through to the forward as transformers' loop does
-_FORWARD_KWARGS = frozenset({"cache", "attention_mask", "position_ids", "use_cache", "logits_to_keep"})
+_FORWARD_KWARGS = frozenset(
+    {"cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep"}
+)
+# what transformers calls the cache among the model's inputs: "cache" from 5.24, "past_key_values" before
+_CACHE_NAMES = ("cache", "past_key_values")
 
 
 def plan(
@@ -139,7 +143,7 @@ def plan(
     from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    cache = model_kwargs.get("cache")
+    cache = model_kwargs.get(_cache_name(model_kwargs))
     if (
         model.config.is_encoder_decoder
         or isinstance(input_ids, ShardedTensor)
@@ -191,6 +195,7 @@ class _Loop:
 
     def __init__(self, model: Any, cache: Any, batch: int, masked: bool, positioned: bool):
         self.model, self.cache = model, cache
+        self.cache_name = "cache"  # (set by _loop_for to the name transformers uses)
         self.length = _cache_length(cache)
         self.mask = zeros_on_devices((batch, self.length), torch.long) if masked else None
         self.position = zeros_on_devices((batch, 1), torch.long) if positioned else None
@@ -242,7 +247,7 @@ class _Loop:
         inputs = self.model.prepare_inputs_for_generation(
             self.token,
             next_sequence_length=1,
-            cache=self.cache,
+            **{self.cache_name: self.cache},
             attention_mask=self.mask,
             **({"position_ids": self.position} if self.position is not None else {}),
             use_cache=True,
@@ -271,7 +276,8 @@ def greedy_on_device(
 
         greedy_on_device(model, ids, plan(...), generation_config, model_kwargs)
     """
-    model_kwargs["cache"] = _reused_cache(model, model_kwargs["cache"], input_ids.shape[0])
+    name = _cache_name(model_kwargs)
+    model_kwargs[name] = _reused_cache(model, model_kwargs[name], input_ids.shape[0])
     # (made before the prefill records anything: the prefill program's outputs, ordered by when their
     # tensors were made, then come in the same order from the first generation on)
     loop = _loop_for(model, input_ids.shape[0], model_kwargs)
@@ -346,7 +352,7 @@ def _first_finished(flags: collections.deque, keep: int) -> int | None:
 
 def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
     """The model's loop for this cache and batch (made on first use)."""
-    cache = model_kwargs["cache"]
+    cache = model_kwargs[_cache_name(model_kwargs)]
     masked, positioned = model_kwargs.get("attention_mask") is not None, model_kwargs.get("position_ids") is not None
     extra = {k: v for k, v in model_kwargs.items() if k == "logits_to_keep"}
     key = (batch, id(cache), masked, positioned, tuple(extra.items()))
@@ -355,6 +361,7 @@ def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
     if loop is None or loop.cache is not cache:
         loop = _Loop(model, cache, batch, masked, positioned)
         loop.forward_extra = extra
+        loop.cache_name = _cache_name(model_kwargs)
         while len(loops) >= KEPT_LOOPS:  # the oldest goes: its buffers would only hold memory
             loops.pop(next(iter(loops)))
         loops[key] = loop
@@ -364,6 +371,11 @@ def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
 def _constant(host: torch.Tensor) -> ShardedTensor:
     """``host`` uploaded, replicated (a transfer, no program)."""
     return ShardedTensor(cell_from_host(torch_to_numpy(host.contiguous()), default_mesh(), None, host.dtype))
+
+
+def _cache_name(model_kwargs: dict) -> str:
+    """The key of the cache among transformers' model inputs (its name changed in 5.24)."""
+    return next((name for name in _CACHE_NAMES if name in model_kwargs), _CACHE_NAMES[0])
 
 
 def _cache_length(cache: Any) -> int:

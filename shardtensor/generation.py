@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import jax
@@ -160,7 +161,7 @@ def generate(
             "use the default, 'static', for an encoder-decoder model"
         )
     else:
-        kwargs["cache"] = growing_cache(model.config, ids.shape[1])
+        kwargs[_cache_argument(model)] = growing_cache(model.config, ids.shape[1])
     if compile_decode:
         if implementation != "static":
             raise ValueError("st.generate: compile_decode=True needs the static cache (cache_implementation='static')")
@@ -257,6 +258,12 @@ def _decode_compile_config() -> Any:
     # transformers compiles only on the devices it lists (cuda, xpu, neuron, tpu) unless told so
     setattr(config, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers)
     return config
+
+
+def _cache_argument(model: Any) -> str:
+    """generate()'s name for a cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    parameters = inspect.signature(model.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _pad_token(model: Any, kwargs: dict) -> int:
