@@ -194,7 +194,8 @@ class _Loop:
     """
 
     def __init__(self, model: Any, cache: Any, batch: int, masked: bool, positioned: bool):
-        self.model, self.cache = model, cache
+        # (weakly: the loop is kept in a weak dict keyed by the model, which it must not keep alive)
+        self._model, self.cache = weakref.ref(model), cache
         self.cache_name = "cache"  # (set by _loop_for to the name transformers uses)
         self.length = _cache_length(cache)
         self.mask = zeros_on_devices((batch, self.length), torch.long) if masked else None
@@ -209,6 +210,10 @@ class _Loop:
         self.blocked = zeros_on_devices((), torch.long)
         self.step = st_compile(self._step, name="st.generate decode step")
         self.forward_extra: dict = {}
+
+    @property
+    def model(self) -> Any:
+        return self._model()
 
     def start(self, plan: Plan, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
         """Reset the state for a new generation of ``plan``, from transformers' host ``attention_mask``
