@@ -44,7 +44,7 @@ from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph import checks
 from shardtensor.mesh import default_mesh
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor.upload import cell_from_host, overwrite, zeros_on_devices
+from shardtensor.tensor.upload import cell_from_host, zeros_on_devices
 
 # Steps the host runs ahead of the stop flag it reads: the flag of step n is read after step n + LAG
 # is queued, so the read finds it computed. Finishing early costs up to LAG steps run for nothing.
@@ -184,19 +184,19 @@ def plan(
 
 
 class _Loop:
-    """The device state of greedy decoding for one cache and batch, and its compiled step.
+    """The device state of greedy decoding for one cache and batch, and its two compiled functions.
 
-    Kept per model and reused by later generations, so that the frozen step, which reads and
-    writes exactly these tensors, stays valid. Its buffers are made on the devices outside any
-    program and given each generation's values by transfers (``overwrite``), not ops, so the
-    prefill program is the same from the first generation on; the generation's settings (eos ids,
-    pad, min_new_tokens) are values too, so changing them compiles nothing.
+    ``prefill`` empties the cache, resets the state and runs the prompt; ``step`` decodes one token.
+    Both read and write these same tensors, so they are kept per model and reused by later
+    generations: after the first two generations the prefill is replayed frozen as well, and a
+    generation records no op at all. The buffers are made on the devices outside any program (the
+    first generation's programs are the later ones'); the generation's settings (eos ids, pad,
+    min_new_tokens) come in as values, so changing them compiles nothing.
     """
 
-    def __init__(self, model: Any, cache: Any, batch: int, masked: bool, positioned: bool):
+    def __init__(self, model: Any, cache: Any, cache_name: str, batch: int, masked: bool, positioned: bool):
         # (weakly: the loop is kept in a weak dict keyed by the model, which it must not keep alive)
-        self._model, self.cache = weakref.ref(model), cache
-        self.cache_name = "cache"  # (set by _loop_for to the name transformers uses)
+        self._model, self.cache, self.cache_name = weakref.ref(model), cache, cache_name
         self.length = _cache_length(cache)
         self.mask = zeros_on_devices((batch, self.length), torch.long) if masked else None
         self.position = zeros_on_devices((batch, 1), torch.long) if positioned else None
@@ -204,10 +204,10 @@ class _Loop:
         self.unfinished = zeros_on_devices((batch,), torch.long)
         self.count = zeros_on_devices((), torch.long)
         self.tokens = zeros_on_devices((batch, self.length), torch.long)  # (room for any max_new_tokens)
-        # the generation's settings, as values (any eos ids, pad and min_new_tokens: the same programs)
         self.eos = zeros_on_devices((EOS_SLOTS,), torch.long)
         self.pad = zeros_on_devices((), torch.long)
         self.blocked = zeros_on_devices((), torch.long)
+        self.prefill = st_compile(self._prefill, name="st.generate prefill")
         self.step = st_compile(self._step, name="st.generate decode step")
         self.forward_extra: dict = {}
 
@@ -215,23 +215,39 @@ class _Loop:
     def model(self) -> Any:
         return self._model()
 
-    def start(self, plan: Plan, mask: torch.Tensor | None, positions: torch.Tensor | None) -> None:
-        """Reset the state for a new generation of ``plan``, from transformers' host ``attention_mask``
-        and ``position_ids`` after the prefill (they end with the first new token's column)."""
-        # (transfers, not ops: the prefill's program stays the same from the first generation on)
+    def _prefill(
+        self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, settings: torch.Tensor
+    ) -> torch.Tensor:
+        """Start a generation: the prompt ``ids`` with transformers' ``attention_mask`` and
+        ``position_ids`` for it (None where it passes none), ``settings`` = (pad, eos_blocked, eos
+        ids padded with -1); returns whether every row has finished after the first token."""
+        for layer in self.cache.layers:  # empty (a new generation must not see an old one's keys)
+            layer.keys.zero_()
+            layer.values.zero_()
+            layer.cumulative_length.zero_()
+        self.pad.copy_(settings[0])
+        self.blocked.copy_(settings[1])
+        self.eos.copy_(settings[2:])
+        self.unfinished.fill_(1)
+        self.count.zero_()
         if self.mask is not None and mask is not None:
             # the mask of the whole cache: the prompt's padding, then every later position visible
             # (the causal rule hides the ones not written yet), so that it never changes while decoding
-            rest = max(self.length - mask.shape[1], 0)
-            overwrite(self.mask, torch.cat([mask, mask.new_ones((mask.shape[0], rest))], 1)[:, : self.length].long())
+            rest = self.length - mask.shape[1]
+            self.mask.copy_(torch.cat([mask, mask.new_ones((mask.shape[0], rest))], 1).long())
         if self.position is not None and positions is not None:
-            overwrite(self.position, positions[:, -1:].long())
-        overwrite(self.unfinished, torch.ones(self.unfinished.shape, dtype=torch.long))
-        overwrite(self.count)
-        eos = list(plan.eos) + [-1] * (EOS_SLOTS - len(plan.eos))  # (-1: no token is one)
-        overwrite(self.eos, torch.tensor(eos, dtype=torch.long))
-        overwrite(self.pad, torch.tensor(plan.pad, dtype=torch.long))
-        overwrite(self.blocked, torch.tensor(plan.eos_blocked, dtype=torch.long))
+            self.position.copy_(positions[:, -1:] + 1)  # the first new token's
+        inputs = self.model.prepare_inputs_for_generation(
+            ids,
+            is_first_iteration=True,
+            attention_mask=mask,
+            **{self.cache_name: self.cache},
+            **({"position_ids": positions} if positions is not None else {}),
+            use_cache=True,
+            **self.forward_extra,
+        )
+        outputs = self.model(**inputs, return_dict=True)
+        return self.choose(outputs.logits[:, -1])
 
     def choose(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token from ``logits`` (batch, vocab) as transformers' greedy loop chooses it,
@@ -283,17 +299,16 @@ def greedy_on_device(
     """
     name = _cache_name(model_kwargs)
     model_kwargs[name] = _reused_cache(model, model_kwargs[name], input_ids.shape[0])
-    # (made before the prefill records anything: the prefill program's outputs, ordered by when their
-    # tensors were made, then come in the same order from the first generation on)
     loop = _loop_for(model, input_ids.shape[0], model_kwargs)
-    # transformers' _prefill, for an empty cache (it would read the cache's length from the device)
-    inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True, **model_kwargs)
-    outputs = model(**inputs, return_dict=True)
-    model_kwargs = model._update_model_kwargs_for_generation(outputs, model_kwargs, is_encoder_decoder=False)
-    loop.start(plan, model_kwargs.get("attention_mask"), model_kwargs.get("position_ids"))
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    settings = torch.tensor([plan.pad, plan.eos_blocked, *plan.eos] + [-1] * (EOS_SLOTS - len(plan.eos)))
     flags: collections.deque = collections.deque()
-    done = loop.choose(outputs.logits[:, -1])
-    del outputs  # the prefill's logits (batch, prompt or 1, vocab) need not stay alive
+    done = loop.prefill(
+        _constant(input_ids),
+        _constant(mask) if mask is not None else None,
+        _constant(positions) if positions is not None else None,
+        _constant(settings),
+    )
     produced = plan.new_tokens
     with checks.deferred(LAG):  # the steps' checks are read LAG steps late, when long computed
         for index in range(plan.new_tokens):
@@ -313,13 +328,13 @@ def greedy_on_device(
 
 
 def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:
-    """The model's static cache of ``fresh``'s size from an earlier generation, emptied, else ``fresh``
-    with its buffers made now.
+    """The model's static cache of ``fresh``'s size from an earlier generation, else ``fresh`` with
+    its buffers made now (the loop's prefill empties it).
 
     transformers makes a new cache for every ``generate``, its buffers made by the prefill; the
-    frozen decode step reads and writes the cache's own tensors, so one cache serves every
-    generation of a shape. Its buffers are made outside any program and emptied in place by every
-    generation, so the prefill program is the same from the first call on.
+    frozen prefill and decode step read and write the cache's own tensors, so one cache serves
+    every generation of a shape. Its buffers are made outside any program, so the prefill program
+    is the same from the first call on.
     """
     shape = model._get_static_cache_init_shape()
     if shape is None or not all(isinstance(n, int) for n in shape):
@@ -338,11 +353,6 @@ def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:
         while len(caches) >= KEPT_LOOPS:
             caches.pop(next(iter(caches)))
         caches[key] = cache = fresh
-    else:
-        for layer in cache.layers:  # emptied without a program (zeros made on the devices)
-            overwrite(layer.keys)
-            overwrite(layer.values)
-            overwrite(layer.cumulative_length)
     return cache
 
 
@@ -364,9 +374,8 @@ def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
     loops = _LOOPS.setdefault(model, {})
     loop = loops.get(key)
     if loop is None or loop.cache is not cache:
-        loop = _Loop(model, cache, batch, masked, positioned)
+        loop = _Loop(model, cache, _cache_name(model_kwargs), batch, masked, positioned)
         loop.forward_extra = extra
-        loop.cache_name = _cache_name(model_kwargs)
         while len(loops) >= KEPT_LOOPS:  # the oldest goes: its buffers would only hold memory
             loops.pop(next(iter(loops)))
         loops[key] = loop

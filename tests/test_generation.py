@@ -310,7 +310,8 @@ def test_second_call_with_the_same_shapes_compiles_nothing(batch, compile_decode
     with no sync, as a user writes it) runs on its own, not inside the first call's prefill; so the
     second call, with the weights on the device, reuses the prefill and decode programs (it compiled
     its prefill again when the upload was part of the first one's). With ``compile_decode`` the second
-    call traces nothing either: its decode step replays frozen from the first token."""
+    call traces nothing either: its decode step replays frozen from the first token. The device loop's
+    prefill freezes on its second call (its decode step during the first): the third traces nothing."""
     model = tiny("llama")
     torch.manual_seed(6)
     ids = torch.randint(3, VOCAB, (batch, 7))
@@ -323,6 +324,9 @@ def test_second_call_with_the_same_shapes_compiles_nothing(batch, compile_decode
         before, traces = compiles(), st.counter_value("CompileTrace") or 0
         second = st.generate(model, ids, compile_decode=compile_decode, **GREEDY)
         assert compiles() == before
+        if not compile_decode:
+            traces = st.counter_value("CompileTrace") or 0
+            torch.testing.assert_close(st.generate(model, ids, **GREEDY), expected, rtol=0, atol=0)
         assert (st.counter_value("CompileTrace") or 0) == traces
     finally:
         torch._dynamo.reset()

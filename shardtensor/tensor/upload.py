@@ -12,7 +12,6 @@ from shardtensor import metrics as counters
 from shardtensor import sharding as sh
 from shardtensor.dtypes import to_jax, torch_to_numpy
 from shardtensor.graph.ir import Cell
-from shardtensor.graph.state import set_concrete
 from shardtensor.mesh import default_mesh
 from shardtensor.runtime import check_not_forked, warn_float64_on_tpu, with_x64
 from shardtensor.tensor.sharded import ShardedTensor
@@ -107,41 +106,3 @@ def zeros_on_devices(shape, dtype: torch.dtype) -> ShardedTensor:
     mesh = default_mesh()
     array = jax.numpy.zeros(shape, to_jax(dtype), device=sh.named_sharding(mesh, (None,) * len(shape), len(shape)))
     return ShardedTensor(Cell(array, shape, dtype, owned=True))
-
-
-@with_x64
-def overwrite(t: ShardedTensor, host: torch.Tensor | None = None) -> None:
-    """Give the whole of ``t`` a new value without recording an op: ``host`` uploaded (same shape
-    and dtype), or zeros made on the devices, in the layout ``t``'s value has now.
-
-    ``t.copy_(host)`` or ``t.zero_()`` would be ops of the next program, which then differs from a
-    program that made ``t`` fresh; this is a transfer (or a fill on the devices) instead, as an
-    upload is. A loop that resets its buffers this way records the same program every pass.
-
-    Example::
-
-        overwrite(position, torch.tensor([[7]]))   # position is now 7, no program ran or was recorded
-        overwrite(cache_keys)                       # zeros
-    """
-    cell = t._cell
-    if t._chain or tuple(t.shape) != cell.shape:
-        raise ValueError("overwrite: a view cannot be overwritten on its own; pass its base tensor")
-    if host is not None and (tuple(host.shape) != cell.shape or host.dtype != cell.dtype):
-        raise ValueError(
-            f"overwrite: the new value is {host.dtype}{tuple(host.shape)}, the tensor {cell.dtype}{cell.shape}"
-        )
-    check_not_forked("move data to the devices")
-    current, cell_rank = cell.value, len(cell.shape)
-    if isinstance(current, jax.Array):
-        shape, sharding = tuple(current.shape), current.sharding  # (padded where the sharding is uneven)
-    else:
-        mesh, spec = (cell.mesh, cell.spec) if cell.sharding is not None else (default_mesh(), (None,) * cell_rank)
-        shape, sharding = tuple(sh.padded_shape(cell.shape, mesh, spec)), sh.named_sharding(mesh, spec, cell_rank)
-    if host is None:
-        array = jax.numpy.zeros(shape, to_jax(cell.dtype), device=sharding)
-    else:
-        values = torch_to_numpy(host.contiguous())
-        if shape != values.shape:
-            values = np.pad(values, [(0, p - n) for n, p in zip(values.shape, shape)])
-        array = upload_as(values, sharding)
-    set_concrete(cell, array, owned=True)
