@@ -3,8 +3,9 @@
 
 * training, batch 8 x 1024 tokens, ``AdamW(capturable=True)``: lazy ``with st.step()`` +
   ``loss.item()`` each step against ``st.compile`` of the same step (MFU of each);
-* greedy generation, 64 new tokens after a 32-token prompt, batch 1 and 8: ``st.generate`` (its
-  third call, programs compiled; the second call's rate in the note) against a plain-JAX decode loop
+* greedy generation, 64 new tokens after a 32-token prompt, batch 1 and 8: ``st.generate`` with its
+  device loop and with transformers' loop (the best of three calls after two; the second call's rate
+  and the first call's compiles in the note) against a plain-JAX decode loop
   of the same weights with a static KV cache (one ``jax.jit`` function: a prefill program and a decode
   step program called per token, the cache donated), in tokens per second, with the share of
   generated tokens on which the two agree.
@@ -25,6 +26,7 @@ import torch
 import shardtensor as st
 
 FULL = dict(vocab=32000, hidden=1024, inter=2816, layers=8, heads=16, batch=8, seq=1024, prompt=32, new=64)
+REPEATS = 3  # timed generations per row (after the compiling ones); the best counts
 TINY = dict(vocab=512, hidden=64, inter=176, layers=2, heads=4, batch=2, seq=64, prompt=8, new=8)
 
 
@@ -191,9 +193,8 @@ def _generation(args, row, model, cfg, state, c):
         prompt = torch.randint(0, c["vocab"], (batch, c["prompt"]), generator=g)
         jprompt = jnp.asarray(prompt.numpy().astype(np.int32))
         jax_generate(params, jprompt, new, cfg, (prefill, decode))  # compiles
-        t0 = time.perf_counter()
-        jax_tokens = jax_generate(params, jprompt, new, cfg, (prefill, decode))
-        jax_s = time.perf_counter() - t0
+        jax_call = functools.partial(jax_generate, params, jprompt, new, cfg, (prefill, decode))
+        jax_s, jax_tokens = _best_of(REPEATS, jax_call)
         kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         row(
             "HF Llama generate",
@@ -210,9 +211,8 @@ def _generation(args, row, model, cfg, state, c):
             t0 = time.perf_counter()
             st.generate(dev_model, prompt, device_loop=loop, **kwargs)
             second = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            out = st.generate(dev_model, prompt, device_loop=loop, **kwargs)
-            st_s = time.perf_counter() - t0  # steady: the third call
+            call = functools.partial(st.generate, dev_model, prompt, device_loop=loop, **kwargs)
+            st_s, out = _best_of(REPEATS, call)
             st_tokens = out[:, c["prompt"] :].cpu().numpy()
             agree = float(np.mean(st_tokens[:, : jax_tokens.shape[1]] == jax_tokens))
             tokens = tokens_of(batch, new)
@@ -220,7 +220,17 @@ def _generation(args, row, model, cfg, state, c):
                 f"{tokens / st_s:.0f} tokens/s ({100 * jax_s / st_s:.0f}% of JAX's; "
                 f"second call {tokens / second:.0f}); {compiled} compiles; tokens agree {100 * agree:.0f}%"
             )
-            row("HF Llama generate", f"batch {batch}: {label}, third call", st_s, jax_s, None, note)
+            row("HF Llama generate", f"batch {batch}: {label}, steady", st_s, jax_s, None, note)
+
+
+def _best_of(n: int, generate):
+    """(the fastest of ``n`` calls in seconds, the last call's tokens): the machine's noise only slows."""
+    best, out = float("inf"), None
+    for _ in range(n):
+        t0 = time.perf_counter()
+        out = generate()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
 
 
 def tokens_of(batch: int, new: int) -> int:
