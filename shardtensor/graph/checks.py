@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import linecache
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -26,7 +27,8 @@ from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
 
 _UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
-_LEFT_UNREAD: list[int] = []  # innermost ``deferred``: how many of the newest runs verify() leaves unread
+# per thread, the innermost ``deferred``: how many of the newest runs verify() leaves unread
+_DEFERRING = threading.local()
 
 
 @contextlib.contextmanager
@@ -36,7 +38,7 @@ def deferred(newest: int) -> Iterator[None]:
     Reading a run's checks waits for the run; a loop that queues run after run (the device decode
     loop) reads them a few runs late instead, when they are long computed, and calls ``verify()``
     after the block for the rest. A failure still raises, at most ``newest`` runs late, before
-    any value of a later run is read back.
+    any value of a later run is read back. It applies to the calling thread's ``verify`` calls only.
 
     Example::
 
@@ -45,11 +47,12 @@ def deferred(newest: int) -> Iterator[None]:
                 step()          # a compiled call: its checks are read four calls later
         checks.verify()
     """
-    _LEFT_UNREAD.append(max(int(newest), 0))
+    outer = getattr(_DEFERRING, "newest", 0)
+    _DEFERRING.newest = max(int(newest), 0)
     try:
         yield
     finally:
-        _LEFT_UNREAD.pop()
+        _DEFERRING.newest = outer
 
 
 def watch(program, rows, sites, cells, results) -> None:
@@ -70,7 +73,7 @@ def verify() -> None:
         loss = F.cross_entropy(logits, bad_targets); st.sync()
         checks.verify()   # IndexError: Target 7 is out of bounds. ... (at train.py:12)
     """
-    older = len(_UNREAD) - (_LEFT_UNREAD[-1] if _LEFT_UNREAD else 0)
+    older = len(_UNREAD) - getattr(_DEFERRING, "newest", 0)
     if older <= 0:
         return
     runs = _UNREAD[:older]
