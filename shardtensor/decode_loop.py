@@ -49,7 +49,8 @@ from shardtensor.tensor.upload import cell_from_host, zeros_on_devices
 # Steps the host runs ahead of the stop flag it reads: the flag of step n is read after step n + LAG
 # is queued, so the read finds it computed. Finishing early costs up to LAG steps run for nothing.
 LAG = 4
-# Loops (state buffers and compiled step) kept per model, one per batch size and cache in use.
+# Loops (state buffers and compiled functions) kept per model for its one kept cache: one per set of
+# forward inputs (with or without a mask, position ids).
 KEPT_LOOPS = 4
 # End-of-sequence ids a generation may have on the device loop (more: transformers' loop).
 EOS_SLOTS = 8
@@ -283,7 +284,7 @@ class _Loop:
 
 # model -> {shape key: _Loop}; weak, so a deleted model takes its loops (and their buffers) with it
 _LOOPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (shape key, its one cache)
 
 
 def greedy_on_device(
@@ -329,7 +330,7 @@ def greedy_on_device(
 
 def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:
     """The model's static cache of ``fresh``'s size from an earlier generation, else ``fresh`` with
-    its buffers made now (the loop's prefill empties it).
+    its buffers made now (the loop's prefill empties it), kept instead of the one before.
 
     transformers makes a new cache for every ``generate``, its buffers made by the prefill; the
     frozen prefill and decode step read and write the cache's own tensors, so one cache serves
@@ -341,19 +342,47 @@ def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:
         return fresh  # (a model whose layers differ in shape: transformers' lazily made cache)
     heads, head_dim = shape
     key = (batch, model.dtype, tuple((type(layer), layer.max_cache_len) for layer in fresh.layers))
-    caches = _CACHES.setdefault(model, {})
-    cache = caches.get(key)
-    if cache is None:
-        device = next(model.parameters()).device
-        fresh.early_initialization(batch, heads, head_dim, model.dtype, device)  # sizes, flags; buffers below
-        for layer in fresh.layers:
-            layer.keys = zeros_on_devices(layer.keys.shape, layer.keys.dtype)
-            layer.values = zeros_on_devices(layer.values.shape, layer.values.dtype)
-            layer.cumulative_length = zeros_on_devices((), layer.cumulative_length.dtype)
-        while len(caches) >= KEPT_LOOPS:
-            caches.pop(next(iter(caches)))
-        caches[key] = cache = fresh
-    return cache
+    kept = _CACHES.get(model)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    release(model)  # one cache per model: the old one's memory goes before the new one is made
+    device = next(model.parameters()).device
+    fresh.early_initialization(batch, heads, head_dim, model.dtype, device)  # sizes, flags; buffers below
+    for layer in fresh.layers:
+        layer.keys = zeros_on_devices(layer.keys.shape, layer.keys.dtype)
+        layer.values = zeros_on_devices(layer.values.shape, layer.values.dtype)
+        layer.cumulative_length = zeros_on_devices((), layer.cumulative_length.dtype)
+    _CACHES[model] = (key, fresh)
+    return fresh
+
+
+def release(model: Any) -> None:
+    """Free the KV cache and decode-loop buffers ``st.generate`` keeps for ``model``.
+
+    They are kept so that the next generation of the same shape reuses them (and its frozen
+    programs); they go with the model, or when a generation of another shape needs a new cache.
+    Call this to give their device memory back earlier (before training the model, say).
+
+    Example::
+
+        out = st.generate(model, ids, max_new_tokens=100)
+        st.decode_loop.release(model)   # the cache's memory is free again
+    """
+    _CACHES.pop(model, None)
+    _LOOPS.pop(model, None)
+
+
+def kept_cache_bytes(model: Any) -> int:
+    """Bytes of the KV cache kept for ``model`` (0 if none): memory a new generation can reuse.
+
+    Example::
+
+        kept_cache_bytes(model)   # 2 * layers * batch * kv_heads * positions * head_dim * itemsize
+    """
+    kept = _CACHES.get(model)
+    if kept is None:
+        return 0
+    return sum(t.numel() * t.element_size() for layer in kept[1].layers for t in (layer.keys, layer.values))
 
 
 def _first_finished(flags: collections.deque, keep: int) -> int | None:

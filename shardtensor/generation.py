@@ -240,6 +240,7 @@ def _check_static_cache_fits(model: Any, batch: int, new_tokens: int, prompt: in
     copies = max(beams, int(kwargs.get("num_return_sequences", config.num_return_sequences) or 1))
     needed = static_cache_bytes(model, batch * copies, length)
     free, where = memory.available_in_all(jax.local_devices())
+    free += decode_loop.kept_cache_bytes(model)  # reused, or freed before a new cache is made
     if needed > free:
         raise memory.OutOfDeviceMemoryError(
             f"st.generate: max_new_tokens={new_tokens} needs a static KV cache of {length} positions for "

@@ -112,6 +112,23 @@ def test_what_the_device_loop_does_not_do_runs_transformers_loop():
     assert counted("CompileReplay") == replays  # no decode step of the device loop ran
 
 
+def test_one_cache_is_kept_per_model_and_release_frees_it():
+    """Generations of another batch size replace the kept cache (one per model, the old one freed
+    first); kept_cache_bytes is its size; release() frees it, and the next generation still works."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch(5)
+    expected = model.generate(ids, attention_mask=mask, **GREEDY)
+    model.to(st.device())
+    st.generate(model, ids[:1], attention_mask=mask[:1], **GREEDY)
+    st.generate(model, ids, attention_mask=mask, **GREEDY)
+    (key, cache), length = decode_loop._CACHES[model], 32  # the bucket of 16 + 10 new tokens
+    assert key[0] == 2 and cache.layers[0].keys.shape[0] == 2
+    assert decode_loop.kept_cache_bytes(model) == st.generation.static_cache_bytes(model, 2, length)
+    decode_loop.release(model)
+    assert decode_loop.kept_cache_bytes(model) == 0 and model not in decode_loop._LOOPS
+    torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
+
+
 def test_a_deleted_model_takes_its_loop_and_cache_with_it():
     """The loops and caches are kept per model, weakly: deleting the model frees them."""
     import gc
