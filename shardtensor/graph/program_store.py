@@ -128,9 +128,9 @@ class Entry:
             return
         try:
             header, executable = _describe(compiled, self.program)
-        except _Refused as e:
+        except Exception as e:  # noqa: BLE001 — _Refused, or JAX's internals not as expected: not stored
             counters.increment("PersistentProgramSkipped")
-            program_key._LAST_REASON[0] = str(e)
+            program_key._LAST_REASON[0] = f"{type(e).__name__}: {e}"
             return
         header["digest"] = self.digest
         body = json.dumps(header, sort_keys=True).encode()
@@ -185,7 +185,11 @@ def entry_for(program) -> Entry | None:
     where = program_cache()
     if where is None or jax.process_count() > 1:  # (a job of several processes: JAX's cache alone)
         return None
-    digest = program_key.digest(program.key)
+    try:
+        digest = program_key.digest(program.key)
+    except Exception as e:  # noqa: BLE001 — the cache must never fail a program: compiled as usual
+        program_key._LAST_REASON[0] = f"{type(e).__name__}: {e}"
+        digest = None
     if digest is None:
         counters.increment("PersistentProgramSkipped")
         return None
