@@ -44,7 +44,9 @@ SCRIPT = textwrap.dedent(
     import shardtensor as st
 
     seen = {"traces": 0, "lowerings": 0}
-    def on(event, duration, **_):
+    def on(event, duration, fun_name="", **_):  # shardtensor's programs (jax.random's own jits aside)
+        if "replay" not in str(fun_name):
+            return
         if event == "/jax/core/compile/jaxpr_trace_duration":
             seen["traces"] += 1
         elif event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
@@ -91,6 +93,9 @@ SCRIPT = textwrap.dedent(
             for p, q in zip(params, want_params):
                 torch.testing.assert_close(p, q)
             out[name] = losses
+        # a program drawing random numbers: the same numbers from a stored program (compared across processes)
+        st.manual_seed(3)
+        out["random"] = torch.rand(6, device=st.device()).tolist()
         # a stored program's on-device check still raises torch's error, with the user's line
         try:
             F.cross_entropy(model(x), torch.full((8,), 7).to(st.device())).item()
@@ -156,6 +161,7 @@ def test_a_warm_process_loads_every_program_and_traces_nothing(filled, tmp_path)
 
     second = _result(_run(cache, {"PYTHONHASHSEED": "2"}))  # (the key does not depend on str hashing)
     assert second["lazy"] == first["lazy"] and second["compiled"] == first["compiled"]
+    assert second["random"] == first["random"] and len(set(first["random"])) == 6
     assert second["PersistentProgramHit"] == n and second["PersistentProgramMiss"] is None
     assert second["PersistentCacheHit"] >= n and second["PersistentProgramStored"] is None
     assert second["traces"] == 0 and second["lowerings"] == 0  # nothing traced, nothing lowered
