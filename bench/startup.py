@@ -25,23 +25,25 @@ kept): the second process's first step is the warm-cache start-up.
 The machine is shared: wall time includes the other processes' load; CPU time (this process, all its
 threads) is steadier. The verdict uses wall time when the machine is quiet and says so.
 
-Measured (2 shared cores with a load of 3-5 from other work, 8 simulated devices, 2026-12-05, two
-runs each; the warm-cache first step, ratio to JAX's warm first step in the same run; "c+cap+prime":
-compile+cap+prime)::
+Measured (2 shared cores with a load of 3-5 from other work, 8 simulated devices, 2026-12-05, three
+runs each, lowest-highest; the warm-cache first step, ratio to JAX's warm first step in the same run;
+"c+cap+prime": compile+cap+prime)::
 
-    warm step 1     MLP cpu      MLP wall     GPT cpu      GPT wall
-    JAX's cache only (efb0afc: trace + lower + JAX's cache lookup for each program)
-    lazy            0.96 1.48    1.34 1.47    0.97 1.03    1.46 1.49
-    lazy+prime      1.04 1.09    1.07 1.08    1.08 1.12    2.06 1.65
-    compile+cap     1.14 1.02    1.98 1.07    1.05 1.12    1.55 2.50
-    c+cap+prime     1.37 1.13    1.41 0.84    1.28 1.23    1.52 1.53
-    shardtensor's program cache (nothing traced, lowered or compiled)
-    lazy            0.83 0.96    1.25 0.99    1.07 0.86    1.08 0.86
-    lazy+prime      0.89 0.76    0.66 0.77    0.87 0.87    0.56 0.87
-    compile+cap     0.98 0.86    1.19 0.90    0.87 0.93    0.86 0.92
-    c+cap+prime     1.09 0.96    1.06 0.68    0.85 0.90    0.82 0.89
+    warm step 1     MLP cpu     MLP wall    GPT cpu     GPT wall
+    JAX's cache only (efb0afc: each program traced, lowered, then looked up in JAX's cache)
+    lazy            0.96-1.48   1.15-1.47   0.96-1.03   0.70-1.49
+    lazy+prime      1.04-1.09   1.07-1.23   1.08-1.12   1.22-2.06
+    compile+cap     1.02-1.17   1.07-1.98   1.05-1.12   0.73-2.50
+    c+cap+prime     1.13-1.37   0.84-1.41   1.06-1.28   0.73-1.53
+    shardtensor's program cache (each program loaded: nothing traced, lowered or compiled)
+    lazy            0.82-0.96   0.99-1.25   0.86-1.07   0.86-1.08
+    lazy+prime      0.76-0.94   0.66-1.39   0.87-0.88   0.56-0.87
+    compile+cap     0.84-0.98   0.84-1.19   0.87-0.95   0.86-0.99
+    c+cap+prime     0.83-1.09   0.68-1.06   0.85-0.96   0.82-1.06
 
-JAX's warm first step: MLP 0.32-0.36 s, GPT 1.44-2.17 s (most of it running the step). Cold starts
+JAX's warm first step: MLP 0.32-0.36 s, GPT 2.1-2.3 s of CPU (most of it running the step; the wall
+times moved with the load, 1.4-3.4 s for GPT). Loading a program (the load column) takes 0.03-0.13 s
+for the MLP, 0.3-0.7 s for the GPT's, mostly XLA deserializing it, as JAX's own cache does. Cold starts
 are unchanged (storing a program costs 0.01-0.08 s; GPT step 1 0.83-1.04x JAX's in CPU time).
 
 Usage::
