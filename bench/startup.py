@@ -10,12 +10,13 @@ devices first (not timed), then times steps 1, 2 and 3 in wall and CPU seconds.
 Printed per configuration: the first step's wall and CPU seconds and their ratios to JAX's first step,
 step 2 (a second compile shows here), the start-up until the steady program runs (``st.prime_optimizer``
 + steps 1 and 2, wall and CPU, and the CPU ratio to JAX's steps 1 and 2), the programs compiled (or
-loaded from the persistent cache) during steps 1-2, and where step 1's time
-went: recording (the Python of the step: the model, autograd, the optimizer, shardtensor's dispatch;
-for ``st.compile`` the traced call), torch's meta kernels (output shapes, part of recording), tracing
-the lowerings into a jaxpr (``jax.jit`` of the replay), lowering to StableHLO, XLA's compile, and the
-rest (running the program and reading the loss back). JAX's numbers come from JAX's own monitoring
-events, the same for both.
+loaded from a persistent cache: JAX's, or shardtensor's own program cache) during steps 1-2, and where
+step 1's time went: recording (the Python of the step: the model, autograd, the optimizer,
+shardtensor's dispatch; for ``st.compile`` the traced call), torch's meta kernels (output shapes,
+part of recording), tracing the lowerings into a jaxpr (``jax.jit`` of the replay), lowering to
+StableHLO, XLA's compile, loading programs from shardtensor's program cache (``graph.program_store``:
+no jaxpr, no StableHLO, no XLA), and the rest (running the program and reading the loss back). JAX's
+numbers come from JAX's own monitoring events, the same for both.
 
 With ``--cache`` each configuration runs twice more, in two fresh processes sharing a new cache
 directory (shardtensor: ``st.initialize_cache``; JAX: its persistent compilation cache, every program
@@ -24,18 +25,26 @@ kept): the second process's first step is the warm-cache start-up.
 The machine is shared: wall time includes the other processes' load; CPU time (this process, all its
 threads) is steadier. The verdict uses wall time when the machine is quiet and says so.
 
-Measured (2 shared cores, 8 simulated devices, 2026-12-02; CPU seconds, ratio to JAX; "1+2": priming
-+ steps 1 and 2, until the steady program runs)::
+Measured (2 shared cores with a load of 3-5 from other work, 8 simulated devices, 2026-12-05, three
+runs each, lowest-highest; the warm-cache first step, ratio to JAX's warm first step in the same run;
+"c+cap+prime": compile+cap+prime)::
 
-    GPT, cold     step 1        1+2          programs    GPT, warm cache   step 1        1+2
-    jax           4.58 1.00x    5.21 1.00x   1           jax               1.53 1.00x    2.17 1.00x
-    lazy          4.00 0.87x    7.66 1.47x   2           lazy              1.74 1.14x    3.39 1.57x
-    lazy+prime    4.09 0.89x    5.20 1.00x   1           lazy+prime        1.35 0.88x    2.27 1.05x
-    compile+cap   4.47 0.97x    8.90 1.71x   2           compile+cap       1.97 1.29x    3.83 1.77x
-    c+cap+prime   3.68 0.80x    4.77 0.92x   1           c+cap+prime       1.49 0.97x    2.39 1.10x
+    warm step 1     MLP cpu     MLP wall    GPT cpu     GPT wall
+    JAX's cache only (efb0afc: each program traced, lowered, then looked up in JAX's cache)
+    lazy            0.96-1.48   1.15-1.47   0.96-1.03   0.70-1.49
+    lazy+prime      1.04-1.09   1.07-1.23   1.08-1.12   1.22-2.06
+    compile+cap     1.02-1.17   1.07-1.98   1.05-1.12   0.73-2.50
+    c+cap+prime     1.13-1.37   0.84-1.41   1.06-1.28   0.73-1.53
+    shardtensor's program cache (each program loaded: nothing traced, lowered or compiled)
+    lazy            0.82-0.96   0.99-1.25   0.86-1.07   0.86-1.08
+    lazy+prime      0.76-0.94   0.66-1.39   0.87-0.88   0.56-0.87
+    compile+cap     0.84-0.98   0.84-1.19   0.87-0.95   0.86-0.99
+    c+cap+prime     0.83-1.09   0.68-1.06   0.85-0.96   0.82-1.06
 
-The MLP's warm start-up is 0.25 s for JAX and 0.5-0.65 s here, most of the difference one full
-garbage collection (0.3-0.4 s, the gc column) that the first step of a shardtensor process meets.
+JAX's warm first step: MLP 0.32-0.36 s, GPT 2.1-2.3 s of CPU (most of it running the step; the wall
+times moved with the load, 1.4-3.4 s for GPT). Loading a program (the load column) takes 0.03-0.13 s
+for the MLP, 0.3-0.7 s for the GPT's, mostly XLA deserializing it, as JAX's own cache does. Cold starts
+are unchanged (storing a program costs 0.01-0.08 s; GPT step 1 0.83-1.04x JAX's in CPU time).
 
 Usage::
 
@@ -67,7 +76,7 @@ CONFIGS = [
     "compile+cap+prime",
 ]
 # one step's time, split by what it spent it on (seconds)
-PARTS = ["record", "meta", "jaxpr", "stablehlo", "xla", "rest", "gc"]
+PARTS = ["record", "meta", "jaxpr", "stablehlo", "xla", "load", "rest", "gc"]
 
 
 # ---- one configuration, in its own process ----------------------------------------------------
@@ -140,6 +149,27 @@ def _time_meta_kernels():
     return total
 
 
+def _time_program_loads():
+    """Time the loads from shardtensor's program cache (``graph.program_store``); returns the running
+    total (seconds) and the count of programs loaded."""
+    from shardtensor.graph import program_store
+
+    total = [0.0, 0]
+    original = program_store.Entry.load
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            loaded = original(self, *args, **kwargs)
+        finally:
+            total[0] += time.perf_counter() - t0
+        total[1] += loaded is not None
+        return loaded
+
+    program_store.Entry.load = timed  # type: ignore[method-assign]
+    return total
+
+
 def _lazy_tracing() -> float:
     """Seconds in shardtensor's ``LazyTracing`` metric so far (the Python time of building graphs)."""
     import shardtensor as st
@@ -170,6 +200,7 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
     events = _JaxEvents()
     meta_seconds = _time_meta_kernels()
     gc_seconds = _time_garbage_collection()
+    loads = _time_program_loads()
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in (tvj.MLP() if kind == "mlp" else tvj.GPT()).state_dict().items()}
     mesh = st.Mesh(range(8), (8,), ("fsdp",))
@@ -189,7 +220,7 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
     uncached = 0
     for x, y in batches:
         before, compiled0, loaded0 = events.snapshot()
-        meta0, gc0 = meta_seconds[0], gc_seconds[0]
+        meta0, gc0, load0, loaded0_st = meta_seconds[0], gc_seconds[0], loads[0], loads[1]
         if config != "jax":
             uncached = st.counter_value("UncachedCompile") or 0
         tracing0 = _lazy_tracing() if config != "jax" else 0.0
@@ -200,16 +231,17 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
         parts = {k: after[k] - before[k] for k in after}
         parts["meta"] = meta_seconds[0] - meta0
         parts["gc"] = gc_seconds[0] - gc0
+        parts["load"] = loads[0] - load0
         # recording: the wall time from the step's first op to the start of its program's build
         parts["record"] = _lazy_tracing() - tracing0 if config != "jax" else 0.0
-        parts["rest"] = max(0.0, wall - parts["record"] - parts["jaxpr"] - parts["stablehlo"] - parts["xla"])
+        parts["rest"] = max(0.0, wall - sum(parts[k] for k in ("record", "jaxpr", "stablehlo", "xla", "load")))
         out["steps"].append(
             {
                 "wall": wall,
                 "cpu": cpu,
                 "loss": loss,
                 "parts": parts,
-                "compiled": compiled1 - compiled0,
+                "compiled": compiled1 - compiled0 + loads[1] - loaded0_st,  # (by XLA, or loaded by shardtensor)
                 "loaded": loaded1 - loaded0,
                 "programs": (st.counter_value("UncachedCompile") or 0) - uncached if config != "jax" else None,
             }

@@ -4,7 +4,10 @@
 the in-memory executable cache), ``MarkStep`` (``sync()`` calls), ``ExecuteReplicated`` (program
 runs), ``TransferToDevice`` / ``TransferFromDevice``, ``PersistentCacheHit`` /
 ``PersistentCacheMiss`` (XLA compilations served by, or missing from, the on-disk cache of
-``initialize_cache``), and ``Decomposition::<aten op>`` (ops that ran through a torch decomposition
+``initialize_cache``; a program loaded from shardtensor's own program cache counts as a hit too),
+``PersistentProgramHit`` / ``PersistentProgramMiss`` / ``PersistentProgramStored`` /
+``PersistentProgramUnusable`` / ``PersistentProgramSkipped`` (that program cache:
+``graph.program_store``), and ``Decomposition::<aten op>`` (ops that ran through a torch decomposition
 instead of a direct lowering: the place to look when a model is slower than expected).
 
 *Metrics* keep samples: ``CompileTime`` (tracing, lowering and XLA compilation of one graph),

@@ -17,6 +17,7 @@ off (``aliasing``) nothing is ever donated, so nothing is ever consumed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import warnings
@@ -27,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, inflight, memory, mesh_moves, recompile
+from shardtensor.graph import checks, inflight, memory, mesh_moves, program_store, recompile
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
@@ -267,18 +268,7 @@ class Execution:
             if recompile.enabled():
                 recompile.explain(program, leaf_cells, _EXECUTABLES)
             recompile.note_compile(program, leaf_cells)  # a line that keeps recompiling is logged (WARNING)
-            fn = program.make_executable()
-            # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's
-            # call then finds this executable. A program that fails to compile is not cached.
-            start = time.perf_counter_ns()
-            with warnings.catch_warnings():
-                # donation is best effort: a buffer XLA cannot reuse (another layout) is simply not
-                # reused; the filter is scoped to our own compile, not the user's process
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                compiled = fn.lower(*_call_arguments(program, arrays, scalars)).compile()
-            _COMPILE_TIME.add_since(start)
-            _log_slow_compile(program, time.perf_counter_ns() - start)
-            fn.memory = memory.analyse(compiled, program.mesh)
+            fn = _compile(program, _call_arguments(program, arrays, scalars))
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
@@ -305,6 +295,31 @@ class Execution:
         """id(cell) -> the array each cell this run overwrites had before it (its input buffer)."""
         overwritten = {id(c) for c in self.cells}
         return {id(c): a for c, a in zip(self.leaf_cells, self.arrays) if c is not None and id(c) in overwritten}
+
+
+def _compile(program, arguments):
+    """The executable of ``program``: loaded from shardtensor's persistent program cache when it is
+    there (nothing traced or lowered), else traced, lowered and compiled (and stored there)."""
+    start = time.perf_counter_ns()
+    entry = program_store.entry_for(program)
+    fn = entry.load(arguments) if entry is not None else None
+    if fn is not None:
+        _COMPILE_TIME.add_since(start)
+        return fn
+    fn = program.make_executable()
+    # Compile now (not on the first call) so CompileTime and ExecuteTime are apart; jit's call then
+    # finds this executable. A program that fails to compile is not cached.
+    with warnings.catch_warnings(), entry.compiling() if entry is not None else contextlib.nullcontext():
+        # donation is best effort: a buffer XLA cannot reuse (another layout) is simply not reused;
+        # the filter is scoped to our own compile, not the user's process
+        warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+        compiled = fn.lower(*arguments).compile()
+    _COMPILE_TIME.add_since(start)
+    _log_slow_compile(program, time.perf_counter_ns() - start)
+    fn.memory = memory.analyse(compiled, program.mesh)
+    if entry is not None:
+        entry.save(compiled)
+    return fn
 
 
 _LOG = logging.getLogger("shardtensor")

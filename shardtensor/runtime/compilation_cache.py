@@ -3,13 +3,17 @@ that drops an unreadable entry instead of failing the program that loads it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+import threading
 import warnings
 
 import jax
 
 _CACHE = None  # (absolute path, readonly) once initialize_cache ran
+PROGRAMS_ENV = "SHARDTENSOR_PROGRAM_CACHE"  # 0: JAX's cache only, no shardtensor program entries
+PROGRAMS_DIRECTORY = "shardtensor-programs"
 
 
 def initialize_cache(path: str | os.PathLike[str], readonly: bool = False) -> None:
@@ -21,6 +25,12 @@ def initialize_cache(path: str | os.PathLike[str], readonly: bool = False) -> No
     compile. ``readonly=True`` reads the cache and never writes to it, e.g. one cache filled by one
     host and shared by many; the directory must exist. Call it once per process, before the first
     compilation you want cached; calling it again with the same arguments does nothing.
+
+    shardtensor also keeps each of its own programs there, under its own key (the recorded graph's,
+    known before anything is traced; ``graph.program_store``): a later process running the same
+    graph calls the stored executable without tracing or lowering the program again, which JAX's
+    cache must do to find its entry. ``SHARDTENSOR_PROGRAM_CACHE=0`` leaves that out. The
+    executables in a cache are machine code: use a directory only you (or whom you trust) can write.
 
     A cache belongs to its path: JAX's keys include the path of XLA's GPU autotuning cache (a
     subdirectory), so a copied or moved cache directory finds nothing. On GPU that autotuning
@@ -87,6 +97,21 @@ def initialize_cache(path: str | os.PathLike[str], readonly: bool = False) -> No
     _CACHE = (absolute, readonly)
 
 
+def program_cache() -> tuple[str, bool] | None:
+    """(directory of shardtensor's program entries, readonly) while ``initialize_cache`` is on and
+    ``SHARDTENSOR_PROGRAM_CACHE`` is not 0; else None.
+
+    Example::
+
+        st.initialize_cache("/tmp/c"); program_cache()   # ('/tmp/c/shardtensor-programs', False)
+    """
+    if _CACHE is None:
+        return None
+    if os.environ.get(PROGRAMS_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    return os.path.join(_CACHE[0], PROGRAMS_DIRECTORY), _CACHE[1]
+
+
 _WARNED: set = set()  # unusable (path, readonly) pairs already reported
 
 
@@ -117,6 +142,8 @@ class _CheckedEntries:
     def get(self, key):
         from jax._src import compilation_cache as jax_cache
 
+        if getattr(_AFRESH, "on", False):
+            return None
         value = self._base.get(key)
         if value is None:
             return None
@@ -146,6 +173,29 @@ class _CheckedEntries:
 
     def __getattr__(self, name):  # put, clear, path ...: JAX's own
         return getattr(self._base, name)
+
+
+_AFRESH = threading.local()
+
+
+@contextlib.contextmanager
+def compiling_afresh():
+    """Inside the block, this thread's compilations find nothing in JAX's persistent cache: XLA
+    really compiles (and JAX writes its entry if it has none). shardtensor stores an executable in
+    its own program cache only when XLA built it in this process: one that JAX loaded from its
+    cache does not serialize whole on CPU (running it again after a round trip fails with
+    "Function ... not found").
+
+    Example::
+
+        with compiling_afresh():
+            compiled = jitted.lower(*args).compile()   # never a JAX cache hit
+    """
+    previous, _AFRESH.on = getattr(_AFRESH, "on", False), True
+    try:
+        yield
+    finally:
+        _AFRESH.on = previous
 
 
 def _check_entries_on_load(readonly: bool) -> None:
