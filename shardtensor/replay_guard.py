@@ -219,34 +219,41 @@ class Guard:
 
     @staticmethod
     def _state(modules, optimizers, tensors, args):
-        """(plain values, objects to compare by identity, hook ids)."""
-        with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-            flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
-            grads = list(map(_GRAD, tensors))
-            arg_flags = list(map(_FLAGS, args))
-            grad_fns = list(map(_GRAD_FN, args))
-            if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
-                arg_grads = list(map(_GRAD, args))
-            else:
-                arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
-        # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
-        # so the ids of all hooks together say whether one was added or removed; a tensor without
-        # hooks has None for both dicts, and those tuples compare as they are
-        if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
-            flags = list(map(_hook_ids, flags))
-        if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
-            arg_flags = list(map(_hook_ids, arg_flags))
-        containers = list(itertools.chain.from_iterable(map(_CONTAINERS, modules)))
-        identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
-        identities += itertools.chain.from_iterable(map(dict.values, containers))
-        plain = [
-            torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(),
-            flags,
-            arg_flags,
-            list(map(_TRAINING, modules)),
-            list(map(len, containers)),
-        ]
+        """(plain values, objects to compare by identity, hook ids); an empty group of objects
+        costs nothing (the groups' sizes are fixed for a guard: an absent part compares as absent)."""
+        plain: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+        identities: list = []
+        if tensors or args:
+            with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+                flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
+                grads = list(map(_GRAD, tensors))
+                arg_flags = list(map(_FLAGS, args))
+                grad_fns = list(map(_GRAD_FN, args))
+                if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
+                    arg_grads = list(map(_GRAD, args))
+                else:
+                    arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
+            # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
+            # so the ids of all hooks together say whether one was added or removed; a tensor without
+            # hooks has None for both dicts, and those tuples compare as they are
+            if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
+                flags = list(map(_hook_ids, flags))
+            if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
+                arg_flags = list(map(_hook_ids, arg_flags))
+            plain += (flags, arg_flags)
+            identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
+        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
+        if modules:
+            # each module's attributes from its __dict__, one C-level pass (attribute lookups would walk
+            # the class's MRO first); a module that keeps one elsewhere (a property) takes getattr
+            try:
+                fields = list(map(_MODULE_FIELDS, map(vars, modules)))
+            except KeyError:
+                fields = list(map(_MODULE_ATTRS, modules))
+            containers = list(itertools.chain.from_iterable(map(_CONTAINERS_OF, fields)))
+            identities += itertools.chain.from_iterable(map(dict.values, containers))
+            plain += (list(map(_TRAINING_OF, fields)), list(map(len, containers)))
+            hooks += itertools.chain.from_iterable(filter(None, itertools.chain.from_iterable(map(_HOOKS_OF, fields))))
         for opt in optimizers:
             plain.append(id(opt.state))  # the optimizer holds it
             plain.append(len(opt.state))
@@ -259,11 +266,7 @@ class Guard:
                             plain.append(v)
                         else:
                             identities.append(v)
-        dicts = list(itertools.chain.from_iterable(map(_MODULE_HOOKS, modules)))
-        for opt in optimizers:
-            dicts += (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
-        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
-        hooks += itertools.chain.from_iterable(filter(None, dicts))
+            hooks += (*opt._optimizer_step_pre_hooks, *opt._optimizer_step_post_hooks)
         return plain, identities, hooks
 
 
@@ -294,6 +297,18 @@ _GRAD = operator.attrgetter("grad")
 _GRAD_FN = operator.attrgetter("grad_fn")
 _FLAGS = operator.attrgetter("requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _NO_HOOKS, _NO_HOOKS_GRAD = (False, None, None), (True, None, None)
-_CONTAINERS = operator.attrgetter("_parameters", "_buffers", "_modules")
-_TRAINING = operator.attrgetter("training")
-_MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_FIELDS = (  # what the guard reads of a module: its mode, containers and hook dicts
+    "training",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_MODULE_FIELDS = operator.itemgetter(*_FIELDS)  # (from the module's __dict__)
+_MODULE_ATTRS = operator.attrgetter(*_FIELDS)
+_TRAINING_OF = operator.itemgetter(0)
+_CONTAINERS_OF = operator.itemgetter(1, 2, 3)
+_HOOKS_OF = operator.itemgetter(4, 5, 6, 7)

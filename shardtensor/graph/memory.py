@@ -21,6 +21,8 @@ import resource
 
 import torch
 
+from shardtensor.runtime import environ_reader
+
 ENV = "SHARDTENSOR_DEVICE_MEMORY"
 _UNITS = {
     "": 1,
@@ -86,6 +88,8 @@ def analyse(compiled, mesh):
 
 
 _configured: list = [None]  # bytes set by set_device_memory_limit (None: the environment decides)
+_from_env: list = [None, None]  # (the variable as os.environ stores it, the limit it gives)
+_READ_ENV = environ_reader(ENV)
 
 
 def set_device_memory_limit(limit: int | str | None) -> None:
@@ -105,8 +109,11 @@ def device_memory_limit() -> int | None:
     """The configured limit per device in bytes, or None when the devices' free memory decides."""
     if _configured[0] is not None:
         return _configured[0]
-    text = os.environ.get(ENV)
-    return parse_size(text) if text else None
+    stored = _READ_ENV()  # (read before every run: the cheap way when nothing changed)
+    if stored != _from_env[0]:
+        text = os.environ.get(ENV)
+        _from_env[:] = [stored, parse_size(text) if text else None]
+    return _from_env[1]
 
 
 def parse_size(value) -> int:
