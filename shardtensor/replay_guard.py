@@ -39,6 +39,8 @@ import torch
 import torch.nn.modules.module as torch_module
 import torch.optim.optimizer as torch_optimizer
 
+from shardtensor.tensor import device as torch_device
+
 _OURS: set = set()  # ids of the global hooks watch() registered (left out of guards)
 _GLOBAL_HOOK_DICTS = (  # torch's global hook dicts (never rebound, only mutated)
     torch_module._global_forward_pre_hooks,
@@ -166,6 +168,12 @@ class Guard:
             if o is not None:
                 self._watch(o)
         self.state = plain, list(map(id, identities)), hooks
+        # the modules' and tensors' part read in one C pass when it can be (``_fingerprint``), the
+        # rest (grad mode, optimizers, arguments, global hooks) in Python
+        self._fingerprint = _fingerprint(modules, tensors)
+        if self._fingerprint is not None:
+            plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
+            self._other_state = plain, list(map(id, identities)), hooks
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
         position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
@@ -181,6 +189,7 @@ class Guard:
             rest = self._shared[2](tensors)
             plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
             self._rest_state = plain, list(map(id, identities)), hooks
+            self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
         """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
@@ -196,13 +205,20 @@ class Guard:
         if objects is None:
             return False
         modules, optimizers, tensors = objects
-        state = self.state
+        state, fingerprint = self.state, self._fingerprint
         shared = self._shared
         if shared is not None and len(args) == shared[3]:
             passed_again = all(map(operator.is_, shared[0](args), shared[1](tensors)))
             if passed_again:  # (the arguments' check covers them)
-                tensors, state = shared[2](tensors), self._rest_state
-        plain, identities, hooks = self._state(modules, optimizers, tensors, () if self._args_guarded else args)
+                tensors, state, fingerprint = shared[2](tensors), self._rest_state, self._rest_fingerprint
+        args = () if self._args_guarded else args
+        if fingerprint is not None:
+            now = _fingerprint(modules, tensors)
+            if now is not None:  # (None: a module's state took another form: compared in Python below)
+                if now != fingerprint:
+                    return False
+                modules, tensors, state = (), (), self._other_state
+        plain, identities, hooks = self._state(modules, optimizers, tensors, args)
         return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
@@ -268,6 +284,16 @@ class Guard:
                             identities.append(v)
             hooks += (*opt._optimizer_step_pre_hooks, *opt._optimizer_step_post_hooks)
         return plain, identities, hooks
+
+
+def _fingerprint(modules: Sequence, tensors: Sequence) -> bytes | None:
+    """The modules' and tensors' guarded state read by the C++ extension in one pass (equal bytes:
+    the same state), or None without the extension or when a module keeps it in another form."""
+    read = getattr(torch_device.EXT, "guard_fingerprint", None)
+    if read is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+        return read(tuple(modules), tuple(tensors))
 
 
 def picker(indices: list[int]) -> Callable[[Sequence], tuple]:

@@ -208,3 +208,55 @@ def test_aliasing_switched_off_mid_loop_keeps_results_equal(monkeypatch):
         assert torch.equal(t2.cpu(), t) and torch.equal(p2.cpu(), p)
         torch.testing.assert_close(lg2.cpu(), lg)
     torch.testing.assert_close(cache.cpu(), ref_cache)
+
+
+def _changes():
+    """(name, change(model)) for each Python-state change a replay could not repeat."""
+
+    def swap_param(m):
+        m[0].weight = nn.Parameter(m[0].weight.detach().clone())
+
+    def swap_buffer(m):
+        m[1].running_mean = m[1].running_mean.clone()
+
+    def add_module(m):
+        m[0].extra = nn.Identity()
+
+    def set_grad(m):
+        m[0].weight.grad = torch.zeros_like(m[0].weight)
+
+    return [
+        ("forward hook", lambda m: m[0].register_forward_hook(lambda *a: None)),
+        ("forward pre-hook", lambda m: m[1].register_forward_pre_hook(lambda *a: None)),
+        ("backward hook", lambda m: m[0].register_full_backward_hook(lambda *a: None)),
+        ("tensor hook", lambda m: m[0].bias.register_hook(lambda g: g)),
+        ("accumulate hook", lambda m: m[0].bias.register_post_accumulate_grad_hook(lambda p: None)),
+        ("requires_grad", lambda m: m[0].weight.requires_grad_(False)),
+        ("grad", set_grad),
+        ("parameter", swap_param),
+        ("buffer", swap_buffer),
+        ("submodule", add_module),
+        ("eval", lambda m: m.eval()),
+        ("global hook", lambda m: nn.modules.module.register_module_forward_hook(lambda *a: None)),
+    ]
+
+
+@pytest.mark.parametrize("reader", ["extension", "python"])
+@pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
+def test_guard_sees_each_change(name, change, reader, monkeypatch):
+    """The guard's one-pass read (the C++ extension's ``guard_fingerprint``) and its Python
+    fallback both see every change."""
+    from shardtensor import replay_guard
+
+    if reader == "python":
+        monkeypatch.setattr(replay_guard, "_fingerprint", lambda modules, tensors: None)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(st.device())
+    guard = replay_guard.Guard((tuple(model.modules()), (), tuple(model.parameters())))
+    assert (guard._fingerprint is not None) == (reader == "extension" and st.tensor.device.EXT is not None)
+    assert guard.holds()
+    handle = change(model)
+    try:
+        assert not guard.holds()
+    finally:
+        if hasattr(handle, "remove"):
+            handle.remove()
