@@ -519,11 +519,11 @@ class _Frozen:
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
         cells = list(map(_CELL, self._pick_args(flat)))
-        for ref in self._old_refs:
-            cell = ref()
-            if cell is None:
+        if self._old_refs:  # (the closed-over tensors' cells: a model's parameters, a cache)
+            olds = list(map(operator.call, self._old_refs))
+            if None in olds:  # (cells compare by identity)
                 return _STALE
-            cells.append(cell)
+            cells += olds
         values = list(map(_VALUE, cells))
         values += self._consts
         passed = self._passed
