@@ -260,3 +260,26 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
     finally:
         if hasattr(handle, "remove"):
             handle.remove()
+
+
+def test_replay_still_checks_an_address_space_limit_set_later(monkeypatch):
+    """A program found small next to the host's RAM skips the host query on later runs, but not the
+    address-space limit: one set (here: pretended) after it froze still refuses it."""
+    monkeypatch.delenv(memory.ENV, raising=False)
+    step, cache = _decoder(st.device())
+    big = torch.zeros(1 << 16, 8).to(st.device())
+    grow = st.compile(lambda t: (t + 1, cache.sum()))
+    with torch.no_grad():
+        for _ in range(3):
+            big, _ = grow(big)
+        replays = st.counter_value("CompileReplay") or 0
+        big, _ = grow(big)
+        assert (st.counter_value("CompileReplay") or 0) == replays + 1
+        real = memory.resource.getrlimit
+        pretended = lambda which: (memory._address_space_used() + (1 << 20), real(which)[1])  # noqa: E731
+        monkeypatch.setattr(memory.resource, "getrlimit", pretended)
+        with pytest.raises(torch.OutOfMemoryError, match="address-space limit"):
+            grow(big)
+        monkeypatch.setattr(memory.resource, "getrlimit", real)
+        kept = big.cpu()  # the refused call ran nothing: its input is intact
+    torch.testing.assert_close(kept, torch.full((1 << 16, 8), 4.0))
