@@ -570,16 +570,18 @@ class _Frozen:
         for (kind, ident, ref, made, owned, keep), out in zip(self._stores, outs):
             if kind == "arg":
                 cell = flat[ident]._cell
+                ref = weakref.ref(cell)
             elif kind == "ret":
                 cell = Cell(None, made[0], made[1], made[2])
                 results[ident] = ShardedTensor._result(cell, made[3])
-            else:
+                ref = weakref.ref(cell)
+            else:  # (a closed-over cell: its weak reference is kept)
                 cell = ref()
                 if cell is None:
                     cells.append(None)
                     continue
             cells.append(cell)
-            entries.append((weakref.ref(cell), out, cell.value if keep else None, cell.owned))
+            entries.append((ref, out, cell.value if keep else None, cell.owned))
             cell.value = out
             cell._leaf = None
             cell.owned = owned
