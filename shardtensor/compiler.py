@@ -496,7 +496,7 @@ class _Frozen:
             if kind == "ret":
                 old = self.out_flat[ident]
                 shape = tuple(old.shape)
-                made = (shape, old.dtype, old._cell.sharding, ("T", shape, old.dtype, contiguous_strides(shape), 0))
+                made = (shape, old.dtype, old._cell, ("T", shape, old.dtype, contiguous_strides(shape), 0))
             self._stores.append((kind, ident, ref, made, j not in forwarded, j in kept_before))
         self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
 
@@ -572,7 +572,7 @@ class _Frozen:
                 cell = flat[ident]._cell
                 ref = weakref.ref(cell)
             elif kind == "ret":
-                cell = Cell(None, made[0], made[1], made[2])
+                cell = Cell(None, made[0], made[1], made[2].sharding)  # (the traced result's sharding now)
                 results[ident] = ShardedTensor._result(cell, made[3])
                 ref = weakref.ref(cell)
             else:  # (a closed-over cell: its weak reference is kept)
