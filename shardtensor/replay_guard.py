@@ -12,8 +12,9 @@ global forward pre-hook, registered only for the trace, counting the tracing thr
 optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
 ``Guard(objects, args)`` takes their state; a replay asks ``guard.holds(args)`` (the modules and
 tensors read in one pass by the C++ extension, ``guard_fingerprint``, else C-level passes over flat
-lists: ~0.4 µs per parameter with its module, ~1.3 µs without the extension). Plain Python attributes a function reads besides these (a global ``scale = 0.5``) are not
-seen: they stay captured as they were.
+lists: ~0.4 µs per parameter with its module, ~1.3 µs without the extension). Plain Python
+attributes a function reads besides these (a global ``scale = 0.5``) are not seen: they stay
+captured as they were.
 
 Example::
 
