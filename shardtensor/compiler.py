@@ -639,9 +639,15 @@ class _Frozen:
             if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
                 mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
             if not self._fits(on_mesh, i, program):
-                return False
-            if on_mesh is value:
-                newly.append((r, value))
+                # the same layout under another name (jax compiles one program per name) is renamed;
+                # a donated input is not (its buffers would be consumed under two names)
+                if i in self.donated or (on_mesh.shape, on_mesh.dtype) != self.leaf_sigs[i][:2]:
+                    return False
+                on_mesh = mesh_moves.renamed(cell, on_mesh, self.leaf_sigs[i][3])
+                if on_mesh is None:
+                    return False
+            if cell.value is on_mesh:
+                newly.append((r, on_mesh))
             values[r] = on_mesh
         for r, value in newly:
             passed[r] = weakref.ref(value)

@@ -283,3 +283,21 @@ def test_replay_still_checks_an_address_space_limit_set_later(monkeypatch):
         monkeypatch.setattr(memory.resource, "getrlimit", real)
         kept = big.cpu()  # the refused call ran nothing: its input is intact
     torch.testing.assert_close(kept, torch.full((1 << 16, 8), 4.0))
+
+
+def test_a_new_loop_from_uploaded_inputs_replays():
+    """The first call of a second decode loop takes freshly uploaded inputs, whose replicated layout
+    jax may name otherwise than the program's outputs (``P()`` / ``P(None)``): it replays, with
+    torch's results, instead of tracing again."""
+    step, cache = _decoder(st.device())
+    ref_step, ref_cache = _decoder("cpu")
+    _run(step, torch.tensor([1]).to(st.device()), torch.tensor([0]).to(st.device()), 3)
+    _run(ref_step, torch.tensor([1]), torch.tensor([0]), 3)
+    traces = st.counter_value("CompileTrace") or 0
+    got = _run(step, torch.tensor([4]).to(st.device()), torch.tensor([2]).to(st.device()), 3)
+    expected = _run(ref_step, torch.tensor([4]), torch.tensor([2]), 3)
+    assert (st.counter_value("CompileTrace") or 0) == traces
+    for (t, p, lg), (t2, p2, lg2) in zip(expected, got):
+        assert torch.equal(t2.cpu(), t) and torch.equal(p2.cpu(), p)
+        torch.testing.assert_close(lg2.cpu(), lg)
+    torch.testing.assert_close(cache.cpu(), ref_cache)
