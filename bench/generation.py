@@ -59,6 +59,11 @@ def _args():
     p.add_argument("--reps", type=int, default=7, help="--overhead: timed runs (the median is printed)")
     p.add_argument("--no-checks", action="store_true", help="st.set_checks(False): no on-device check read per call")
     p.add_argument(
+        "--deferred-checks",
+        action="store_true",
+        help="--overhead: the decode step compiled with options={'raise_on_call': False} (its checks read later)",
+    )
+    p.add_argument(
         "--ways", default="eager,dynamic,static,static-host,st.generate,st.generate-dynamic,st.generate-compiled"
     )
     return p.parse_args()
@@ -148,6 +153,8 @@ def decode_overhead(kind, args):
     captured = []
 
     def capturing(gm, example_inputs, **kwargs):  # shardtensor's backend, keeping the last call's arguments
+        if args.deferred_checks:
+            kwargs["options"] = {**(kwargs.get("options") or {}), "raise_on_call": False}
         graph = torch._dynamo.lookup_backend("shardtensor")(gm, example_inputs, **kwargs)
 
         def run(*call_args):

@@ -50,7 +50,7 @@ from shardtensor.dispatch.record import signature as record_signature
 from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, recompile, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
-from shardtensor.graph.execute import Execution, assign_outputs, recover, run_cells
+from shardtensor.graph.execute import Execution, recover, run_cells
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell, Failed, noting_sites
 from shardtensor.graph.program import to_mesh
@@ -66,23 +66,37 @@ from shardtensor.ops import precision as matmul_precision
 from shardtensor.ops.checks import checks_enabled
 from shardtensor.replay_guard import Guard, Watched, picker, watch
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.geometry import contiguous_strides
 
 aten = torch.ops.aten
 
 
 @overload
-def compile(fn: Callable[..., Any], *, full_graph: bool = False, name: str | None = None) -> CompiledFunction: ...
+def compile(
+    fn: Callable[..., Any], *, full_graph: bool = False, name: str | None = None, raise_on_call: bool = True
+) -> CompiledFunction: ...
 @overload
 def compile(
-    fn: None = None, *, full_graph: bool = False, name: str | None = None
+    fn: None = None, *, full_graph: bool = False, name: str | None = None, raise_on_call: bool = True
 ) -> Callable[[Callable[..., Any]], CompiledFunction]: ...
 def compile(
-    fn: Callable[..., Any] | None = None, *, full_graph: bool = False, name: str | None = None
+    fn: Callable[..., Any] | None = None,
+    *,
+    full_graph: bool = False,
+    name: str | None = None,
+    raise_on_call: bool = True,
 ) -> CompiledFunction | Callable[[Callable[..., Any]], CompiledFunction]:
     """Compile ``fn`` (also usable as ``@st.compile`` or ``@st.compile(full_graph=True)``).
 
     With ``full_graph=True`` anything inside that needs a concrete value (``.item()``,
     ``if t.sum() > 0``, a data-dependent shape) raises instead of running part of the program.
+
+    A failed on-device check (an index out of range, say) raises torch's error on the call that ran
+    it, so each call waits for its program to finish. With ``raise_on_call=False`` a call returns as
+    soon as its program is dispatched, and the error is raised as in lazy mode: by the next call (before
+    its program runs), the next sync, or the first read of a value; the failed call's results raise it
+    too, and what it overwrote keeps its value from before. A decode loop that feeds each call's
+    outputs to the next then never waits for the device between tokens.
 
     Example::
 
@@ -96,8 +110,8 @@ def compile(
             loss = train_step(x, y)
     """
     if fn is None:
-        return functools.partial(compile, full_graph=full_graph, name=name)
-    return CompiledFunction(fn, full_graph=full_graph, name=name)
+        return functools.partial(compile, full_graph=full_graph, name=name, raise_on_call=raise_on_call)
+    return CompiledFunction(fn, full_graph=full_graph, name=name, raise_on_call=raise_on_call)
 
 
 class CompiledFunction:
@@ -108,7 +122,7 @@ class CompiledFunction:
     check the arguments' requires_grad, gradients and hooks (nor those of watched tensors passed as
     arguments), with ``guarded_layout`` it does not key sharded-tensor arguments by their shape,
     dtype, strides, spec and requires_grad (each input's array is still checked against the program
-    when it changed).
+    when it changed). ``raise_on_call``: see ``compile``.
     """
 
     def __init__(
@@ -119,8 +133,9 @@ class CompiledFunction:
         *,
         guarded_state: bool = False,
         guarded_layout: bool = False,
+        raise_on_call: bool = True,
     ) -> None:
-        self.fn, self.full_graph = fn, full_graph
+        self.fn, self.full_graph, self.raise_on_call = fn, full_graph, raise_on_call
         self.guarded_state, self.guarded_layout = guarded_state, guarded_layout
         self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
@@ -145,13 +160,15 @@ class CompiledFunction:
         if frozen is not None:
             result = frozen.replay(flat, self.name, tensors)  # (it reads the earlier runs' checks first)
             if result is not _STALE:
-                checks.verify()  # a failed on-device check raises on the call that ran it
+                if self.raise_on_call:
+                    checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
             self._frozen.pop(signature, None)
         elif not synced:
             run_cells(())  # nothing pending: an earlier run's failed check or failure raises first
         out = self._trace(signature, flat, args, kwargs, frozen)
-        checks.verify()
+        if self.raise_on_call:
+            checks.verify()
         return out
 
     def _trace(self, signature, flat, args, kwargs, stale=None):
@@ -468,6 +485,20 @@ class _Frozen:
         self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
         spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
         self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
+        # how a replay stores each output (``_store``): per target, whether its cell owns the array
+        # afterwards (an input passed through is shared) and whether its value before is kept (an
+        # overwritten input: given back if the run fails); the returned tensors' templates
+        forwarded = program.forwarded if program is not None else set()
+        kept_before = {j for j, _ in self.overwrites}
+        self._stores: list[tuple[str, int, Any, Any, bool, bool]] = []
+        for j, (kind, ident, ref) in enumerate(self.targets):
+            made: Any = None
+            if kind == "ret":
+                old = self.out_flat[ident]
+                shape = tuple(old.shape)
+                made = (shape, old.dtype, old._cell, ("T", shape, old.dtype, contiguous_strides(shape), 0))
+            self._stores.append((kind, ident, ref, made, j not in forwarded, j in kept_before))
+        self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
 
     @locked
     def replay(self, flat, name, tensors=None):
@@ -488,11 +519,11 @@ class _Frozen:
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
         cells = list(map(_CELL, self._pick_args(flat)))
-        for ref in self._old_refs:
-            cell = ref()
-            if cell is None:
+        if self._old_refs:  # (the closed-over tensors' cells: a model's parameters, a cache)
+            olds = list(map(operator.call, self._old_refs))
+            if None in olds:  # (cells compare by identity)
                 return _STALE
-            cells.append(cell)
+            cells += olds
         values = list(map(_VALUE, cells))
         values += self._consts
         passed = self._passed
@@ -517,11 +548,7 @@ class _Frozen:
                 _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
                 raise
             # (the cells it writes, made or read while the program runs: they still hold their values)
-            out_cells, results = self._targets(flat)
-            assign_outputs(program, out_cells, outs, self.sites, before=self._before(out_cells), what=self.what)
-            for c in out_cells:
-                if c is not None:
-                    c.version += 1
+            results = self._store(flat, outs, program)
         fitting = self._written_fit
         if fitting is None:  # (the program's outputs have fixed layouts: found once)
             fitting = self._written_fit = [
@@ -532,6 +559,49 @@ class _Frozen:
         if self._plain_out:
             return self.out_spec.type(results)
         return pytree.tree_unflatten(results, self.out_spec)
+
+    def _store(self, flat, outs, program) -> list:
+        """Give each output to its cell, as ``assign_outputs`` does (the run noted in flight with
+        what it overwrites, its check rows kept to read), in one pass; returns the call's results
+        (new tensors for the new values it returns)."""
+        results = list(self.out_flat)
+        cells: list = []
+        entries = []
+        for (kind, ident, ref, made, owned, keep), out in zip(self._stores, outs):
+            if kind == "arg":
+                cell = flat[ident]._cell
+                ref = weakref.ref(cell)
+            elif kind == "ret":
+                cell = Cell(None, made[0], made[1], made[2].sharding)  # (the traced result's sharding now)
+                results[ident] = ShardedTensor._result(cell, made[3])
+                ref = weakref.ref(cell)
+            else:  # (a closed-over cell: its weak reference is kept)
+                cell = ref()
+                if cell is None:
+                    cells.append(None)
+                    continue
+            cells.append(cell)
+            entries.append((ref, out, cell.value if keep else None, cell.owned))
+            cell.value = out
+            cell._leaf = None
+            cell.owned = owned
+            cell.version += 1
+        if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
+            for cell in cells:
+                if cell is not None:
+                    STATE.pending.pop(weakref.ref(cell), None)
+        rows = getattr(outs, "check_rows", None)
+        outputs = list(outs)
+        computed = list(self._computed(outs))
+        if rows is not None:
+            outputs.append(rows)
+            computed.insert(0, rows)
+        waits = not program.aliasing and any(e[2] is not None for e in entries)
+        inflight.note(self.what, entries, outputs, computed, waits)
+        STATE.epoch += 1
+        if rows is not None:
+            checks.watch(program, rows, self.sites, cells, outs)
+        return results
 
     def _targets(self, flat) -> tuple[list, list]:
         """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""
@@ -569,9 +639,15 @@ class _Frozen:
             if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
                 mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
             if not self._fits(on_mesh, i, program):
-                return False
-            if on_mesh is value:
-                newly.append((r, value))
+                # the same layout under another name (jax compiles one program per name) is renamed;
+                # a donated input is not (its buffers would be consumed under two names)
+                if i in self.donated or (on_mesh.shape, on_mesh.dtype) != self.leaf_sigs[i][:2]:
+                    return False
+                on_mesh = mesh_moves.renamed(cell, on_mesh, self.leaf_sigs[i][3])
+                if on_mesh is None:
+                    return False
+            if cell.value is on_mesh:
+                newly.append((r, on_mesh))
             values[r] = on_mesh
         for r, value in newly:
             passed[r] = weakref.ref(value)

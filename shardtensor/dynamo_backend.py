@@ -95,15 +95,20 @@ def shardtensor_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
 
     ``mode`` is accepted and ignored (XLA picks its own optimisations); ``options`` may hold
     ``{"full_graph": True}``, which makes anything that needs a value inside the graph an error (as
-    ``st.compile(full_graph=True)``).
+    ``st.compile(full_graph=True)``), and ``{"raise_on_call": False}``: a failed on-device check
+    raises at the next call, sync or read instead of on its call, which then does not wait for the
+    device (as ``st.compile(raise_on_call=False)``).
     """
     options = dict(kwargs.get("options") or {})
     full_graph = bool(options.pop("full_graph", False))
+    raise_on_call = bool(options.pop("raise_on_call", True))
     if options:
-        raise TypeError(f"the shardtensor backend has no options {sorted(options)} (it knows 'full_graph')")
+        raise TypeError(
+            f"the shardtensor backend has no options {sorted(options)} (it knows 'full_graph' and 'raise_on_call')"
+        )
     counters.increment("DynamoGraph")
     name = f"dynamo_graph_{next(_graph_ids)}"
-    return _DynamoGraph(gm, full_graph=full_graph, name=name)
+    return _DynamoGraph(gm, full_graph=full_graph, name=name, raise_on_call=raise_on_call)
 
 
 # --- running a captured graph ---------------------------------------------------------------------
@@ -130,14 +135,19 @@ class _DynamoGraph:
         loss = forward(x, y)   # pending; runs with the backward and update that follow
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, *, full_graph: bool, name: str) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, *, full_graph: bool, name: str, raise_on_call: bool = True) -> None:
         # gm.forward, not gm: calling the module would run nn.Module hooks machinery on every call
         self.forward = gm.forward
         self.name = name
         # Dynamo's guards check every input's requires_grad (and, for a graph without symbolic shapes,
         # its shape, strides, dtype and sharding context) before each call: its frozen replays need not
         self.compiled = CompiledFunction(
-            gm.forward, full_graph=full_graph, name=name, guarded_state=True, guarded_layout=_static(gm)
+            gm.forward,
+            full_graph=full_graph,
+            name=name,
+            guarded_state=True,
+            guarded_layout=_static(gm),
+            raise_on_call=raise_on_call,
         )
         self.defers = _returns_grad(gm)  # (Dynamo guards on grad mode: fixed for this graph)
 
@@ -151,20 +161,21 @@ class _DynamoGraph:
             _STEP.opener = None
             return self.compiled(*args)
         if opener is self:  # its last step was never closed (no graph ran after its backward): run it
-            _run_pending()
+            _run_pending(self.compiled.raise_on_call)
             opener = None
         out = self.forward(*args)  # recorded onto what is pending (the step so far)
         if self.defers or _requires_grad(out):
             _STEP.opener = opener or self
             return out
         _STEP.opener = None
-        _run_pending()  # the step's forward, backward and update: one program
+        _run_pending(self.compiled.raise_on_call)  # the step's forward, backward and update: one program
         return out
 
 
-def _run_pending() -> None:
+def _run_pending(raise_on_call: bool) -> None:
     run_cells(pending_cells())
-    checks.verify()  # a failed on-device check raises on the call that ran it
+    if raise_on_call:
+        checks.verify()  # a failed on-device check raises on the call that ran it
 
 
 def _returns_grad(gm: torch.fx.GraphModule) -> bool:

@@ -10,10 +10,11 @@ holds and whether it is training, each optimizer's parameter groups and hyperpar
 ``watch()`` is active while a trace runs and notes the objects that matter: the modules called (a
 global forward pre-hook, registered only for the trace, counting the tracing thread's calls), the
 optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
-``Guard(objects, args)`` takes their state; a replay asks ``guard.holds(args)`` (C-level passes
-over flat lists: about a microsecond per parameter with its module, ~14 µs for a 4-layer MLP with
-SGD). Plain Python attributes a function reads besides these (a global ``scale = 0.5``) are not
-seen: they stay captured as they were.
+``Guard(objects, args)`` takes their state; a replay asks ``guard.holds(args)`` (the modules and
+tensors read in one pass by the C++ extension, ``guard_fingerprint``, else C-level passes over flat
+lists: ~0.4 µs per parameter with its module, ~1.3 µs without the extension). Plain Python
+attributes a function reads besides these (a global ``scale = 0.5``) are not seen: they stay
+captured as they were.
 
 Example::
 
@@ -38,6 +39,8 @@ from typing import Any
 import torch
 import torch.nn.modules.module as torch_module
 import torch.optim.optimizer as torch_optimizer
+
+from shardtensor.tensor import device as torch_device
 
 _OURS: set = set()  # ids of the global hooks watch() registered (left out of guards)
 _GLOBAL_HOOK_DICTS = (  # torch's global hook dicts (never rebound, only mutated)
@@ -166,6 +169,12 @@ class Guard:
             if o is not None:
                 self._watch(o)
         self.state = plain, list(map(id, identities)), hooks
+        # the modules' and tensors' part read in one C pass when it can be (``_fingerprint``), the
+        # rest (grad mode, optimizers, arguments, global hooks) in Python
+        self._fingerprint = _fingerprint(modules, tensors)
+        if self._fingerprint is not None:
+            plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
+            self._other_state = plain, list(map(id, identities)), hooks
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
         position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
@@ -181,6 +190,7 @@ class Guard:
             rest = self._shared[2](tensors)
             plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
             self._rest_state = plain, list(map(id, identities)), hooks
+            self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
         """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
@@ -196,13 +206,20 @@ class Guard:
         if objects is None:
             return False
         modules, optimizers, tensors = objects
-        state = self.state
+        state, fingerprint = self.state, self._fingerprint
         shared = self._shared
         if shared is not None and len(args) == shared[3]:
             passed_again = all(map(operator.is_, shared[0](args), shared[1](tensors)))
             if passed_again:  # (the arguments' check covers them)
-                tensors, state = shared[2](tensors), self._rest_state
-        plain, identities, hooks = self._state(modules, optimizers, tensors, () if self._args_guarded else args)
+                tensors, state, fingerprint = shared[2](tensors), self._rest_state, self._rest_fingerprint
+        args = () if self._args_guarded else args
+        if fingerprint is not None:
+            now = _fingerprint(modules, tensors)
+            if now is not None:  # (None: a module's state took another form: compared in Python below)
+                if now != fingerprint:
+                    return False
+                modules, tensors, state = (), (), self._other_state
+        plain, identities, hooks = self._state(modules, optimizers, tensors, args)
         return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
@@ -219,34 +236,41 @@ class Guard:
 
     @staticmethod
     def _state(modules, optimizers, tensors, args):
-        """(plain values, objects to compare by identity, hook ids)."""
-        with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-            flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
-            grads = list(map(_GRAD, tensors))
-            arg_flags = list(map(_FLAGS, args))
-            grad_fns = list(map(_GRAD_FN, args))
-            if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
-                arg_grads = list(map(_GRAD, args))
-            else:
-                arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
-        # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
-        # so the ids of all hooks together say whether one was added or removed; a tensor without
-        # hooks has None for both dicts, and those tuples compare as they are
-        if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
-            flags = list(map(_hook_ids, flags))
-        if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
-            arg_flags = list(map(_hook_ids, arg_flags))
-        containers = list(itertools.chain.from_iterable(map(_CONTAINERS, modules)))
-        identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
-        identities += itertools.chain.from_iterable(map(dict.values, containers))
-        plain = [
-            torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(),
-            flags,
-            arg_flags,
-            list(map(_TRAINING, modules)),
-            list(map(len, containers)),
-        ]
+        """(plain values, objects to compare by identity, hook ids); an empty group of objects
+        costs nothing (the groups' sizes are fixed for a guard: an absent part compares as absent)."""
+        plain: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+        identities: list = []
+        if tensors or args:
+            with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+                flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
+                grads = list(map(_GRAD, tensors))
+                arg_flags = list(map(_FLAGS, args))
+                grad_fns = list(map(_GRAD_FN, args))
+                if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
+                    arg_grads = list(map(_GRAD, args))
+                else:
+                    arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
+            # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
+            # so the ids of all hooks together say whether one was added or removed; a tensor without
+            # hooks has None for both dicts, and those tuples compare as they are
+            if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
+                flags = list(map(_hook_ids, flags))
+            if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
+                arg_flags = list(map(_hook_ids, arg_flags))
+            plain += (flags, arg_flags)
+            identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
+        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
+        if modules:
+            # each module's attributes from its __dict__, one C-level pass (attribute lookups would walk
+            # the class's MRO first); a module that keeps one elsewhere (a property) takes getattr
+            try:
+                fields = list(map(_MODULE_FIELDS, map(vars, modules)))
+            except KeyError:
+                fields = list(map(_MODULE_ATTRS, modules))
+            containers = list(itertools.chain.from_iterable(map(_CONTAINERS_OF, fields)))
+            identities += itertools.chain.from_iterable(map(dict.values, containers))
+            plain += (list(map(_TRAINING_OF, fields)), list(map(len, containers)))
+            hooks += itertools.chain.from_iterable(filter(None, itertools.chain.from_iterable(map(_HOOKS_OF, fields))))
         for opt in optimizers:
             plain.append(id(opt.state))  # the optimizer holds it
             plain.append(len(opt.state))
@@ -259,12 +283,18 @@ class Guard:
                             plain.append(v)
                         else:
                             identities.append(v)
-        dicts = list(itertools.chain.from_iterable(map(_MODULE_HOOKS, modules)))
-        for opt in optimizers:
-            dicts += (opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks)
-        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
-        hooks += itertools.chain.from_iterable(filter(None, dicts))
+            hooks += (*opt._optimizer_step_pre_hooks, *opt._optimizer_step_post_hooks)
         return plain, identities, hooks
+
+
+def _fingerprint(modules: Sequence, tensors: Sequence) -> bytes | None:
+    """The modules' and tensors' guarded state read by the C++ extension in one pass (equal bytes:
+    the same state), or None without the extension or when a module keeps it in another form."""
+    read = getattr(torch_device.EXT, "guard_fingerprint", None)
+    if read is None:
+        return None
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+        return read(tuple(modules), tuple(tensors))
 
 
 def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
@@ -294,6 +324,18 @@ _GRAD = operator.attrgetter("grad")
 _GRAD_FN = operator.attrgetter("grad_fn")
 _FLAGS = operator.attrgetter("requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _NO_HOOKS, _NO_HOOKS_GRAD = (False, None, None), (True, None, None)
-_CONTAINERS = operator.attrgetter("_parameters", "_buffers", "_modules")
-_TRAINING = operator.attrgetter("training")
-_MODULE_HOOKS = operator.attrgetter("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_FIELDS = (  # what the guard reads of a module: its mode, containers and hook dicts
+    "training",
+    "_parameters",
+    "_buffers",
+    "_modules",
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+_MODULE_FIELDS = operator.itemgetter(*_FIELDS)  # (from the module's __dict__)
+_MODULE_ATTRS = operator.attrgetter(*_FIELDS)
+_TRAINING_OF = operator.itemgetter(0)
+_CONTAINERS_OF = operator.itemgetter(1, 2, 3)
+_HOOKS_OF = operator.itemgetter(4, 5, 6, 7)

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import os
 
+from shardtensor.runtime import environ_reader
+
 ENVS = ("SHARDTENSOR_ENABLE_PARAM_ALIASING", "XLA_ENABLE_PARAM_ALIASING")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 _configured: list[bool | None] = [None]  # set_param_aliasing's value (None: the environment decides)
 _parsed: list = [None, True]  # (the variables' raw values, what they mean): parsed once per change
+_stored: list = [None, True]  # (os.environ's stored values of the variables, what they mean)
+_READ_ENVS = environ_reader(*ENVS)
 
 
 def parse(name: str, text: str) -> bool:
@@ -52,7 +56,14 @@ def enabled_by_environment(environ=os.environ) -> bool:
 
     Example: ``enabled_by_environment({"XLA_ENABLE_PARAM_ALIASING": "false"}) is False``.
     """
-    raw = (environ.get(ENVS[0]), environ.get(ENVS[1]))  # (read before every replay: no generator)
+    if environ is os.environ:  # (read before every replay: the cheap way when nothing changed)
+        stored = _READ_ENVS()
+        if stored == _stored[0]:
+            return _stored[1]
+        enabled = enabled_by_environment(dict(zip(ENVS, (os.environ.get(n) for n in ENVS))))
+        _stored[:] = [stored, enabled]
+        return enabled
+    raw = (environ.get(ENVS[0]), environ.get(ENVS[1]))
     if raw == _parsed[0]:
         return _parsed[1]
     enabled = True
@@ -60,8 +71,7 @@ def enabled_by_environment(environ=os.environ) -> bool:
         if text is not None and text.strip():
             enabled = parse(name, text)
             break
-    if environ is os.environ:
-        _parsed[:] = [raw, enabled]
+    _parsed[:] = [raw, enabled]
     return enabled
 
 

@@ -404,6 +404,10 @@ def _called(fn, outs, start):
         outs, rows = outs
         outs = Results(outs)
         outs.check_rows = rows
+        # the rows are read soon (``checks.verify``): their copy to the host starts now, queued after
+        # the program, so the read finds them there instead of waiting for a transfer
+        if rows is not None:
+            rows.copy_to_host_async()
     counters.increment("ExecuteReplicated")
     _EXECUTE_TIME.add_since(start)
     return outs

@@ -108,7 +108,21 @@ def track(what, cells, outs, before, aliasing: bool, forwarded=()) -> Run:
     if rows is not None:
         outputs.append(rows)
         computed.insert(0, rows)  # never donated to a later run
-    run = Run(what, user_site(), entries, outputs, computed, keeps and not aliasing)
+    return note(what, entries, outputs, computed, keeps and not aliasing)
+
+
+def note(what, entries, outputs, computed, waits) -> Run:
+    """Note a run in flight from its parts (``track`` makes them; a frozen replay, which knows
+    them in advance, makes them itself): ``entries``, (weak reference to an output cell, its new
+    array, its array before or None, whether it owned that), ``outputs`` (check rows last),
+    ``computed`` (those a finished run has computed, check rows first), ``waits`` (it keeps
+    buffers to give back: the next run waits for it).
+
+    Example::
+
+        note("a program", [(weakref.ref(cell), out, None, True)], [out], [out], False)
+    """
+    run = Run(what, user_site(), entries, outputs, computed, waits)
     _RUNS.append(run)
     return run
 

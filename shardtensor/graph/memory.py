@@ -21,6 +21,8 @@ import resource
 
 import torch
 
+from shardtensor.runtime import environ_reader
+
 ENV = "SHARDTENSOR_DEVICE_MEMORY"
 _UNITS = {
     "": 1,
@@ -48,7 +50,7 @@ class OutOfDeviceMemoryError(torch.OutOfMemoryError):
 class ProgramMemory:
     """Per-device bytes one compiled program needs (from ``compiled.memory_analysis()``)."""
 
-    __slots__ = ("arguments", "devices", "outputs", "platform", "reused", "temporaries")
+    __slots__ = ("arguments", "devices", "outputs", "platform", "reused", "small_on_host", "temporaries")
 
     def __init__(self, analysis, mesh):
         self.arguments = analysis.argument_size_in_bytes
@@ -57,6 +59,9 @@ class ProgramMemory:
         self.reused = analysis.alias_size_in_bytes  # outputs written into donated inputs
         self.devices = list(mesh.local_devices)
         self.platform = self.devices[0].platform
+        # CPU devices without memory statistics, needing a small share of the host's RAM: only an
+        # address-space limit (ulimit -v) can refuse it (set by the first check)
+        self.small_on_host = False
 
     @property
     def allocated(self) -> int:
@@ -86,6 +91,8 @@ def analyse(compiled, mesh):
 
 
 _configured: list = [None]  # bytes set by set_device_memory_limit (None: the environment decides)
+_from_env: list = [None, None]  # (the variable as os.environ stores it, the limit it gives)
+_READ_ENV = environ_reader(ENV)
 
 
 def set_device_memory_limit(limit: int | str | None) -> None:
@@ -105,8 +112,11 @@ def device_memory_limit() -> int | None:
     """The configured limit per device in bytes, or None when the devices' free memory decides."""
     if _configured[0] is not None:
         return _configured[0]
-    text = os.environ.get(ENV)
-    return parse_size(text) if text else None
+    stored = _READ_ENV()  # (read before every run: the cheap way when nothing changed)
+    if stored != _from_env[0]:
+        text = os.environ.get(ENV)
+        _from_env[:] = [stored, parse_size(text) if text else None]
+    return _from_env[1]
 
 
 def parse_size(value) -> int:
@@ -137,6 +147,8 @@ def check(memory, what: str) -> None:
         if memory.peak > limit:
             _refuse(memory, what, f"the limit of {_size(limit)} per device ({ENV} / st.set_device_memory_limit)")
         return
+    if memory.small_on_host and resource.getrlimit(resource.RLIMIT_AS)[0] == resource.RLIM_INFINITY:
+        return  # (what the CPU path below finds every time for such a program, found once)
     device = memory.devices[0]
     total = _DEVICE_TOTAL.get(device)
     if total is not None and memory.allocated <= _SKIP_FRACTION * total:
@@ -152,6 +164,7 @@ def check(memory, what: str) -> None:
         return
     if memory.platform == "cpu":
         needed = memory.allocated * len(memory.devices)  # simulated CPU devices share the host's RAM
+        memory.small_on_host = bool(_HOST_TOTAL) and needed <= _SKIP_FRACTION * _HOST_TOTAL
         free, where = _host_free(needed)
         if needed > free:
             _refuse(

@@ -8,12 +8,17 @@ the input's cell, so the next call finds it there and copies nothing: the value 
 replicated, on the same devices. ``warn_repeated_copy`` says once, with what to do, when one tensor is copied a second
 time (a cell with the user's sharding on another mesh keeps its own array, a tensor read by programs
 on two meshes in turn moves back and forth).
+
+``renamed`` gives an array the program's name for a layout equivalent to its own (``P(None)`` and
+``P()`` both replicate a vector; jax compiles a program per name): the same buffers, no copy.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
+
+import jax
 
 from shardtensor.graph import inflight
 from shardtensor.graph.ir import Cell
@@ -90,3 +95,24 @@ def warn_repeated_copy(cell: Cell, before, mesh) -> None:
         warnings.warn(text, MeshCopyWarning, stacklevel=2)
     else:
         warnings.warn_explicit(text, MeshCopyWarning, site[0], site[1])
+
+
+def renamed(cell: Cell, array, sharding):
+    """``array`` (``cell``'s value) under ``sharding`` when that names the same layout, sharing its
+    buffers (no copy), or None when the layouts differ. The cell takes it, so later calls find it
+    as it is (an XLA-chosen output may say ``P(None)`` where an upload says ``P()``: a frozen replay
+    taking one must not trace again for the other).
+
+    Example::
+
+        renamed(cell, x, NamedSharding(mesh, P()))   # x was NamedSharding(mesh, P(None))
+    """
+    if not isinstance(sharding, jax.sharding.Sharding) or not array.sharding.is_equivalent_to(sharding, array.ndim):
+        return None
+    shards = [s.data for s in array.addressable_shards]
+    moved = jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
+    if cell.value is array:
+        inflight.follow_copy(array, moved)
+        cell.value = moved
+        cell._leaf = None
+    return moved

@@ -275,6 +275,28 @@ def with_x64(fn, lock=None):
     return run_with_x64
 
 
+def environ_reader(*names: str):
+    """A function giving the values of the environment variables ``names`` as ``os.environ`` has them
+    now (None when unset), in a form meant only to be compared with an earlier answer: equal answers
+    mean the same values. For settings read before every run (a frozen replay's): on CPython it reads
+    ``os.environ``'s own store, about 20x faster than ``os.environ.get``.
+
+    Example::
+
+        read = environ_reader("XLA_ENABLE_PARAM_ALIASING")
+        before = read()
+        ...
+        if read() != before: ...   # set, changed or unset since
+    """
+    data = getattr(os.environ, "_data", None)  # (os._Environ: the encoded keys and values it sets)
+    encode = getattr(os.environ, "encodekey", None)
+    if not isinstance(data, dict) or encode is None:
+        environ = os.environ
+        return lambda: tuple(map(environ.get, names))
+    keys = tuple(map(encode, names))
+    return lambda: tuple(map(data.get, keys))
+
+
 # --------------------------------------------------------------------------- SPMD mode
 
 

@@ -38,6 +38,7 @@
 #include <torch/csrc/autograd/variable.h>
 #include <torch/headeronly/version.h>
 
+#include <cstdint>
 #include <vector>
 
 #ifndef TORCH_EXTENSION_NAME
@@ -271,12 +272,136 @@ PyObject* py_register_backend(PyObject*, PyObject*) {
   return call([] { register_backend(); });
 }
 
+// ------------------------------------------------------------------- the replay guard's reads
+// A frozen st.compile replay first checks that the modules and tensors its trace depended on are as
+// they were (replay_guard.Guard: a module's mode, parameters, buffers, submodules and hooks; a
+// tensor's requires_grad, hooks, .grad and storage cell). guard_fingerprint reads all of that in
+// one pass into bytes: equal bytes, the same state. Objects are recorded by address (the guard holds
+// a weak reference to each, and one dying fails it, so an address cannot be reused unseen), hook
+// handles by their ids. It answers None for a module that keeps one of these elsewhere than in its
+// __dict__, or in another form (the guard then reads it in Python).
+PyObject* guard_names[10] = {};  // "training", the 3 containers, the 4 module hook dicts; 2 tensor hook attrs
+PyObject* name_requires_grad = nullptr;
+PyObject* name_grad = nullptr;
+PyObject* name_cell = nullptr;
+constexpr uint64_t kNoDict = ~uint64_t{0};
+
+struct Unusual {};  // the state is not in the expected form: answer None
+
+void push_values(std::vector<uint64_t>& out, PyObject* d) {
+  if (!PyDict_CheckExact(d)) throw Unusual();
+  out.push_back(static_cast<uint64_t>(PyDict_GET_SIZE(d)));
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(d, &pos, &key, &value)) out.push_back(reinterpret_cast<uintptr_t>(value));
+}
+
+void push_hook_ids(std::vector<uint64_t>& out, PyObject* d) {  // None or a dict of handle id -> hook
+  if (d == Py_None) {
+    out.push_back(0);
+    return;
+  }
+  if (!PyDict_Check(d)) throw Unusual();
+  out.push_back(static_cast<uint64_t>(PyDict_GET_SIZE(d)));
+  Py_ssize_t pos = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(d, &pos, &key, &value)) {
+    if (!PyLong_CheckExact(key)) throw Unusual();
+    long long id = PyLong_AsLongLong(key);
+    if (id == -1 && PyErr_Occurred()) throw PythonErrorSet();
+    out.push_back(static_cast<uint64_t>(id));
+  }
+}
+
+struct OwnedRef {  // a new reference, released at the end of the scope
+  PyObject* obj;
+  explicit OwnedRef(PyObject* o) : obj(o) {
+    if (obj == nullptr) throw PythonErrorSet();
+  }
+  ~OwnedRef() { Py_XDECREF(obj); }
+};
+
+void push_module(std::vector<uint64_t>& out, PyObject* module) {
+  OwnedRef dict(PyObject_GenericGetDict(module, nullptr));
+  if (!PyDict_Check(dict.obj)) throw Unusual();
+  PyObject* fields[8];
+  for (int i = 0; i < 8; ++i) {
+    fields[i] = PyDict_GetItemWithError(dict.obj, guard_names[i]);  // borrowed
+    if (fields[i] == nullptr) {
+      if (PyErr_Occurred()) throw PythonErrorSet();
+      throw Unusual();
+    }
+  }
+  if (fields[0] != Py_True && fields[0] != Py_False) throw Unusual();
+  out.push_back(fields[0] == Py_True);
+  for (int i = 1; i < 4; ++i) push_values(out, fields[i]);
+  for (int i = 4; i < 8; ++i) push_hook_ids(out, fields[i]);
+}
+
+void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
+  OwnedRef requires_grad(PyObject_GetAttr(t, name_requires_grad));
+  out.push_back(requires_grad.obj == Py_True);
+  for (int i = 8; i < 10; ++i) {
+    OwnedRef hooks(PyObject_GetAttr(t, guard_names[i]));
+    push_hook_ids(out, hooks.obj);
+  }
+  OwnedRef grad(PyObject_GetAttr(t, name_grad));
+  out.push_back(reinterpret_cast<uintptr_t>(grad.obj));
+  PyObject* cell = PyObject_GetAttr(t, name_cell);
+  if (cell == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw PythonErrorSet();
+    PyErr_Clear();
+    out.push_back(kNoDict);
+  } else {
+    out.push_back(reinterpret_cast<uintptr_t>(cell));
+    Py_DECREF(cell);
+  }
+}
+
+PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
+  PyObject *modules, *tensors;
+  if (!PyArg_ParseTuple(args, "OO:guard_fingerprint", &modules, &tensors)) return nullptr;
+  if (!PyTuple_CheckExact(modules) || !PyTuple_CheckExact(tensors)) {
+    PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors) takes two tuples");
+    return nullptr;
+  }
+  std::vector<uint64_t> out;
+  out.reserve(static_cast<size_t>(24 * PyTuple_GET_SIZE(modules) + 8 * PyTuple_GET_SIZE(tensors)));
+  try {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(modules); ++i) push_module(out, PyTuple_GET_ITEM(modules, i));
+    out.push_back(kNoDict);  // (where the tensors begin)
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) push_tensor(out, PyTuple_GET_ITEM(tensors, i));
+  } catch (const Unusual&) {
+    Py_RETURN_NONE;
+  } catch (const PythonErrorSet&) {
+    return nullptr;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
+}
+
+bool intern_guard_names() {
+  const char* names[10] = {"training",           "_parameters",     "_buffers",           "_modules",
+                           "_forward_pre_hooks", "_forward_hooks",  "_backward_pre_hooks", "_backward_hooks",
+                           "_backward_hooks",    "_post_accumulate_grad_hooks"};
+  for (int i = 0; i < 10; ++i) {
+    guard_names[i] = PyUnicode_InternFromString(names[i]);
+    if (guard_names[i] == nullptr) return false;
+  }
+  name_requires_grad = PyUnicode_InternFromString("requires_grad");
+  name_grad = PyUnicode_InternFromString("grad");
+  name_cell = PyUnicode_InternFromString("_cell");
+  return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr;
+}
+
 PyMethodDef methods[] = {
     {"set_geometry", py_set_geometry, METH_VARARGS, "set_geometry(t, sizes, strides, storage_offset)"},
     {"share_storage", py_share_storage, METH_VARARGS, "share_storage(t, src): t uses src's storage"},
     {"fresh_storage", py_fresh_storage, METH_VARARGS, "fresh_storage(t, nbytes): t gets a storage of its own"},
     {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
+    {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
+     "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, SHARDTENSOR_STR(TORCH_EXTENSION_NAME),
@@ -288,7 +413,7 @@ PyMODINIT_FUNC SHARDTENSOR_CONCAT(PyInit_, TORCH_EXTENSION_NAME)() {
   if (torch == nullptr) return nullptr;
   tensor_type = PyObject_GetAttrString(torch, "Tensor");
   Py_DECREF(torch);
-  if (tensor_type == nullptr) return nullptr;
+  if (tensor_type == nullptr || !intern_guard_names()) return nullptr;
   PyObject* module = PyModule_Create(&module_def);
   if (module == nullptr) return nullptr;
   // what it was built from: torch's headers and this file (device.py compares both before using it)
