@@ -54,6 +54,7 @@ LAG = 4
 KEPT_LOOPS = 4
 # End-of-sequence ids a generation may have on the device loop (more: transformers' loop).
 EOS_SLOTS = 8
+SETTINGS = 2 + EOS_SLOTS  # pad, eos_blocked, the eos ids
 
 
 class NotOnDevice(Exception):
@@ -216,12 +217,16 @@ class _Loop:
     def model(self) -> Any:
         return self._model()
 
-    def _prefill(
-        self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor | None, settings: torch.Tensor
-    ) -> torch.Tensor:
-        """Start a generation: the prompt ``ids`` with transformers' ``attention_mask`` and
-        ``position_ids`` for it (None where it passes none), ``settings`` = (pad, eos_blocked, eos
-        ids padded with -1); returns whether every row has finished after the first token."""
+    def _prefill(self, packed: torch.Tensor) -> torch.Tensor:
+        """Start a generation from ``packed`` (one upload, :func:`_packed`): the prompt's ids and
+        transformers' ``attention_mask`` and ``position_ids`` for it (zeros where it passes none),
+        then (pad, eos_blocked, eos ids padded with -1); returns whether every row has finished
+        after the first token."""
+        prompt = (packed.shape[1] - SETTINGS) // 3
+        ids = packed[:, :prompt]
+        mask = packed[:, prompt : 2 * prompt] if self.mask is not None else None
+        positions = packed[:, 2 * prompt : 3 * prompt] if self.position is not None else None
+        settings = packed[0, 3 * prompt :]
         for layer in self.cache.layers:  # empty (a new generation must not see an old one's keys)
             layer.keys.zero_()
             layer.values.zero_()
@@ -231,7 +236,7 @@ class _Loop:
         self.eos.copy_(settings[2:])
         self.unfinished.fill_(1)
         self.count.zero_()
-        if self.mask is not None and mask is not None:
+        if self.mask is not None and mask is not None:  # (the loop is made per presence of each)
             # the mask of the whole cache: the prompt's padding, then every later position visible
             # (the causal rule hides the ones not written yet), so that it never changes while decoding
             rest = self.length - mask.shape[1]
@@ -301,15 +306,8 @@ def greedy_on_device(
     name = _cache_name(model_kwargs)
     model_kwargs[name] = _reused_cache(model, model_kwargs[name], input_ids.shape[0])
     loop = _loop_for(model, input_ids.shape[0], model_kwargs)
-    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
-    settings = torch.tensor([plan.pad, plan.eos_blocked, *plan.eos] + [-1] * (EOS_SLOTS - len(plan.eos)))
     flags: collections.deque = collections.deque()
-    done = loop.prefill(
-        _constant(input_ids),
-        _constant(mask) if mask is not None else None,
-        _constant(positions) if positions is not None else None,
-        _constant(settings),
-    )
+    done = loop.prefill(_constant(_packed(input_ids, model_kwargs, plan)))
     produced = plan.new_tokens
     with checks.deferred(LAG):  # the steps' checks are read LAG steps late, when long computed
         for index in range(plan.new_tokens):
@@ -409,6 +407,16 @@ def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
             loops.pop(next(iter(loops)))
         loops[key] = loop
     return loop
+
+
+def _packed(input_ids: torch.Tensor, model_kwargs: dict, plan: Plan) -> torch.Tensor:
+    """The prefill's inputs in one host tensor (one upload): ids, mask, positions (zeros where
+    transformers passes none), then the settings, repeated on every row."""
+    zeros = torch.zeros_like(input_ids)
+    mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+    settings = torch.tensor([plan.pad, plan.eos_blocked, *plan.eos] + [-1] * (EOS_SLOTS - len(plan.eos)))
+    parts = [input_ids, zeros if mask is None else mask, zeros if positions is None else positions]
+    return torch.cat([p.long() for p in parts] + [settings.expand(input_ids.shape[0], -1)], dim=1)
 
 
 def _constant(host: torch.Tensor) -> ShardedTensor:
