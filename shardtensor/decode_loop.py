@@ -6,21 +6,22 @@ one's program and for two transfers: the device idles while the host records and
 greedy search with a static KV cache and only the stock length and end-of-sequence rules, the
 choice needs nothing from the host, so this loop keeps it on the device:
 
-- the prefill runs as transformers runs it (its own input preparation, mask and position ids);
-- the decode step is one ``st.compile``'d function with no arguments: it reads the last token, the
-  position and the finished rows from device tensors, runs the model's forward exactly as
-  transformers' loop calls it (``prepare_inputs_for_generation`` with one new token), chooses the
-  next token (``argmax``, end-of-sequence blocked until ``min_new_tokens``, finished rows padded)
-  and writes it into a device buffer of all new tokens, updating the state in place. After its
-  first calls it is replayed frozen: no Python of the model runs per token;
-- the host only calls it, and reads whether every row has finished ``LAG`` steps late (that value
-  is long computed by then, so the host does not wait on the chip); the steps run past the end are
-  dropped, as transformers' own deferred stop check drops them.
+- the prefill and the decode step are two ``st.compile``'d functions of the loop's device state
+  (last token, position, finished rows, a buffer of all new tokens, the generation's settings). The
+  prefill empties the cache and resets the state, then runs the prompt; the step runs the model's
+  forward exactly as transformers' loop calls it (``prepare_inputs_for_generation`` with one new
+  token). Both choose the token as transformers does (``argmax``, end-of-sequence blocked until
+  ``min_new_tokens``, finished rows padded). After their first calls both are replayed frozen: a
+  steady generation runs no Python of the model, uploads one small tensor and reads one back;
+- the host only calls them, and reads whether every row has finished ``LAG`` steps late (that
+  value is long computed by then, so the host does not wait on the chip); the steps run past the
+  end are dropped, as transformers' own deferred stop check drops them. The programs' on-device
+  checks are read ``LAG`` runs late too (``checks.deferred``), and raise before any token returns.
 
 Anything else (sampling, beams, logits processors or stopping criteria of the caller's, streamers,
 ``return_dict_in_generate``, other caches) runs transformers' own loop: :func:`decode` is given to
 ``model.generate`` as ``custom_generate`` and hands those back. The tokens are transformers' (the
-same forward inputs, the same choice); tests/test_generation.py compares them with eager torch.
+same forward inputs, the same choice); tests/test_decode_loop.py compares them with eager torch.
 
 Example::
 
