@@ -32,14 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import itertools
 import operator
-import weakref
 from collections.abc import Callable
 from typing import Any, overload
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -47,26 +43,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardtensor import metrics as counters
 from shardtensor import optim_steps, trace_diff
 from shardtensor.dispatch.record import signature as record_signature
-from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, recompile, rng
-from shardtensor.graph.aliasing import param_aliasing_enabled
+from shardtensor.frozen_replay import STALE, Trace
+from shardtensor.graph import checks, inflight, recompile
 from shardtensor.graph.capture import capture
 from shardtensor.graph.execute import Execution, recover, run_cells
-from shardtensor.graph.interrupts import deferred_interrupts
-from shardtensor.graph.ir import Cell, Failed, noting_sites
-from shardtensor.graph.program import to_mesh
+from shardtensor.graph.ir import noting_sites
 from shardtensor.graph.state import (
     STATE,
     check_execution_allowed,
     locked,
     others_pending,
     pending_cells,
-    set_failed,
 )
 from shardtensor.ops import precision as matmul_precision
-from shardtensor.ops.checks import checks_enabled
-from shardtensor.replay_guard import Guard, Watched, picker, watch
+from shardtensor.replay_guard import Guard, Watched, watch
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor.geometry import contiguous_strides
 
 aten = torch.ops.aten
 
@@ -159,7 +150,7 @@ class CompiledFunction:
         frozen = self._frozen.get(signature)
         if frozen is not None:
             result = frozen.replay(flat, self.name, tensors)  # (it reads the earlier runs' checks first)
-            if result is not _STALE:
+            if result is not STALE:
                 if self.raise_on_call:
                     checks.verify()  # a failed on-device check raises on the call that ran it
                 return result
@@ -242,16 +233,13 @@ class CompiledFunction:
             )
 
 
-_STALE = object()
-
-
 @locked
 def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
-    """Compile and run what a traced call left pending; the ``_Trace`` of the call."""
+    """Compile and run what a traced call left pending; the ``Trace`` of the call."""
     with recompile.naming(arguments, name):
         # another thread's pending graph may read a buffer this one would donate
         execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
-    trace = _Trace(execution, flat, out, first_serial, broken)
+    trace = Trace(execution, flat, out, first_serial, broken)
     if execution is not None:
         execution.what = f"compiled function {name} ({len(execution.program.steps)} ops)"
         try:
@@ -265,7 +253,7 @@ def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
 
 
 def _without_scalars(fingerprint):
-    return fingerprint[:1] + fingerprint[2:]  # (key, scalars, sources, ...): see _Trace
+    return fingerprint[:1] + fingerprint[2:]  # (key, scalars, sources, ...): see frozen_replay.Trace
 
 
 def _same_objects(a, b) -> bool:
@@ -329,357 +317,6 @@ def _signature_parts(flat):
         else:
             parts.append(("V", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x)))
     return parts
-
-
-class _Trace:
-    """What one traced call read, wrote and returned, and whether that can be replayed."""
-
-    def __init__(self, execution, flat_args, out, first_serial, broken):
-        self.execution, self.broken = execution, broken
-        arg_cells = {id(x._cell): i for i, x in enumerate(flat_args) if isinstance(x, ShardedTensor)}
-        if any(isinstance(x, ShardedTensor) and x._chain for x in flat_args):
-            self.broken = self.broken or "an argument is a view"
-        self.out_flat, self.out_spec = pytree.tree_flatten(out)
-        returned = {}
-        for i, x in enumerate(self.out_flat):
-            if isinstance(x, torch.Tensor):
-                if not isinstance(x, ShardedTensor) or x._chain:
-                    self.broken = self.broken or "it returns a CPU tensor or a view"
-                elif x.requires_grad:
-                    self.broken = self.broken or "it returns a tensor that requires grad"
-                else:
-                    returned[id(x._cell)] = i
-        program = execution.program if execution else None
-        sources, targets = [], []
-        if program is not None:
-            donated = set(program.donated)
-            for leaf_i, cell in enumerate(execution.leaf_cells):
-                array = execution.arrays[leaf_i]
-                sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
-            new_count = 0
-            for cell in execution.cells:
-                if id(cell) in arg_cells:
-                    targets.append(("arg", arg_cells[id(cell)]))
-                elif id(cell) in returned:
-                    targets.append(("ret", returned[id(cell)]))
-                elif cell.serial < first_serial:
-                    targets.append(("old", id(cell)))
-                else:
-                    targets.append(("new", new_count))
-                    new_count += 1
-        for x in self.out_flat:
-            if (
-                isinstance(x, ShardedTensor)
-                and id(x._cell) in returned
-                and not (execution and any(c is x._cell for c in execution.cells))
-            ):
-                self.broken = self.broken or "it returns a tensor it did not compute"
-        scalars = tuple((k, tuple(v.tolist())) for k, v in sorted(execution.scalars.items())) if execution else ()
-        key = program.key if program else None
-        plain_outputs = tuple(x if not isinstance(x, torch.Tensor) else None for x in self.out_flat)
-        self.sources, self.targets = sources, targets
-        self.fingerprint = (
-            key,
-            scalars,
-            tuple(s[:2] for s in sources),
-            tuple(targets),
-            self.out_spec,
-            _hashable(plain_outputs),
-        )
-
-    def freeze(self, guard, name="compiled"):
-        return _Frozen(self, guard, name)
-
-
-def _hashable(values):
-    try:
-        hash(values)
-        return values
-    except TypeError:
-        return repr(values)
-
-
-_CONSTANT_BYTES_COMPARED = 1 << 20  # host-made inputs up to this size are compared by value
-_UNCOMPARED = itertools.count()
-
-
-def _source(cell, array, arg_cells, first_serial, donated):
-    """Where input ``array`` comes from: ("arg", position, None), ("old", id, weak cell) or
-    ("const", identity, array) for a value made during the call (``torch.tensor(data, device=...)``,
-    a CPU tensor moved to the device).
-
-    A constant's identity is its value (shape, dtype, layout and a digest of its bytes) when it is
-    small and the program does not donate it: the same host data each call then gives equal traces,
-    which freeze and replay that value — exactly what the Python would make again, as for a Python
-    number. A value that changes from call to call makes every trace differ, so the Python keeps
-    running and recomputes it (never a stale replay). Larger constants keep their object's identity:
-    never frozen, nothing hashed.
-    """
-    if cell is not None and id(cell) in arg_cells:
-        return ("arg", arg_cells[id(cell)], None)
-    if cell is not None and cell.serial < first_serial:
-        return ("old", id(cell), weakref.ref(cell))
-    if donated or array.size * array.dtype.itemsize > _CONSTANT_BYTES_COMPARED:
-        # a number no other trace has (an id could be reused once this array is freed)
-        return ("const", next(_UNCOMPARED), array)
-    digest = hashlib.blake2b(np.ascontiguousarray(np.asarray(array)).tobytes(), digest_size=16).digest()
-    return ("const", (tuple(array.shape), str(array.dtype), array.sharding, digest), array)
-
-
-class _Frozen:
-    """A replayable trace: where each input comes from and where each output goes.
-
-    What a replay does per call is prepared here once: the positions of the arguments it reads, in
-    the program's order, and what it last checked. A replay reads each input's array and compares
-    it, by identity, with the array that input held when last checked (or that the last replay
-    wrote into it: a decode step's KV cache); only an array that differs is checked in full (its
-    cell computed, its shape, dtype and layout the program's).
-    """
-
-    def __init__(self, trace: _Trace, guard: Guard, name: str = "compiled"):
-        self.guard = guard  # the Python state the replay assumes (replay_guard)
-        self.fingerprint = trace.fingerprint
-        ex = trace.execution
-        self.executable = ex.executable if ex else None
-        self.scalars = ex.scalars if ex else {}
-        self.sources = trace.sources
-        self.out_flat, self.out_spec = trace.out_flat, trace.out_spec
-        # (kind, index, weak reference to the cell of an "old" or "new" target, None for the others)
-        self.targets: list[tuple[str, int, Any]] = []
-        for target, cell in zip(trace.targets, ex.cells if ex else ()):
-            kind = target[0]
-            self.targets.append((kind, target[1], None if kind in ("arg", "ret") else weakref.ref(cell)))
-        self.leaf_sigs = ex.program.key[2] if ex else ()
-        self.sites = ex.sites if ex else None  # the traced call's user lines of checked ops
-        self.donated = set(ex.program.donated) if ex else set()
-        # (target, source) positions of the cells it overwrites (their values before a replay are kept)
-        leaf_of = {id(c): i for i, c in enumerate(ex.leaf_cells) if c is not None} if ex else {}
-        self.overwrites = [(j, leaf_of[id(c)]) for j, c in enumerate(ex.cells if ex else ()) if id(c) in leaf_of]
-        self.what = f"compiled function {name} ({len(ex.program.steps)} ops)" if ex else name
-        self._prepare()
-
-    def _prepare(self) -> None:
-        """The per-call plumbing, in "read order": the arguments' cells, then the other old cells,
-        then the constants (``_order`` maps it to the program's input order)."""
-        sources = self.sources
-        args = [i for i, s in enumerate(sources) if s[0] == "arg"]
-        olds = [i for i, s in enumerate(sources) if s[0] == "old"]
-        consts = [i for i, s in enumerate(sources) if s[0] not in ("arg", "old")]
-        order = args + olds + consts  # read position -> source position
-        self._read_sources = order
-        self._pick_args = picker([sources[i][1] for i in args])
-        self._old_refs = [sources[i][2] for i in olds]
-        self._consts = [sources[i][2] for i in consts]
-        self._cells_read = len(args) + len(olds)
-        read_of = {i: r for r, i in enumerate(order)}
-        program = self.executable.program if self.executable is not None else None
-        self._donated_reads = picker([read_of[i] for i in sorted(self.donated)])
-        # the program's donated and kept inputs, picked from the read order
-        donated, kept = (program.donated, program.kept) if program is not None else ((), ())
-        self._call_order = (picker([read_of[i] for i in donated]), picker([read_of[i] for i in kept]))
-        # per read position: a weak reference to the array that passed every check as it was (jax
-        # arrays are immutable: the same one passes again); a constant is always itself
-        self._passed = [_NOTHING] * self._cells_read + [functools.partial(_same, c) for c in self._consts]
-        self._written = [(j, read_of[i]) for j, i in self.overwrites]
-        self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
-        self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
-        spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
-        self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
-        # how a replay stores each output (``_store``): per target, whether its cell owns the array
-        # afterwards (an input passed through is shared) and whether its value before is kept (an
-        # overwritten input: given back if the run fails); the returned tensors' templates
-        forwarded = program.forwarded if program is not None else set()
-        kept_before = {j for j, _ in self.overwrites}
-        self._stores: list[tuple[str, int, Any, Any, bool, bool]] = []
-        for j, (kind, ident, ref) in enumerate(self.targets):
-            made: Any = None
-            if kind == "ret":
-                old = self.out_flat[ident]
-                shape = tuple(old.shape)
-                made = (shape, old.dtype, old._cell, ("T", shape, old.dtype, contiguous_strides(shape), 0))
-            self._stores.append((kind, ident, ref, made, j not in forwarded, j in kept_before))
-        self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
-
-    @locked
-    def replay(self, flat, name, tensors=None):
-        """Run the frozen program on the current values (``_STALE``: the call must run ``fn``);
-        ``tensors``: the sharded tensors among ``flat`` when the caller knows them."""
-        checks.verify()  # a failed check of an earlier run raises first
-        if tensors is None:
-            tensors = [x for x in flat if isinstance(x, ShardedTensor)]
-        if not self.guard.holds(tensors):
-            return _STALE  # the Python would now do something else: run it
-        if self.executable is None:
-            return pytree.tree_unflatten(list(self.out_flat), self.out_spec)
-        program = self.executable.program
-        if program.checks != checks_enabled():  # st.set_checks changed: trace again
-            return _STALE
-        if program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
-            return _STALE
-        rng.settle()  # a seed given since the last draw: the key's cell is read below
-        inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
-        cells = list(map(_CELL, self._pick_args(flat)))
-        if self._old_refs:  # (the closed-over tensors' cells: a model's parameters, a cache)
-            olds = list(map(operator.call, self._old_refs))
-            if None in olds:  # (cells compare by identity)
-                return _STALE
-            cells += olds
-        values = list(map(_VALUE, cells))
-        values += self._consts
-        passed = self._passed
-        if not all(map(operator.is_, values, map(operator.call, passed))) and not self._check(cells, values, program):
-            return _STALE
-        if not all(map(_OWNED, self._donated_reads(cells))):
-            return _STALE  # a donated input's buffer is shared with another tensor now
-        if self.donated and others_pending():
-            return _STALE  # another thread's pending graph may read a buffer the program donates
-        counters.increment("CompileReplay")
-        memory.check(getattr(self.executable, "memory", None), self.what)
-        scalars = self._scalar_arrays
-        if scalars is None:
-            scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
-        donated_at, kept_at = self._call_order
-        with deferred_interrupts():  # from donating the inputs to storing every output
-            try:
-                # (lists, as the program was lowered with: a tuple would be another signature for jit)
-                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
-            except Exception as error:
-                out_cells, _ = self._targets(flat)
-                _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
-                raise
-            # (the cells it writes, made or read while the program runs: they still hold their values)
-            results = self._store(flat, outs, program)
-        fitting = self._written_fit
-        if fitting is None:  # (the program's outputs have fixed layouts: found once)
-            fitting = self._written_fit = [
-                (j, r) for j, r in self._written if self._fits(outs[j], self._read_sources[r], program)
-            ]
-        for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
-            passed[r] = weakref.ref(outs[j])
-        if self._plain_out:
-            return self.out_spec.type(results)
-        return pytree.tree_unflatten(results, self.out_spec)
-
-    def _store(self, flat, outs, program) -> list:
-        """Give each output to its cell, as ``assign_outputs`` does (the run noted in flight with
-        what it overwrites, its check rows kept to read), in one pass; returns the call's results
-        (new tensors for the new values it returns)."""
-        results = list(self.out_flat)
-        cells: list = []
-        entries = []
-        for (kind, ident, ref, made, owned, keep), out in zip(self._stores, outs):
-            if kind == "arg":
-                cell = flat[ident]._cell
-                ref = weakref.ref(cell)
-            elif kind == "ret":
-                cell = Cell(None, made[0], made[1], made[2].sharding)  # (the traced result's sharding now)
-                results[ident] = ShardedTensor._result(cell, made[3])
-                ref = weakref.ref(cell)
-            else:  # (a closed-over cell: its weak reference is kept)
-                cell = ref()
-                if cell is None:
-                    cells.append(None)
-                    continue
-            cells.append(cell)
-            entries.append((ref, out, cell.value if keep else None, cell.owned))
-            cell.value = out
-            cell._leaf = None
-            cell.owned = owned
-            cell.version += 1
-        if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
-            for cell in cells:
-                if cell is not None:
-                    STATE.pending.pop(weakref.ref(cell), None)
-        rows = getattr(outs, "check_rows", None)
-        outputs = list(outs)
-        computed = list(self._computed(outs))
-        if rows is not None:
-            outputs.append(rows)
-            computed.insert(0, rows)
-        waits = not program.aliasing and any(e[2] is not None for e in entries)
-        inflight.note(self.what, entries, outputs, computed, waits)
-        STATE.epoch += 1
-        if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs)
-        return results
-
-    def _targets(self, flat) -> tuple[list, list]:
-        """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""
-        out_cells, results = [], list(self.out_flat)
-        for kind, ident, ref in self.targets:
-            if kind == "arg":
-                cell = flat[ident]._cell
-            elif kind == "ret":
-                old = self.out_flat[ident]
-                cell = Cell(None, old.shape, old.dtype, old._cell.sharding)
-                results[ident] = ShardedTensor(cell)
-            else:
-                cell = ref()
-            out_cells.append(cell)
-        return out_cells, results
-
-    def _before(self, out_cells) -> dict:
-        """id(cell) -> the value each cell the program overwrites holds before it stores its outputs."""
-        return {id(out_cells[j]): out_cells[j].value for j, _ in self._written if out_cells[j] is not None}
-
-    def _check(self, cells, values, program) -> bool:
-        """Check in full the inputs whose array changed since they last passed (``values`` takes
-        the copy of one moved onto the program's mesh); False if the replay cannot run."""
-        passed = self._passed
-        newly = []
-        for r in range(self._cells_read):
-            value = values[r]
-            if passed[r]() is value:
-                continue
-            cell = cells[r]
-            i = self._read_sources[r]
-            if cell.is_pending() or isinstance(value, Failed) or (i in self.donated and not cell.owned):
-                return False  # (a failed value raises when the Python reads it)
-            on_mesh = to_mesh(value, program.mesh)
-            if on_mesh is not value:  # copied onto the program's mesh: keep it there if we can
-                mesh_moves.keep_moved(cell, value, on_mesh, program.mesh)
-            if not self._fits(on_mesh, i, program):
-                # the same layout under another name (jax compiles one program per name) is renamed;
-                # a donated input is not (its buffers would be consumed under two names)
-                if i in self.donated or (on_mesh.shape, on_mesh.dtype) != self.leaf_sigs[i][:2]:
-                    return False
-                on_mesh = mesh_moves.renamed(cell, on_mesh, self.leaf_sigs[i][3])
-                if on_mesh is None:
-                    return False
-            if cell.value is on_mesh:
-                newly.append((r, on_mesh))
-            values[r] = on_mesh
-        for r, value in newly:
-            passed[r] = weakref.ref(value)
-        return True
-
-    def _fits(self, array, source: int, program) -> bool:
-        """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
-        sig = self.leaf_sigs[source]
-        return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
-
-
-def _same(value):
-    return value
-
-
-def _nothing():
-    return None
-
-
-_NOTHING = _nothing  # what no input has passed yet (never an array)
-_CELL = operator.attrgetter("_cell")
-_VALUE = operator.attrgetter("value")
-_OWNED = operator.attrgetter("owned")
-
-
-def _consumed_by_failed_call(cells, before, what, error) -> None:
-    """A replay's call failed at once: cells whose donated buffer it took raise ``ConsumedInputError``
-    (the others still hold their values from before it)."""
-    for cell in cells:
-        old = before.get(id(cell)) if cell is not None else None
-        if old is not None and old.is_deleted():
-            set_failed(cell, Failed(inflight.consumed_error(what, cell, error)))
 
 
 class _HostStateMonitor(TorchDispatchMode):

@@ -37,7 +37,7 @@ class TraceSummary:
 
 
 def summarize(trace) -> TraceSummary:
-    """The summary of a ``compiler._Trace``.
+    """The summary of a ``frozen_replay.Trace``.
 
     Example::
 

@@ -26,6 +26,7 @@ LAYERS = [
         {
             "annotate",
             "compiler",
+            "frozen_replay",
             "replay_guard",
             "trace_diff",
             "exporter",
