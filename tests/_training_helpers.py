@@ -205,6 +205,16 @@ def make_pair(make_model, seed=0):
     return ref, dev
 
 
+def cross_entropy_step(model, opt, x, y):
+    """One training step of a classifier: cross-entropy, backward, ``opt.step()``, ``zero_grad()``;
+    the loss (with its graph)."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def _step_fn(model, opt, loss_fn):
     def train_step(x, y):
         loss = loss_fn(model(x), y)

@@ -12,20 +12,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import shardtensor as st
-from _training_helpers import fresh_executable_cache, reset_state
+from _training_helpers import fresh_executable_cache
 from shardtensor import decode_loop
 from shardtensor.graph import checks
 from shardtensor.tensor.upload import zeros_on_devices
-from test_generation import GREEDY, NEW_TOKENS, VOCAB, compiles, tiny
-
-
-@pytest.fixture(autouse=True)
-def _clean():
-    reset_state()
-    previous = st.get_global_mesh()
-    yield
-    st.set_global_mesh(previous)
-    reset_state()
+from test_generation import GREEDY, NEW_TOKENS, VOCAB, _clean, compiles, tiny  # noqa: F401 (_clean: autouse)
 
 
 def counted(name: str) -> int:

@@ -17,6 +17,9 @@ from _training_helpers import (
     reset_state,
     shard_params,
 )
+from _training_helpers import (
+    cross_entropy_step as _step,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -207,14 +210,6 @@ def _mlp_setup(opt_kwargs=None, mesh=None):
     batches = mlp_batches(7, torch.Generator().manual_seed(3))
     dev_batches = [(st.shard(x, mesh, ("d", None)), st.shard(y, mesh, ("d",))) for x, y in batches]
     return ref, dev, ref_opt, dev_opt, batches, dev_batches
-
-
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_training_loop_compiles_once():

@@ -8,9 +8,9 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import shardtensor as st
+from _training_helpers import cross_entropy_step as _step
 from _training_helpers import reset_state
 
 
@@ -24,14 +24,6 @@ def _model_and_opt(device):
     model = copy.deepcopy(model).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # torch's default: step counts on the host
     return model, opt
-
-
-def _step(model, opt, x, y):
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss
 
 
 def test_a_repeated_lazy_step_reuses_the_last_program_and_equals_torch():
