@@ -73,6 +73,8 @@ def verify() -> None:
         loss = F.cross_entropy(logits, bad_targets); st.sync()
         checks.verify()   # IndexError: Target 7 is out of bounds. ... (at train.py:12)
     """
+    if not _UNREAD:  # (the usual case, on every read and sync: nothing else to look at)
+        return
     older = len(_UNREAD) - getattr(_DEFERRING, "newest", 0)
     if older <= 0:
         return
