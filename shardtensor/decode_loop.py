@@ -41,11 +41,9 @@ from typing import Any
 import torch
 
 from shardtensor.compiler import compile as st_compile
-from shardtensor.dtypes import torch_to_numpy
 from shardtensor.graph import checks
-from shardtensor.mesh import default_mesh
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor.upload import cell_from_host, zeros_on_devices
+from shardtensor.tensor.upload import upload_replicated, zeros_on_devices
 
 # Steps the host runs ahead of the stop flag it reads: the flag of step n is read after step n + LAG
 # is queued, so the read finds it computed. Finishing early costs up to LAG steps run for nothing.
@@ -120,8 +118,6 @@ def decode(
 _FORWARD_KWARGS = frozenset(
     {"cache", "past_key_values", "attention_mask", "position_ids", "use_cache", "logits_to_keep"}
 )
-# what transformers calls the cache among the model's inputs: "cache" from 5.24, "past_key_values" before
-_CACHE_NAMES = ("cache", "past_key_values")
 
 
 def plan(
@@ -146,7 +142,7 @@ def plan(
     from transformers.generation.logits_process import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
     from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-    cache = model_kwargs.get(_cache_name(model_kwargs))
+    cache = model_kwargs.get(cache_argument(model))
     if (
         model.config.is_encoder_decoder
         or isinstance(input_ids, ShardedTensor)
@@ -304,11 +300,11 @@ def greedy_on_device(
 
         greedy_on_device(model, ids, plan(...), generation_config, model_kwargs)
     """
-    name = _cache_name(model_kwargs)
+    name = cache_argument(model)
     model_kwargs[name] = _reused_cache(model, model_kwargs[name], input_ids.shape[0])
     loop = _loop_for(model, input_ids.shape[0], model_kwargs)
     flags: collections.deque = collections.deque()
-    done = loop.prefill(_constant(_packed(input_ids, model_kwargs, plan)))
+    done = loop.prefill(upload_replicated(_packed(input_ids, model_kwargs, plan)))
     produced = plan.new_tokens
     with checks.deferred(LAG):  # the steps' checks are read LAG steps late, when long computed
         for index in range(plan.new_tokens):
@@ -395,14 +391,14 @@ def _first_finished(flags: collections.deque, keep: int) -> int | None:
 
 def _loop_for(model: Any, batch: int, model_kwargs: dict) -> _Loop:
     """The model's loop for this cache and batch (made on first use)."""
-    cache = model_kwargs[_cache_name(model_kwargs)]
+    cache = model_kwargs[cache_argument(model)]
     masked, positioned = model_kwargs.get("attention_mask") is not None, model_kwargs.get("position_ids") is not None
     extra = {k: v for k, v in model_kwargs.items() if k == "logits_to_keep"}
     key = (batch, id(cache), masked, positioned, tuple(extra.items()))
     loops = _LOOPS.setdefault(model, {})
     loop = loops.get(key)
     if loop is None or loop.cache is not cache:
-        loop = _Loop(model, cache, _cache_name(model_kwargs), batch, masked, positioned)
+        loop = _Loop(model, cache, cache_argument(model), batch, masked, positioned)
         loop.forward_extra = extra
         while len(loops) >= KEPT_LOOPS:  # the oldest goes: its buffers would only hold memory
             loops.pop(next(iter(loops)))
@@ -420,14 +416,16 @@ def _packed(input_ids: torch.Tensor, model_kwargs: dict, plan: Plan) -> torch.Te
     return torch.cat([p.long() for p in parts] + [settings.expand(input_ids.shape[0], -1)], dim=1)
 
 
-def _constant(host: torch.Tensor) -> ShardedTensor:
-    """``host`` uploaded, replicated (a transfer, no program)."""
-    return ShardedTensor(cell_from_host(torch_to_numpy(host.contiguous()), default_mesh(), None, host.dtype))
+def cache_argument(model: Any) -> str:
+    """transformers' name for the cache among ``generate``'s and the forward's inputs: ``cache`` from
+    5.24, ``past_key_values`` before.
 
+    Example::
 
-def _cache_name(model_kwargs: dict) -> str:
-    """The key of the cache among transformers' model inputs (its name changed in 5.24)."""
-    return next((name for name in _CACHE_NAMES if name in model_kwargs), _CACHE_NAMES[0])
+        model.generate(ids, **{cache_argument(model): my_cache})
+    """
+    parameters = inspect.signature(model.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _cache_length(cache: Any) -> int:

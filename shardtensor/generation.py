@@ -23,7 +23,6 @@ Example::
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import jax
@@ -161,7 +160,7 @@ def generate(
             "use the default, 'static', for an encoder-decoder model"
         )
     else:
-        kwargs[_cache_argument(model)] = growing_cache(model.config, ids.shape[1])
+        kwargs[decode_loop.cache_argument(model)] = growing_cache(model.config, ids.shape[1])
     if compile_decode:
         if implementation != "static":
             raise ValueError("st.generate: compile_decode=True needs the static cache (cache_implementation='static')")
@@ -177,8 +176,13 @@ def generate(
     # transformers sizes every later static cache to at least this call's (``_previous_max_cache_length``):
     # a call that fails (a cache too big) must not leave its size behind for the next ones
     previous = model.__dict__.get("_previous_max_cache_length", _UNSET)
-    on_device = device_loop and implementation == "static" and not compile_decode
-    if on_device and not model.config.is_encoder_decoder and not _HOST_LOOP_ARGUMENTS & set(kwargs):
+    if (
+        device_loop
+        and implementation == "static"
+        and not compile_decode
+        and not model.config.is_encoder_decoder
+        and not _HOST_LOOP_ARGUMENTS & set(kwargs)
+    ):
         kwargs["custom_generate"] = decode_loop.decode
     try:
         try:
@@ -259,12 +263,6 @@ def _decode_compile_config() -> Any:
     # transformers compiles only on the devices it lists (cuda, xpu, neuron, tpu) unless told so
     setattr(config, "_compile_all_devices", True)  # noqa: B010 (typed None in transformers)
     return config
-
-
-def _cache_argument(model: Any) -> str:
-    """generate()'s name for a cache: ``cache`` from transformers 5.24, ``past_key_values`` before."""
-    parameters = inspect.signature(model.prepare_inputs_for_generation).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 def _pad_token(model: Any, kwargs: dict) -> int:

@@ -146,17 +146,18 @@ def test_plan_refuses_what_it_cannot_do():
     config = model.generation_config
     config._pad_token_tensor = torch.tensor(0)
     ids = torch.zeros((1, 4), dtype=torch.long)
+    name = decode_loop.cache_argument(model)  # ("cache" from transformers 5.24)
     static = StaticCache(config=model.config, max_cache_len=16)
     criteria = StoppingCriteriaList([MaxLengthCriteria(max_length=10)])
-    ok = decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, {"cache": static, "use_cache": True})
+    ok = decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, {name: static, "use_cache": True})
     assert ok == decode_loop.Plan(new_tokens=6, eos=(), pad=0, eos_blocked=0)
     penalty = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.5)])
-    assert decode_loop.plan(model, ids, penalty, criteria, config, {"cache": static}) is None
-    assert decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, {"cache": DynamicCache()}) is None
-    extra = {"cache": static, "token_type_ids": ids}
+    assert decode_loop.plan(model, ids, penalty, criteria, config, {name: static}) is None
+    assert decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, {name: DynamicCache()}) is None
+    extra = {name: static, "token_type_ids": ids}
     assert decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, extra) is None
     too_long = StoppingCriteriaList([MaxLengthCriteria(max_length=40)])  # more than the cache holds
-    assert decode_loop.plan(model, ids, LogitsProcessorList(), too_long, config, {"cache": static}) is None
+    assert decode_loop.plan(model, ids, LogitsProcessorList(), too_long, config, {name: static}) is None
 
 
 def test_a_failed_check_in_the_loop_raises_as_torch_does_and_the_next_generation_works():

@@ -17,12 +17,11 @@ from shardtensor.graph import views
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Failed
 from shardtensor.graph.state import STATE, check_execution_allowed, set_concrete
-from shardtensor.mesh import default_mesh
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.readback import to_cpu
-from shardtensor.tensor.upload import cell_from_host, upload_as, upload_like
+from shardtensor.tensor.upload import upload_as, upload_like, upload_replicated
 from shardtensor.trees import map_leaves
 
 aten = torch.ops.aten
@@ -211,10 +210,7 @@ def _data_dependent(func, args, kwargs):
 
     host_args, host_kwargs = map_leaves(host, (args, kwargs))
     out = func(*host_args, **host_kwargs)
-    mesh = default_mesh()
-
-    def upload(t):
-        return ShardedTensor(cell_from_host(torch_to_numpy(t), mesh, None, t.dtype))
+    upload = upload_replicated
 
     if isinstance(out, torch.Tensor):
         return upload(out)

@@ -37,10 +37,8 @@ from typing import Any
 
 import torch
 
-from shardtensor.dtypes import torch_to_numpy
-from shardtensor.mesh import default_mesh
 from shardtensor.tensor import ShardedTensor
-from shardtensor.tensor.upload import cell_from_host
+from shardtensor.tensor.upload import upload_replicated
 
 GENERATION_MODULE = "transformers.generation.utils"
 # arguments that carry the caller's code or tensors: generate runs as it is with any of them given
@@ -137,7 +135,7 @@ def _to_device(value: Any) -> Any:
             return value
         # uploaded now, replicated on the default mesh (as in eager mode), not recorded as a copy:
         # reading it back needs no program
-        return ShardedTensor(cell_from_host(torch_to_numpy(value.contiguous()), default_mesh(), None, value.dtype))
+        return upload_replicated(value)
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return tuple(_to_device(v) for v in value)
     if isinstance(value, dict):  # transformers' ModelOutput: a dict whose fields are its keys

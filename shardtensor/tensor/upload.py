@@ -69,6 +69,16 @@ def cell_from_host(host: np.ndarray, mesh, spec, dtype) -> Cell:
     return Cell(upload(host, mesh, spec), shape, dtype, sh.ShardingSpec(mesh, spec), owned=True)
 
 
+def upload_replicated(t: torch.Tensor) -> ShardedTensor:
+    """The CPU tensor ``t`` uploaded, replicated on the default mesh: a transfer, no program.
+
+    Example::
+
+        ids = upload_replicated(torch.tensor([[5, 7, 9]]))
+    """
+    return ShardedTensor(cell_from_host(torch_to_numpy(t.contiguous()), default_mesh(), None, t.dtype))
+
+
 def upload_like(t: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
     """The CPU tensor ``t`` uploaded with the layout of ``like`` (for ``dst.copy_(cpu_tensor)``)."""
     cell = like._cell
