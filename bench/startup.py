@@ -263,7 +263,12 @@ def _spawn(kind, config, steps, cache_dir=None) -> dict:
         cmd += ["--cache-dir", cache_dir]
     env = dict(os.environ)  # the shardtensor beside this bench, not another installed one
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))
+    t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
+    print(
+        f"  ({kind} {config}{' (cache)' if cache_dir else ''}: process took {time.perf_counter() - t0:.0f} s)",
+        file=sys.stderr,
+    )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{kind} {config} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
