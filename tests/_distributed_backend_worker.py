@@ -120,6 +120,14 @@ def _errors(rank: int, out: dict) -> None:
     )
     gathered = [_dev(torch.zeros(4, 2)) for _ in range(2)] if rank == 0 else None
     out["gather_error"] = _error(lambda: dist.gather(t, gathered, dst=0))
+    # arguments that differ between the processes: refused in every process before anything is recorded
+    out["shape_mismatch_error"] = _error(lambda: dist.all_reduce(_dev(torch.ones(2 + rank))))
+    wide = torch.float32 if rank == 0 else torch.float64
+    out["dtype_mismatch_error"] = _error(
+        lambda: funcol.all_reduce(_dev(torch.ones(2, dtype=wide)), "sum", dist.group.WORLD)
+    )
+    op = dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX
+    out["op_mismatch_error"] = _error(lambda: dist.all_reduce(_dev(torch.ones(2)), op=op))
     alone = dist.new_group([0])  # every process calls new_group; only process 0 is in it
     if rank == 0:
         out["subgroup_error"] = _error(lambda: dist.all_reduce(t, group=alone))

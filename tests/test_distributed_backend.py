@@ -81,6 +81,12 @@ def _check_what_the_program_cannot_express_raises_clearly(job):
             assert r[key].startswith("NotImplementedError") and "collective_permute" in r[key], r[key]
         assert "only equal splits" in r["unequal_error"], r["unequal_error"]
         assert "dist.gather on shardtensor tensors: only the root" in r["gather_error"], r["gather_error"]
+    for r in job:  # arguments that differ between the processes: each process names what each one passed
+        shape, dtype, op = r["shape_mismatch_error"], r["dtype_mismatch_error"], r["op_mismatch_error"]
+        assert shape.startswith("ValueError: dist.all_reduce: the processes passed different tensors"), shape
+        assert "process 0: dist.all_reduce((2,) torch.float32" in shape and "process 1: dist.all_reduce((3,)" in shape
+        assert dtype.startswith("ValueError") and "torch.float32" in dtype and "torch.float64" in dtype, dtype
+        assert op.startswith("ValueError") and "'sum'" in op and "'max'" in op, op
     error = job[0]["subgroup_error"]
     assert "ranks [0], which is not every one of the 2 processes" in error and "same program" in error, error
 

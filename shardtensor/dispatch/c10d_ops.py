@@ -45,7 +45,7 @@ def _all_reduce_in_place(b: dict, what: str) -> list:
     tensors = b["tensors"]
     check_device_tensors(tensors, what)
     op = reduce_op_name(b["reduce_op"])
-    groups, size = groups_of(b["process_group"], what)
+    groups, size = groups_of(b["process_group"], what, b)
     for t in tensors:
         t.copy_(all_reduce(t, op, groups, size))
     return tensors
@@ -68,7 +68,7 @@ def _register_c10d_handlers() -> None:
     def _allgather_(func, args, kwargs):
         b = bound(func, args, kwargs)
         outputs, inputs = b["output_tensors"], b["input_tensors"]
-        groups, size = groups_of(b["process_group"], "dist.all_gather")
+        groups, size = groups_of(b["process_group"], "dist.all_gather", b)
         for out_list, x in zip(outputs, inputs):
             check_device_tensors([x, *out_list], "dist.all_gather")
             if len(out_list) != size:
@@ -83,7 +83,7 @@ def _register_c10d_handlers() -> None:
         b = bound(func, args, kwargs)
         out, x = b["output_tensor"], b["input_tensor"]
         check_device_tensors([out, x], "dist.all_gather_into_tensor")
-        groups, size = groups_of(b["process_group"], "dist.all_gather_into_tensor")
+        groups, size = groups_of(b["process_group"], "dist.all_gather_into_tensor", b)
         if out.numel() != x.numel() * size:
             raise ValueError(
                 f"dist.all_gather_into_tensor: the output has {out.numel()} elements, the input {x.numel()}; the "
@@ -120,7 +120,7 @@ def _register_c10d_handlers() -> None:
         b = bound(func, args, kwargs)
         outputs, inputs = b["output_tensors"], b["input_tensors"]
         op = reduce_op_name(b["reduce_op"])
-        groups, size = groups_of(b["process_group"], "dist.reduce_scatter")
+        groups, size = groups_of(b["process_group"], "dist.reduce_scatter", b)
         for out, in_list in zip(outputs, inputs):
             check_device_tensors([out, *in_list], "dist.reduce_scatter")
             if len(in_list) != size:
@@ -135,7 +135,7 @@ def _register_c10d_handlers() -> None:
         out, x = b["output_tensor"], b["input_tensor"]
         check_device_tensors([out, x], "dist.reduce_scatter_tensor")
         op = reduce_op_name(b["reduce_op"])
-        groups, size = groups_of(b["process_group"], "dist.reduce_scatter_tensor")
+        groups, size = groups_of(b["process_group"], "dist.reduce_scatter_tensor", b)
         part = reduce_scatter_flat(x, op, out.numel(), groups, size, "dist.reduce_scatter_tensor")
         out.copy_(part.reshape(out.shape))
         return out, completed_work([out])
@@ -152,7 +152,7 @@ def _register_c10d_handlers() -> None:
         b = bound(func, args, kwargs)
         out, x = b["output"], b["input"]
         check_device_tensors([out, x], "dist.all_to_all_single")
-        groups, size = groups_of(b["process_group"], "dist.all_to_all_single")
+        groups, size = groups_of(b["process_group"], "dist.all_to_all_single", b)
         rows = x.shape[0] if x.dim() else 0
         check_equal_splits(b["output_split_sizes"], b["input_split_sizes"], rows, size, "dist.all_to_all_single")
         if out.shape != x.shape:
@@ -168,7 +168,7 @@ def _register_c10d_handlers() -> None:
         b = bound(func, args, kwargs)
         outputs, inputs = b["output_tensors"], b["input_tensors"]
         check_device_tensors([*outputs, *inputs], "dist.all_to_all")
-        groups, size = groups_of(b["process_group"], "dist.all_to_all")
+        groups, size = groups_of(b["process_group"], "dist.all_to_all", b)
         shapes = {tuple(t.shape) for t in (*outputs, *inputs)}
         if len(inputs) != size or len(outputs) != size or len(shapes) != 1:
             raise NotImplementedError(
@@ -185,7 +185,7 @@ def _register_c10d_handlers() -> None:
         b = bound(func, args, kwargs)
         tensors = b["tensors"]
         check_device_tensors(tensors, "dist.broadcast")
-        groups, size = groups_of(b["process_group"], "dist.broadcast")
+        groups, size = groups_of(b["process_group"], "dist.broadcast", b)
         # root_rank is the source's rank in the group (dist.broadcast translates a global src)
         for t in tensors:
             t.copy_(ST_OPS.broadcast(t, b["root_rank"], groups, size))
@@ -199,7 +199,7 @@ def _register_c10d_handlers() -> None:
     @special(_c10d_op("barrier"))
     def _barrier(func, args, kwargs):
         b = bound(func, args, kwargs)
-        groups, size = groups_of(b["process_group"], "dist.barrier")
+        groups, size = groups_of(b["process_group"], "dist.barrier", b)
         # a value every process waits for: run now
         to_cpu(ST_OPS.all_reduce(torch.zeros((), dtype=torch.int32, device=b["tensor"].device), "sum", groups, size))
         return completed_work([])

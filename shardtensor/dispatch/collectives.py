@@ -17,7 +17,10 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.utils._pytree as pytree
 
 from shardtensor import runtime
 from shardtensor.ops.collectives import REDUCE_OPS
@@ -67,9 +70,10 @@ def _check_ranks_are_processes() -> None:
         )
 
 
-def groups_of(group, what: str) -> tuple[list[int], int]:
+def groups_of(group, what: str, b: dict | None = None) -> tuple[list[int], int]:
     """(groups, group_size) for ``torch.ops.shardtensor.*`` from a torch.distributed group (a
-    ProcessGroup, its ScriptObject, or its name), which must hold every process of the job.
+    ProcessGroup, its ScriptObject, or its name), which must hold every process of the job. With the
+    op's arguments ``b``, also checks that every process passed them alike (`check_same_everywhere`).
 
     Example::
 
@@ -88,7 +92,51 @@ def groups_of(group, what: str) -> tuple[list[int], int]:
             "job, every process calls torch.ops.shardtensor.* with groups of processes, e.g. "
             "torch.ops.shardtensor.all_reduce(x, 'sum', [0, 1, 2, 3], 2) for the pairs [0, 1] and [2, 3]."
         )
+    if b is not None:
+        check_same_everywhere(b, what)
     return ([] if ranks == list(range(count)) else list(ranks)), count
+
+
+# The check that every process passes a collective alike; set by shardtensor.distributed, which owns the
+# job's coordination service (a higher layer): check(what, tensors, *arguments) raises in every process
+_AGREEMENT: list[Callable[..., None]] = []
+# arguments that may differ between processes without changing the program
+_NOT_COMPARED = frozenset({"process_group", "group_name", "async_op", "timeout"})
+
+
+def set_agreement_check(check: Callable[..., None]) -> None:
+    """Use ``check(what, tensors, *arguments)`` to compare each collective's arguments across the
+    processes before it is recorded (shardtensor.distributed installs its own when imported).
+
+    Example: ``set_agreement_check(agreement.check_same_everywhere)``.
+    """
+    _AGREEMENT[:] = [check]
+
+
+def check_same_everywhere(b: dict, what: str) -> None:
+    """Raise ``ValueError`` in every process when the processes passed the collective ``what`` (its
+    arguments ``b``, from `bound`) tensors of different shapes or dtypes, or different other arguments:
+    their programs would not match, and the job would hang or abort. Call it after `groups_of` (a
+    group of some processes only is refused first, in the processes that call it).
+
+    Example: ``check_same_everywhere(b, "dist.all_reduce")``.
+    """
+    if runtime.process_count() == 1 or not _AGREEMENT:
+        return
+    tensors: list[torch.Tensor] = []
+    arguments: list = []
+    for name, value in b.items():
+        if name in _NOT_COMPARED:
+            continue
+        leaves = pytree.tree_leaves(value)
+        if leaves and all(isinstance(t, torch.Tensor) for t in leaves):
+            tensors.extend(leaves)
+            arguments.append(f"{name}: {pytree.tree_map(lambda _: '*', value)}")  # the lists' structure
+        elif name == "reduce_op":
+            arguments.append(reduce_op_name(value))
+        elif value is not None:
+            arguments.append(value)
+    _AGREEMENT[0](what, tensors, *arguments)
 
 
 def reduce_op_name(op) -> str:

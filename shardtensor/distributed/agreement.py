@@ -1,4 +1,6 @@
-"""Collectives whose arguments differ across the processes are refused before they are recorded.
+"""Collectives whose arguments differ across the processes are refused before they are recorded:
+shardtensor's own (``st.all_reduce``...) and torch.distributed's on device tensors (``dist.all_reduce``,
+the functional collectives; dispatch/collectives.py calls the check installed here).
 
 Each process compiles its own copy of a step's program; a collective whose shapes or dtypes differ
 between processes makes programs that do not match, and gloo ends process 0 with ``SIGABRT``
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from shardtensor import runtime as rt
+from shardtensor.dispatch.collectives import set_agreement_check
 from shardtensor.distributed.host_collectives import rendezvous
 
 _AGREED: set[tuple] = set()  # signatures every process of the job passed alike
@@ -44,8 +47,13 @@ def check_same_everywhere(what: str, tensors: Sequence[torch.Tensor], *arguments
     said = [b.decode() for b in rendezvous(f"shardtensor.{what}.signature", text.encode())]
     if any(s != text for s in said):
         each = "; ".join(f"process {p}: {s}" for p, s in enumerate(said))
+        name = what if "." in what else f"st.{what}"  # torch.distributed's ("dist.all_reduce") or ours
         raise ValueError(
-            f"st.{what}: the processes passed different tensors ({each}); every process must pass tensors "
+            f"{name}: the processes passed different tensors ({each}); every process must pass tensors "
             "of the same shapes and dtypes (and the same other arguments) to a collective. Nothing was run."
         )
     _AGREED.add(key)
+
+
+# torch.distributed's collectives on device tensors (dispatch/c10d_ops.py, functional_collectives.py)
+set_agreement_check(check_same_everywhere)
