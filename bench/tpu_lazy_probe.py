@@ -1,0 +1,92 @@
+"""Where a lazy training step's host time goes on the machine that runs it (issue 37 §2): the bf16 GPT
+of bench/tpu.py trained lazily (``with st.step()``, ``AdamW(capturable=True)``, XLA's attention), per
+step: the step's Python (recording: model, autograd, optimizer, shardtensor's dispatch), the
+``st.step()`` exit (building and dispatching the program), and, with ``loss.item()`` each step, the
+wait for the value; then a profile (cProfile, own time) of steps without reads.
+
+On a TPU it tells whether lazy steps without reads are host-bound (recording + exit ≥ the chip's
+step) or wait for the chip somewhere (a long exit); ``--tiny`` runs it on a CPU.
+
+Usage::
+
+    source bench/tpu_setup.sh && python3 bench/tpu_lazy_probe.py     # on the TPU machine
+    python bench/tpu_lazy_probe.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import shardtensor as st  # noqa: E402
+import tpu  # noqa: E402  (the GPT, its trainer and batches)
+from gpt_model import GPT  # noqa: E402
+
+
+def _steps(trainer, batches, n, read_each):
+    """[(recording s, st.step() exit s, read s)] for ``n`` lazy steps."""
+    parts = []
+    for i in range(n):
+        x, y = batches[i % len(batches)]
+        t0 = time.perf_counter()
+        with st.step():
+            loss = trainer.step(x, y)
+            t1 = time.perf_counter()
+        t2 = time.perf_counter()
+        if read_each:
+            loss.item()
+        parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    return parts, loss
+
+
+def _print(label, parts, seconds):
+    n = len(parts)
+    mean = [1e3 * sum(p[k] for p in parts) / n for k in range(3)]
+    best = [1e3 * min(p[k] for p in parts) for k in range(3)]
+    print(
+        f"{label}: {1e3 * seconds / n:.1f} ms per step; recording {mean[0]:.1f} (best {best[0]:.1f}), "
+        f"st.step() exit {mean[1]:.1f} (best {best[1]:.1f}), read {mean[2]:.1f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    size = (tpu.TINY if args.tiny else tpu.SIZES)["bf16"]
+    vocab, seq, d, heads, layers, batch, dtype = size
+    torch.manual_seed(0)
+    state = {
+        k: v.detach().clone() for k, v in GPT(vocab, seq, d, heads, layers, gelu="tanh").to(dtype).state_dict().items()
+    }
+    with tpu.xla_attention():
+        trainer = tpu.TorchTrainer(state, size, capturable=True)
+        batches = tpu._device_batches(tpu._batches(vocab, seq, batch, 4))
+        _steps(trainer, batches, 3, read_each=True)  # compiles
+        for read_each in (False, True):
+            t0 = time.perf_counter()
+            parts, loss = _steps(trainer, batches, args.steps, read_each)
+            loss.item()
+            _print("loss.item() each step" if read_each else "no reads", parts, time.perf_counter() - t0)
+        profile = cProfile.Profile()
+        profile.enable()
+        _, loss = _steps(trainer, batches, args.steps, read_each=False)
+        loss.item()
+        profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(30)
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:7000])
+
+
+if __name__ == "__main__":
+    main()
