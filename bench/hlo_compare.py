@@ -133,11 +133,15 @@ def traffic(text: str) -> int:
     return total
 
 
+def _torch_dtype(args):
+    return torch.float32 if args.dtype == "f32" else torch.bfloat16
+
+
 def gpt_inputs(args):
     """(bf16 state dict, (tokens, targets)) of the seeded GPT and batch both sides run."""
     torch.manual_seed(0)
     model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
-    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()}
+    state = {k: v.detach().to(_torch_dtype(args)) for k, v in model.state_dict().items()}
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g)
     return state, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
@@ -147,7 +151,7 @@ def st_lowered(args, part, state, batch, forward_loss=False):
     """shardtensor's program for ``part`` as a run builds it (``graph.lower``, buffers donated), not
     compiled; ``forward_loss``: the forward part ends with the loss."""
     model = GPT(vocab=args.vocab, seq=args.seq, d=args.d, heads=args.heads, layers=args.layers, gelu="tanh")
-    model.to(torch.bfloat16).load_state_dict(state)
+    model.to(_torch_dtype(args)).load_state_dict(state)
     model = model.to(st.device())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True)
     x, y = (t.to(st.device()) for t in batch)
@@ -186,7 +190,10 @@ def torch_side(args, part, state, batch):
 
 
 def jax_side(args, part, state, batch):
-    params = {k: jnp.asarray(v.float().numpy(), jnp.bfloat16) for k, v in state.items()}
+    params = {
+        k: jnp.asarray(v.float().numpy(), jnp.float32 if args.dtype == "f32" else jnp.bfloat16)
+        for k, v in state.items()
+    }
     x, y = (jnp.asarray(t.numpy()) for t in batch)
     kw = dict(heads=args.heads, layers=args.layers)
 
@@ -221,13 +228,14 @@ def main():
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--parts", default="forward,backward,step")
+    ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16", help="the parameters' dtype")
     ap.add_argument("--checks", action="store_true", help="keep shardtensor's on-device checks in")
     ap.add_argument("--dump", help="a folder to write each program's texts into")
     args = ap.parse_args()
     st.set_checks(args.checks)
     state, batch = gpt_inputs(args)
     print(
-        f"bf16 GPT d={args.d} heads={args.heads} layers={args.layers} T={args.seq} batch={args.batch} "
+        f"{args.dtype} GPT d={args.d} heads={args.heads} layers={args.layers} T={args.seq} batch={args.batch} "
         f"vocab={args.vocab}, tanh GELU, causal SDPA, AdamW(capturable); checks {'on' if args.checks else 'off'}"
     )
     for part in args.parts.split(","):
