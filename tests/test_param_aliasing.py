@@ -517,3 +517,51 @@ def test_a_call_that_fails_after_taking_its_inputs(mode, enabled, monkeypatch):
         with pytest.raises(st.ConsumedInputError, match=r"was consumed by .* RESOURCE_EXHAUSTED: injected failure"):
             t.cpu()
     torch.testing.assert_close(dev.fc2.weight.cpu(), ref.fc2.weight)
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_each_update_is_written_into_its_own_tensors_buffer(capturable):
+    """jit gives each output the first donated input of its shape and dtype: a float32 parameter and
+    its AdamW moments (one shape, one dtype) must be ordered so that each update lands in the buffer
+    of the tensor it overwrites (else XLA copies them all every step)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)).to(st.device())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True, capturable=capturable)
+    x = torch.randn(4, 8).to(st.device())
+
+    def step():
+        with st.step():
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    def buffers():
+        tensors = [p for p in model.parameters()]
+        tensors += [opt.state[p][name] for p in model.parameters() for name in ("exp_avg", "exp_avg_sq")]
+        return [tuple(s.data.unsafe_buffer_pointer() for s in t._cell.value.addressable_shards) for t in tensors]
+
+    step()  # the optimizer state exists from here
+    st.sync()
+    before = buffers()
+    step()
+    st.sync()
+    assert buffers() == before
+
+
+def test_a_new_value_of_a_donated_kind_takes_the_buffer_needed_last():
+    """Unit check of the pairing: outputs m', new, W', v' (one kind) over donated leaves W, m, v."""
+    from shardtensor.graph.program import _paired_order
+
+    class Cell:
+        def __init__(self):
+            self.shape, self.dtype = (4, 4), torch.float32
+
+    w, m, v, new = Cell(), Cell(), Cell(), Cell()
+    leaf_cells = [w, m, v]
+    outputs = [(None, None, None)] * 4
+    # jit pairs in order: m' <- m, new <- v (needed last; v' then gets a new buffer), W' <- W
+    assert _paired_order([0, 1, 2], leaf_cells, [m, new, w, v], outputs) == [1, 2, 0]
+    assert _paired_order([0, 1, 2], leaf_cells, [m, w, v], outputs) == [1, 0, 2]
+    other = Cell()
+    other.shape = (2,)  # another kind: never takes these buffers
+    assert _paired_order([0, 1, 2], leaf_cells, [other, v, m, w], outputs) == [2, 1, 0]

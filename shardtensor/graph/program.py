@@ -199,6 +199,7 @@ class Program:
                 and out_layouts[id(c)] in (None, arrays[i].sharding)
             )
             (prog.donated if reusable else prog.kept).append(i)
+        prog.donated = _paired_order(prog.donated, prog.leaf_cells, cells, prog.outputs)
         if prog.checks:  # an overwritten cell whose old value is an input can be restored
             leaf_of = {id(c): k for k, c in enumerate(prog.leaf_cells) if c is not None}
             for i, cell in enumerate(cells):
@@ -406,6 +407,42 @@ def _topological_order(roots):
 
 
 _DONE = object()  # _topological_order's marker (cheaper than a (node, expanded) pair per node)
+
+
+def _paired_order(donated: list[int], leaf_cells: list, cells, outputs: list) -> list[int]:
+    """The donated leaves ordered so that ``jax.jit`` gives each one's buffer to the output that
+    overwrites the same tensor.
+
+    jit does not know which output updates which input: it gives each output, in order, the first
+    donated input of the same shape and dtype that is left. A parameter, its AdamW moments (all of
+    one shape in float32) and their updates in another order than the inputs' would each write into
+    another one's buffer, and XLA copies every such buffer to keep the old values it still reads.
+    An output that is a new value takes a buffer too, if one of its kind is left: it gets the one
+    whose own output comes last (that output is then written into a new buffer).
+    """
+    if len(donated) < 2:
+        return donated
+    output_of = {id(cell): i for i, cell in enumerate(cells)}
+    own = {output_of[id(leaf_cells[k])]: k for k in donated}  # output -> the donated leaf it overwrites
+    kinds = []
+    for cell, (_, pad, _) in zip(cells, outputs):
+        shape = cell.shape if pad is None else tuple(n + lo + hi for n, (lo, hi) in zip(cell.shape, pad))
+        kinds.append((tuple(shape), cell.dtype))
+    left: dict = {}  # kind -> donated leaves not yet given, by their output's position
+    for i in sorted(own):
+        left.setdefault(kinds[i], []).append(own[i])
+    order = []
+    for i, kind in enumerate(kinds):
+        queue = left.get(kind)
+        if not queue:
+            continue
+        k = own.get(i)
+        if k is not None and k in queue:
+            queue.remove(k)
+        else:
+            k = queue.pop()
+        order.append(k)
+    return order
 
 
 def _output_layout(cell: Cell, mesh):
