@@ -339,6 +339,8 @@ def gpt_section():
         s, loss = time_st_training(state, size, batches, mode)
         gc.collect()  # the last mode's model and optimizer state leave the chip
         row("bf16 GPT", name, s, jax_s, flops, f"loss {loss:.4f} (JAX {jax_l:.4f})")
+    if ARGS.no_forward:
+        return
     jf, sf, jl, sl = time_forward(state, size, batches)
     fflops = gpt_flops(vocab, seq, d, layers, batch, training=False)
     row("bf16 GPT forward", "forward + loss, jax.jit", jf, jf, fflops, f"loss {jl:.4f}")
@@ -360,7 +362,7 @@ def f32_section():
     before = torch.get_float32_matmul_precision()
     jax_default = None
     try:
-        for setting in ("highest", "high", "medium"):
+        for setting in ARGS.precisions:
             jax_s, jax_l = time_jax_training(state, size, batches, JAX_PRECISION[setting])
             if setting == "medium":
                 jax_default = jax_s
@@ -382,7 +384,8 @@ def f32_section():
                 flops,
                 f"loss {loss:.4f}",
             )
-        print(f"  (JAX's default precision, the TPU's bf16 speed: {jax_default * 1e3:.1f} ms)")
+        if jax_default is not None:
+            print(f"  (JAX's default precision, the TPU's bf16 speed: {jax_default * 1e3:.1f} ms)")
     finally:
         torch.set_float32_matmul_precision(before)
 
@@ -483,6 +486,10 @@ def main():
     ap.add_argument(
         "--modes", nargs="*", help="only these bf16 GPT modes (compile, lazy-item, lazy-10, compile-default)"
     )
+    ap.add_argument(
+        "--precisions", nargs="+", choices=list(JAX_PRECISION), default=list(JAX_PRECISION), help="with --f32"
+    )
+    ap.add_argument("--no-forward", action="store_true", help="with --gpt: no forward-only rows")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, to debug the bench on a CPU")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
