@@ -37,7 +37,7 @@ from shardtensor.graph import recompile
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_computed, set_concrete, set_failed
-from shardtensor.graph.waiting import ExecutionFailedError, finished, wait_until_ready
+from shardtensor.graph.waiting import ExecutionFailedError, finished_live, wait_until_ready
 
 ADVICE = (
     "To keep every input through such failures at the cost of memory (the overwritten tensors held "
@@ -218,7 +218,7 @@ def settle(wait_for=None) -> None:
             else:
                 # one result that a later run has not consumed; none: the later runs answer for it
                 probe = next((o for o in run.computed if not o.is_deleted()), None)
-                if probe is not None and not finished([probe]):
+                if probe is not None and not finished_live(probe):
                     polling = False
                     continue
         except ExecutionFailedError as error:
