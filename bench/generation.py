@@ -168,7 +168,15 @@ def decode_overhead(kind, args):
     torch._dynamo.reset()
     ids = torch.randint(1, VOCAB, (1, args.prompt))
     with torch.no_grad():
-        st.generate(model, ids, max_new_tokens=args.tokens, do_sample=False, pad_token_id=0, compile_config=config)
+        st.generate(
+            model,
+            ids,
+            max_new_tokens=args.tokens,
+            do_sample=False,
+            pad_token_id=0,
+            compile_decode=True,  # (transformers' loop: the device loop ignores compile_config)
+            compile_config=config,
+        )
     graph, call_args = captured[-1]
     (frozen,) = graph.compiled._frozen.values()  # the decode step froze: one replayable program
     program = frozen.executable.program

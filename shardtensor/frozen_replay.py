@@ -15,7 +15,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import itertools
 import operator
@@ -36,6 +35,7 @@ from shardtensor.graph.state import STATE, locked, others_pending, set_failed
 from shardtensor.ops.checks import checks_enabled
 from shardtensor.replay_guard import Guard, picker
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides
 
 STALE = object()  # what a replay returns when the call must run its Python instead
@@ -181,15 +181,18 @@ class Frozen:
         self._old_refs = [sources[i][2] for i in olds]
         self._consts = [sources[i][2] for i in consts]
         self._cells_read = len(args) + len(olds)
+        # the same, for the C++ pass (``replay_gather``): argument positions, old cells, constants
+        self._gather_plan = (tuple(sources[i][1] for i in args), tuple(self._old_refs), tuple(self._consts))
         read_of = {i: r for r, i in enumerate(order)}
         program = self.executable.program if self.executable is not None else None
         self._donated_reads = picker([read_of[i] for i in sorted(self.donated)])
+        self._donated_read_at = tuple(read_of[i] for i in sorted(self.donated))
         # the program's donated and kept inputs, picked from the read order
         donated, kept = (program.donated, program.kept) if program is not None else ((), ())
         self._call_order = (picker([read_of[i] for i in donated]), picker([read_of[i] for i in kept]))
-        # per read position: a weak reference to the array that passed every check as it was (jax
-        # arrays are immutable: the same one passes again); a constant is always itself
-        self._passed = [_NOTHING] * self._cells_read + [functools.partial(_same, c) for c in self._consts]
+        # per cell read: a weak reference to the array that passed every check as it was (jax arrays
+        # are immutable: the same one passes again); a constant always passes
+        self._passed: list = [_NOTHING] * self._cells_read
         self._written = [(j, read_of[i]) for j, i in self.overwrites]
         self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
         self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
@@ -201,14 +204,22 @@ class Frozen:
         forwarded = program.forwarded if program is not None else set()
         kept_before = {j for j, _ in self.overwrites}
         self._stores: list[tuple[str, int, Any, Any, bool, bool]] = []
+        self._returns: list[tuple[int, Any]] = []  # (position in the results, its template), in target order
         for j, (kind, ident, ref) in enumerate(self.targets):
             made: Any = None
             if kind == "ret":
                 old = self.out_flat[ident]
                 shape = tuple(old.shape)
                 made = (shape, old.dtype, old._cell, ("T", shape, old.dtype, contiguous_strides(shape), 0))
+                self._returns.append((ident, made))
             self._stores.append((kind, ident, ref, made, j not in forwarded, j in kept_before))
+        # the same for the C++ pass (``replay_store``): (0 argument / 1 returned / 2 weak reference,
+        # position, reference, owned, keep)
+        codes = {"arg": 0, "ret": 1}
+        self._store_plan = tuple((codes.get(k, 2), i, r, o, b) for k, i, r, _, o, b in self._stores)
         self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
+        # the C++ passes when the extension has them (else the Python below, which does the same)
+        self._native = torch_device.EXT if hasattr(torch_device.EXT, "replay_store") else None
 
     @locked
     def replay(self, flat, name, tensors=None):
@@ -228,18 +239,27 @@ class Frozen:
             return STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
-        cells = list(map(_CELL, self._pick_args(flat)))
-        if self._old_refs:  # (the closed-over tensors' cells: a model's parameters, a cache)
-            olds = list(map(operator.call, self._old_refs))
-            if None in olds:  # (cells compare by identity)
-                return STALE
-            cells += olds
-        values = list(map(_VALUE, cells))
-        values += self._consts
         passed = self._passed
-        if not all(map(operator.is_, values, map(operator.call, passed))) and not self._check(cells, values, program):
-            return STALE
-        if not all(map(_OWNED, self._donated_reads(cells))):
+        native = self._native
+        if native is not None:
+            if type(flat) is not list:
+                flat = list(flat)
+            gathered = native.replay_gather(flat, *self._gather_plan, passed, self._donated_read_at)
+            if gathered is None:  # (a closed-over cell died)
+                return STALE
+            cells, values, unchanged, owned = gathered
+        else:
+            cells, values = self._gather(flat)
+            if cells is None:
+                return STALE
+            unchanged, owned = all(map(operator.is_, values, map(operator.call, passed))), None
+        if not unchanged:
+            if not self._check(cells, values, program):
+                return STALE
+            owned = None  # (a check may have moved a value: ownership is read again)
+        if owned is None:
+            owned = all(map(_OWNED, self._donated_reads(cells)))
+        if not owned:
             return STALE  # a donated input's buffer is shared with another tensor now
         if self.donated and others_pending():
             return STALE  # another thread's pending graph may read a buffer the program donates
@@ -270,10 +290,52 @@ class Frozen:
             return self.out_spec.type(results)
         return pytree.tree_unflatten(results, self.out_spec)
 
+    def _gather(self, flat) -> tuple[list | None, list]:
+        """(the cells read, their values then the constants), or (None, []) if a closed-over cell
+        died: ``replay_gather``'s pass in Python."""
+        cells = list(map(_CELL, self._pick_args(flat)))
+        if self._old_refs:  # (the closed-over tensors' cells: a model's parameters, a cache)
+            olds = list(map(operator.call, self._old_refs))
+            if None in olds:  # (cells compare by identity)
+                return None, []
+            cells += olds
+        values = list(map(_VALUE, cells))
+        values += self._consts
+        return cells, values
+
     def _store(self, flat, outs, program) -> list:
         """Give each output to its cell, as ``assign_outputs`` does (the run noted in flight with
         what it overwrites, its check rows kept to read), in one pass; returns the call's results
         (new tensors for the new values it returns)."""
+        if self._native is not None:
+            results = list(self.out_flat)
+            made = []
+            for ident, template in self._returns:
+                cell = Cell(None, template[0], template[1], template[2].sharding)  # (the traced result's now)
+                results[ident] = ShardedTensor._result(cell, template[3])
+                made.append(cell)
+            cells, entries = self._native.replay_store(self._store_plan, flat, outs, made)
+        else:
+            cells, entries, results = self._give(flat, outs)
+        if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
+            for cell in cells:
+                if cell is not None:
+                    STATE.pending.pop(weakref.ref(cell), None)
+        rows = getattr(outs, "check_rows", None)
+        outputs = list(outs)
+        computed = list(self._computed(outs))
+        if rows is not None:
+            outputs.append(rows)
+            computed.insert(0, rows)
+        waits = not program.aliasing and any(e[2] is not None for e in entries)
+        inflight.note(self.what, entries, outputs, computed, waits)
+        STATE.epoch += 1
+        if rows is not None:
+            checks.watch(program, rows, self.sites, cells, outs)
+        return results
+
+    def _give(self, flat, outs) -> tuple[list, list, list]:
+        """(cells, entries, results): ``replay_store``'s pass in Python."""
         results = list(self.out_flat)
         cells: list = []
         entries = []
@@ -296,22 +358,7 @@ class Frozen:
             cell._leaf = None
             cell.owned = owned
             cell.version += 1
-        if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
-            for cell in cells:
-                if cell is not None:
-                    STATE.pending.pop(weakref.ref(cell), None)
-        rows = getattr(outs, "check_rows", None)
-        outputs = list(outs)
-        computed = list(self._computed(outs))
-        if rows is not None:
-            outputs.append(rows)
-            computed.insert(0, rows)
-        waits = not program.aliasing and any(e[2] is not None for e in entries)
-        inflight.note(self.what, entries, outputs, computed, waits)
-        STATE.epoch += 1
-        if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs)
-        return results
+        return cells, entries, results
 
     def _targets(self, flat) -> tuple[list, list]:
         """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""
@@ -367,10 +414,6 @@ class Frozen:
         """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
         sig = self.leaf_sigs[source]
         return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
-
-
-def _same(value):
-    return value
 
 
 def _nothing():

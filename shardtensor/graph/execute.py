@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
+from shardtensor import runtime
 from shardtensor.graph import checks, inflight, memory, mesh_moves, program_store, recompile
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.executable_cache import ExecutableCache
@@ -404,13 +405,23 @@ def _called(fn, outs, start):
         outs, rows = outs
         outs = Results(outs)
         outs.check_rows = rows
-        # the rows are read soon (``checks.verify``): their copy to the host starts now, queued after
-        # the program, so the read finds them there instead of waiting for a transfer
-        if rows is not None:
+        # the rows are read soon (``checks.verify``): on an accelerator their copy to the host starts
+        # now, queued after the program, so the read finds them there instead of waiting for a
+        # transfer (on CPU the devices' memory is the host's: starting a copy costs more than it saves)
+        if rows is not None and _copy_rows_early():
             rows.copy_to_host_async()
     counters.increment("ExecuteReplicated")
     _EXECUTE_TIME.add_since(start)
     return outs
+
+
+_ROWS_EARLY: list = []  # [whether check rows are copied to the host at dispatch], once known
+
+
+def _copy_rows_early() -> bool:
+    if not _ROWS_EARLY:
+        _ROWS_EARLY.append(runtime.platform() != "cpu")
+    return _ROWS_EARLY[0]
 
 
 def assign_outputs(program, cells, outs, sites=None, before=None, what="a program"):

@@ -37,7 +37,7 @@ from shardtensor.graph import recompile
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_computed, set_concrete, set_failed
-from shardtensor.graph.waiting import ExecutionFailedError, finished, wait_until_ready
+from shardtensor.graph.waiting import ExecutionFailedError, finished_live, wait_until_ready
 
 ADVICE = (
     "To keep every input through such failures at the cost of memory (the overwritten tensors held "
@@ -133,18 +133,18 @@ def user_site():
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        library = _IS_LIBRARY.get(name)
-        if library is None:  # once per file: every run walks the stack
-            library = _IS_LIBRARY[name] = name.startswith(recompile.library_dirs()) or name.startswith(
-                ("<frozen", "<eval_with_key>")
-            )
-        if not library:
-            return os.path.basename(name), frame.f_lineno
+        short = _USER_FILE.get(name, _UNSEEN)
+        if short is _UNSEEN:  # once per file: every run walks the stack
+            library = name.startswith(recompile.library_dirs()) or name.startswith(("<frozen", "<eval_with_key>"))
+            short = _USER_FILE[name] = None if library else os.path.basename(name)
+        if short is not None:
+            return short, frame.f_lineno
         frame = frame.f_back
     return None
 
 
-_IS_LIBRARY: dict[str, bool] = {}
+_USER_FILE: dict[str, str | None] = {}  # file name -> its base name, None for a library's file
+_UNSEEN = object()
 
 
 def follow_copy(array, copy) -> None:
@@ -218,7 +218,7 @@ def settle(wait_for=None) -> None:
             else:
                 # one result that a later run has not consumed; none: the later runs answer for it
                 probe = next((o for o in run.computed if not o.is_deleted()), None)
-                if probe is not None and not finished([probe]):
+                if probe is not None and not finished_live(probe):
                     polling = False
                     continue
         except ExecutionFailedError as error:

@@ -58,6 +58,20 @@ def finished(arrays) -> bool:
     return True
 
 
+def finished_live(array) -> bool:
+    """``finished([array])`` for one array known to hold its buffers (not deleted nor donated): the
+    check ``inflight.settle`` makes before every run, without the filtering.
+
+    Example::
+
+        if finished_live(outs[0]): ...
+    """
+    if not array.is_ready():
+        return False
+    _raise_failure((array,))
+    return True
+
+
 def _live(arrays) -> list:
     """The jax arrays among ``arrays`` that still have buffers (``is_ready()`` on a deleted or
     donated array crashes the process in jax 0.10; a donated input has nothing left to wait for)."""

@@ -380,6 +380,194 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
                                    static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
 }
 
+// ------------------------------------------------------------------- a frozen replay's passes
+// A frozen st.compile replay (frozen_replay.Frozen) reads each input's cell and array before it calls
+// its program, and gives each output to its cell after: two loops over a few dozen objects on every
+// call (a decode step's), done here in one C pass each. Both do exactly what the Python fallback in
+// frozen_replay.py does; any unexpected form raises, and the caller then takes that fallback.
+PyObject* name_value = nullptr;
+PyObject* name_owned = nullptr;
+PyObject* name_leaf = nullptr;
+PyObject* name_version = nullptr;
+
+PyObject* deref(PyObject* ref) {  // a new reference to a weak reference's object (None if it died)
+  PyObject* obj = PyWeakref_GetObject(ref);  // borrowed
+  if (obj == nullptr) throw PythonErrorSet();
+  Py_INCREF(obj);
+  return obj;
+}
+
+// replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads)
+//   -> None when a closed-over cell died, else (cells, values, passed_ok, owned_ok):
+// the cells read (the arguments' at arg_positions of flat, then the live old_refs'), their values then
+// consts, whether every cell's value is the array that passed last (passed[r]: a weak reference to it,
+// or a callable answering None) and whether every donated read (positions into cells) owns its array.
+PyObject* py_replay_gather(PyObject*, PyObject* args) {
+  PyObject *flat, *positions, *old_refs, *consts, *passed, *donated;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!:replay_gather", &PyList_Type, &flat, &PyTuple_Type, &positions,
+                        &PyTuple_Type, &old_refs, &PyTuple_Type, &consts, &PyList_Type, &passed, &PyTuple_Type,
+                        &donated))
+    return nullptr;
+  Py_ssize_t n_args = PyTuple_GET_SIZE(positions), n_old = PyTuple_GET_SIZE(old_refs);
+  Py_ssize_t n_cells = n_args + n_old, n_consts = PyTuple_GET_SIZE(consts);
+  if (PyList_GET_SIZE(passed) != n_cells) {
+    PyErr_SetString(PyExc_ValueError, "replay_gather: one passed entry per cell read");
+    return nullptr;
+  }
+  try {
+    OwnedRef cells(PyList_New(n_cells));
+    OwnedRef values(PyList_New(n_cells + n_consts));
+    for (Py_ssize_t r = 0; r < n_args; ++r) {
+      Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, r));
+      if (at == -1 && PyErr_Occurred()) throw PythonErrorSet();
+      if (at < 0 || at >= PyList_GET_SIZE(flat)) {
+        PyErr_SetString(PyExc_IndexError, "replay_gather: an argument position outside the call's arguments");
+        throw PythonErrorSet();
+      }
+      PyObject* cell = PyObject_GetAttr(PyList_GET_ITEM(flat, at), name_cell);
+      if (cell == nullptr) throw PythonErrorSet();
+      PyList_SET_ITEM(cells.obj, r, cell);
+    }
+    for (Py_ssize_t k = 0; k < n_old; ++k) {
+      PyObject* ref = PyTuple_GET_ITEM(old_refs, k);
+      if (!PyWeakref_CheckRef(ref)) {
+        PyErr_SetString(PyExc_TypeError, "replay_gather: old cells are weak references");
+        throw PythonErrorSet();
+      }
+      PyObject* cell = deref(ref);
+      if (cell == Py_None) {  // (a closed-over cell died: the replay cannot run)
+        Py_DECREF(cell);
+        Py_RETURN_NONE;
+      }
+      PyList_SET_ITEM(cells.obj, n_args + k, cell);
+    }
+    bool passed_ok = true;
+    for (Py_ssize_t r = 0; r < n_cells; ++r) {
+      PyObject* value = PyObject_GetAttr(PyList_GET_ITEM(cells.obj, r), name_value);
+      if (value == nullptr) throw PythonErrorSet();
+      PyList_SET_ITEM(values.obj, r, value);
+      if (passed_ok) {
+        PyObject* p = PyList_GET_ITEM(passed, r);
+        OwnedRef last(PyWeakref_CheckRef(p) ? deref(p) : PyObject_CallNoArgs(p));
+        passed_ok = last.obj == value;
+      }
+    }
+    for (Py_ssize_t k = 0; k < n_consts; ++k) {
+      PyObject* c = PyTuple_GET_ITEM(consts, k);
+      Py_INCREF(c);
+      PyList_SET_ITEM(values.obj, n_cells + k, c);
+    }
+    bool owned_ok = true;
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(donated) && owned_ok; ++k) {
+      Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(donated, k));
+      if (r == -1 && PyErr_Occurred()) throw PythonErrorSet();
+      if (r < 0 || r >= n_cells) {
+        PyErr_SetString(PyExc_IndexError, "replay_gather: a donated read outside the cells read");
+        throw PythonErrorSet();
+      }
+      OwnedRef owned(PyObject_GetAttr(PyList_GET_ITEM(cells.obj, r), name_owned));
+      int truth = PyObject_IsTrue(owned.obj);
+      if (truth < 0) throw PythonErrorSet();
+      owned_ok = truth == 1;
+    }
+    return PyTuple_Pack(4, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False);
+  } catch (const PythonErrorSet&) {
+    return nullptr;
+  }
+}
+
+// replay_store(plan, flat, outs, made) -> (cells, entries): give output j to its cell as
+// frozen_replay.Frozen._store does. plan[j] = (kind, index, weak reference or None, owned, keep):
+// kind 0, the cell of argument flat[index]; 1, the next of the new cells ``made`` (a returned tensor's);
+// 2, the cell behind the weak reference (a closed-over or made cell; skipped, None in cells, if it
+// died). Each stored cell gets value=out, _leaf=None, owned, version+1; entries gets
+// (weak reference to the cell, out, its value before if keep else None, its owned before).
+PyObject* py_replay_store(PyObject*, PyObject* args) {
+  PyObject *plan, *flat, *outs, *made;
+  if (!PyArg_ParseTuple(args, "O!O!OO!:replay_store", &PyTuple_Type, &plan, &PyList_Type, &flat, &outs, &PyList_Type,
+                        &made))
+    return nullptr;
+  try {
+    OwnedRef out_seq(PySequence_Fast(outs, "replay_store: the outputs are a sequence"));
+    Py_ssize_t n = PyTuple_GET_SIZE(plan);
+    if (PySequence_Fast_GET_SIZE(out_seq.obj) != n) {
+      PyErr_SetString(PyExc_ValueError, "replay_store: one output per target");
+      return nullptr;
+    }
+    OwnedRef cells(PyList_New(n));
+    OwnedRef entries(PyList_New(0));
+    Py_ssize_t next_made = 0;
+    for (Py_ssize_t j = 0; j < n; ++j) {
+      PyObject* target = PyTuple_GET_ITEM(plan, j);
+      if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) != 5) {
+        PyErr_SetString(PyExc_TypeError, "replay_store: a target is (kind, index, ref, owned, keep)");
+        throw PythonErrorSet();
+      }
+      long kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
+      if (kind == -1 && PyErr_Occurred()) throw PythonErrorSet();
+      PyObject* cell = nullptr;  // a new reference
+      PyObject* ref = nullptr;   // a new reference
+      if (kind == 0) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 1));
+        if (at == -1 && PyErr_Occurred()) throw PythonErrorSet();
+        if (at < 0 || at >= PyList_GET_SIZE(flat)) {
+          PyErr_SetString(PyExc_IndexError, "replay_store: an argument position outside the call's arguments");
+          throw PythonErrorSet();
+        }
+        cell = PyObject_GetAttr(PyList_GET_ITEM(flat, at), name_cell);
+      } else if (kind == 1) {
+        if (next_made >= PyList_GET_SIZE(made)) {
+          PyErr_SetString(PyExc_IndexError, "replay_store: fewer new cells than returned tensors");
+          throw PythonErrorSet();
+        }
+        cell = PyList_GET_ITEM(made, next_made++);
+        Py_INCREF(cell);
+      } else {
+        ref = PyTuple_GET_ITEM(target, 2);
+        if (!PyWeakref_CheckRef(ref)) {
+          PyErr_SetString(PyExc_TypeError, "replay_store: a closed-over target is a weak reference");
+          throw PythonErrorSet();
+        }
+        Py_INCREF(ref);
+        cell = deref(ref);
+        if (cell == Py_None) {  // (it died: nothing to store, as in Python)
+          Py_DECREF(cell);
+          Py_DECREF(ref);
+          Py_INCREF(Py_None);
+          PyList_SET_ITEM(cells.obj, j, Py_None);
+          continue;
+        }
+      }
+      if (cell == nullptr) {
+        Py_XDECREF(ref);
+        throw PythonErrorSet();
+      }
+      OwnedRef held_cell(cell);
+      if (ref == nullptr) ref = PyWeakref_NewRef(cell, nullptr);
+      OwnedRef held_ref(ref);
+      PyObject* out = PySequence_Fast_GET_ITEM(out_seq.obj, j);
+      int keep = PyObject_IsTrue(PyTuple_GET_ITEM(target, 4));
+      if (keep < 0) throw PythonErrorSet();
+      OwnedRef before(keep ? PyObject_GetAttr(cell, name_value) : (Py_INCREF(Py_None), Py_None));
+      OwnedRef owned_before(PyObject_GetAttr(cell, name_owned));
+      OwnedRef entry(PyTuple_Pack(4, ref, out, before.obj, owned_before.obj));
+      if (PyList_Append(entries.obj, entry.obj) < 0) throw PythonErrorSet();
+      OwnedRef version(PyObject_GetAttr(cell, name_version));
+      OwnedRef one(PyLong_FromLong(1));
+      OwnedRef next_version(PyNumber_Add(version.obj, one.obj));
+      if (PyObject_SetAttr(cell, name_value, out) < 0 || PyObject_SetAttr(cell, name_leaf, Py_None) < 0 ||
+          PyObject_SetAttr(cell, name_owned, PyTuple_GET_ITEM(target, 3)) < 0 ||
+          PyObject_SetAttr(cell, name_version, next_version.obj) < 0)
+        throw PythonErrorSet();
+      Py_INCREF(cell);
+      PyList_SET_ITEM(cells.obj, j, cell);
+    }
+    return PyTuple_Pack(2, cells.obj, entries.obj);
+  } catch (const PythonErrorSet&) {
+    return nullptr;
+  }
+}
+
 bool intern_guard_names() {
   const char* names[10] = {"training",           "_parameters",     "_buffers",           "_modules",
                            "_forward_pre_hooks", "_forward_hooks",  "_backward_pre_hooks", "_backward_hooks",
@@ -391,7 +579,12 @@ bool intern_guard_names() {
   name_requires_grad = PyUnicode_InternFromString("requires_grad");
   name_grad = PyUnicode_InternFromString("grad");
   name_cell = PyUnicode_InternFromString("_cell");
-  return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr;
+  name_value = PyUnicode_InternFromString("value");
+  name_owned = PyUnicode_InternFromString("owned");
+  name_leaf = PyUnicode_InternFromString("_leaf");
+  name_version = PyUnicode_InternFromString("version");
+  return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr && name_value != nullptr &&
+         name_owned != nullptr && name_leaf != nullptr && name_version != nullptr;
 }
 
 PyMethodDef methods[] = {
@@ -402,6 +595,10 @@ PyMethodDef methods[] = {
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
      "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
+    {"replay_gather", py_replay_gather, METH_VARARGS,
+     "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
+    {"replay_store", py_replay_store, METH_VARARGS,
+     "replay_store(plan, flat, outs, made): a frozen replay's outputs given to their cells"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, SHARDTENSOR_STR(TORCH_EXTENSION_NAME),
