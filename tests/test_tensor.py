@@ -191,6 +191,13 @@ def test_in_place_op_across_two_meshes_is_refused_and_the_target_kept(eager):
             with pytest.raises(ValueError, match=both):
                 write()
             assert_close(a.cpu(), ta)
+        # a foreach op whose targets are pending results of one node: the node's inputs are looked at once
+        # for all targets, and an operand over the other mesh is still refused
+        targets = list((a * 1).unbind(1))
+        with pytest.raises(ValueError, match=both):
+            torch._foreach_add_(targets, [b[:, 0] * 2, b[:, 1] * 2])
+        torch._foreach_add_(targets, [a[:, 0], a[:, 1]])
+        assert_close(torch.stack(targets, 1).cpu(), 2 * ta)
         with pytest.raises(ValueError, match="different meshes"):
             (a + b).cpu()
         assert_close(a.cpu(), ta)
