@@ -19,7 +19,7 @@ from shardtensor.dtypes import to_jax
 from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
 from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
-from shardtensor.graph.state import STATE, set_pending
+from shardtensor.graph.state import STATE, new_pending_cell, set_pending
 from shardtensor.ops import bakes_scalar, checks, lookup, precision
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
@@ -329,8 +329,7 @@ def record_and_wrap(func, args, kwargs):
     if plan is not None and plan.single and not STATE.eager:  # wrap()'s work for one lazy result
         ref = out_refs[0]
         shape, dtype, strides = plan.outs[0][:3]
-        cell = Cell(ref, shape, dtype)
-        set_pending(cell, ref)
+        cell = new_pending_cell(ref, shape, dtype)
         sig = plan.sig
         return ShardedTensor(cell, strides=strides) if sig is None else ShardedTensor._result(cell, sig)
     return wrap(func, out_refs, plan)
@@ -345,8 +344,7 @@ def new_tensors(refs, metas, sigs=()):
         if ref is None:
             outs.append(None)
             continue
-        cell = Cell(ref, meta[0], meta[1])
-        set_pending(cell, ref)
+        cell = new_pending_cell(ref, meta[0], meta[1])
         cells.append(cell)
         sig = sigs[i] if sigs else None
         if sig is not None:
