@@ -12,11 +12,17 @@ The parts are found by wrapping two internal functions, so this bench reads shar
 4 heads, sequence 32, batch 2). Besides the means, the best step of each part is printed: the 2 cores
 are shared, and the best step is the one least disturbed by the devices and other processes.
 
+Python's cyclic garbage collector runs inside these parts whenever enough objects have been made (a
+lazy step makes tens of thousands); its pauses are printed as a part of their own (mean per step and
+the longest). ``--gc-freeze`` calls ``gc.freeze()`` after the warm-up (the model, the optimizer state
+and the compiled programs are then never scanned again): what a user can do about those pauses.
+
 Usage::
 
     python bench/lazy_host_time.py
     python bench/lazy_host_time.py --layers 12 --width 128 --steps 20
     python bench/lazy_host_time.py --model gpt --layers 4 --width 32
+    python bench/lazy_host_time.py --model gpt --layers 12 --width 64 --gc-freeze
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ os.environ.setdefault("SHARDTENSOR_CPU_DEVICES", "8")
 os.environ.setdefault("SHARDTENSOR_PLATFORM", "cpu")
 
 import argparse  # noqa: E402
+import gc  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -60,6 +67,7 @@ def main():
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--model", choices=("mlp", "gpt"), default="mlp")
+    p.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up")
     args = p.parse_args()
 
     build = program.Program.build.__func__
@@ -95,6 +103,18 @@ def main():
         record()
         st.sync()
     st.sync(wait=True)
+    if args.gc_freeze:
+        gc.freeze()
+    pauses: list[float] = []
+    started = [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
     SPENT.clear()
     recording = 0.0
     best: dict[str, float] = {}
@@ -109,6 +129,7 @@ def main():
         for label, seconds in STEP.items():
             best[label] = min(best.get(label, seconds), seconds)
     host = time.perf_counter() - start
+    gc.callbacks.remove(on_gc)
     loss.item()
     n = args.steps
     print(f"lazy step: {described}, default AdamW, 8 devices")
@@ -118,6 +139,12 @@ def main():
         print(f"    {label} {seconds / n * 1e3:.2f} ms; {best[label] * 1e3:.2f} ms")
     rest = host - recording - sum(SPENT.values())
     print(f"    the rest (waiting for queued runs, bookkeeping) {rest / n * 1e3:.2f} ms")
+    longest = max(pauses, default=0.0)
+    frozen = " (after gc.freeze())" if args.gc_freeze else ""
+    print(
+        f"  garbage collector's pauses{frozen}, inside the parts above: {sum(pauses) / n * 1e3:.2f} ms per step, "
+        f"{len(pauses)} collections, the longest {longest * 1e3:.1f} ms"
+    )
 
 
 if __name__ == "__main__":

@@ -153,12 +153,17 @@ def _timed(run_step, batches, warmup, steps, read):
     for x, y in batches[:warmup]:
         last = run_step(x, y)
     first_loss = float(read(last))
+    if ARGS.gc_freeze:  # what is alive after the warm-up is never scanned by the collector again
+        gc.freeze()
     t0 = time.perf_counter()
     for i in range(steps):
         x, y = batches[warmup + i % (len(batches) - warmup)]
         last = run_step(x, y)
     read(last)
-    return (time.perf_counter() - t0) / steps, first_loss
+    seconds = (time.perf_counter() - t0) / steps
+    if ARGS.gc_freeze:
+        gc.unfreeze()
+    return seconds, first_loss
 
 
 class TorchTrainer:
@@ -491,6 +496,11 @@ def main():
     )
     ap.add_argument("--no-forward", action="store_true", help="with --gpt: no forward-only rows")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, to debug the bench on a CPU")
+    ap.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="gc.freeze() after each row's warm-up (the collector's pauses in lazy steps; see docs/performance.md)",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak", type=float, default=197e12, help="the chip's peak FLOP/s for MFU (v5e bf16)")

@@ -179,3 +179,52 @@ def test_a_new_python_scalar_value_repeats_the_graph_with_the_new_value():
         torch.testing.assert_close(got.cpu(), (x @ w).mul(lr).sum(dim=0))
         if lr >= 0.3:  # the first two may compile (a scalar's input sharing settles); then repeats
             assert _count("RepeatedGraph") == repeated + 1 and _count("UncachedCompile") == compiles
+
+
+def _foreach_step(xs, ys, change, scalars):
+    """An optimizer-like step of foreach in-place ops (their short path in dispatch.mutation)."""
+    torch._foreach_mul_(xs, 0.9)
+    if change == "op":
+        torch._foreach_sub_(xs, ys)
+    else:
+        torch._foreach_add_(xs, ys)
+    torch._foreach_addcmul_(xs, ys, ys, scalars)
+
+
+@pytest.mark.parametrize("change", ["none", "scalar", "shape", "dtype", "view", "op"])
+def test_a_repeated_foreach_step_changed_at_one_element_is_right(change):
+    """A step of foreach ops repeats its program; one whose lists differ at one element (its shape,
+    dtype, a view for a contiguous tensor, a Python scalar) or that runs another op compiles again
+    when its graph differs, and every result equals eager torch."""
+    reset_state()
+    torch.manual_seed(0)
+    xs = [torch.randn(3, 4), torch.randn(4, 3), torch.randn(5)]
+    ys = [torch.randn_like(x) for x in xs]
+    dxs, dys = [x.to(st.device()) for x in xs], [y.to(st.device()) for y in ys]
+    scalars = [0.5, 0.25, 2.0]
+    for _ in range(3):
+        _foreach_step(xs, ys, "none", scalars)
+        _foreach_step(dxs, dys, "none", scalars)
+        st.sync()
+    repeated, compiles = _count("RepeatedGraph"), _count("UncachedCompile")
+    if change == "scalar":
+        scalars = [0.5, -1.5, 2.0]
+    elif change == "shape":
+        xs[1], ys[1] = torch.randn(2, 3), torch.randn(2, 3)
+    elif change == "dtype":
+        xs[1], ys[1] = xs[1].double(), ys[1].double()
+    elif change == "view":  # the same values and shape, seen through a transpose
+        xs[1] = xs[1].t().contiguous().t()
+    if change in ("shape", "dtype"):
+        dxs[1], dys[1] = xs[1].to(st.device()), ys[1].to(st.device())
+    elif change == "view":
+        dxs[1] = xs[1].t().to(st.device()).t()
+    _foreach_step(xs, ys, change, scalars)
+    _foreach_step(dxs, dys, change, scalars)
+    st.sync()
+    same_graph = change in ("none", "scalar")
+    assert (_count("RepeatedGraph") == repeated + 1) == same_graph
+    assert _count("UncachedCompile") == compiles + (0 if same_graph else 1)
+    for got, want in zip(dxs, xs):
+        assert got.dtype == want.dtype and got.stride() == want.stride()
+        torch.testing.assert_close(got.cpu(), want)

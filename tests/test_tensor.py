@@ -191,6 +191,13 @@ def test_in_place_op_across_two_meshes_is_refused_and_the_target_kept(eager):
             with pytest.raises(ValueError, match=both):
                 write()
             assert_close(a.cpu(), ta)
+        # a foreach op whose targets are pending results of one node: the node's inputs are looked at once
+        # for all targets, and an operand over the other mesh is still refused
+        targets = list((a * 1).unbind(1))
+        with pytest.raises(ValueError, match=both):
+            torch._foreach_add_(targets, [b[:, 0] * 2, b[:, 1] * 2])
+        torch._foreach_add_(targets, [a[:, 0], a[:, 1]])
+        assert_close(torch.stack(targets, 1).cpu(), 2 * ta)
         with pytest.raises(ValueError, match="different meshes"):
             (a + b).cpu()
         assert_close(a.cpu(), ta)
@@ -1402,3 +1409,33 @@ def test_custom_op_with_a_device_independent_kernel_runs_it():
     assert_close(out.cpu(), x * 2 + y)
     with pytest.raises(NotImplementedError, match="no lowering for .*shardtensor_test.cpu_only"):
         torch.ops.shardtensor_test.cpu_only(st.shard(x, mesh, ("d", None)))
+
+
+@modes()
+def test_in_place_foreach_ops_write_every_element_as_torch_does(eager):
+    """A foreach op writing a list (the optimizer's ops, with their own short path): views and plain
+    tensors of mixed dtypes and shapes, repeated (the second call reuses what the first worked out),
+    and torch's errors for a result that cannot be written."""
+    torch.manual_seed(0)
+    base, other = torch.randn(4, 3), torch.randn(4, 3)
+    xs = [torch.randn(3, 2), torch.randn(5, dtype=torch.float64), torch.randn(2, 2).to(torch.bfloat16)]
+    ys = [torch.randn_like(x) for x in xs] + [torch.randn(4) for _ in range(3)] + [torch.randn(2, 4)]
+    with mode(eager):
+        sbase, sother = st.shard(base, MESH_42, ("x", None)), other.to(st.device())
+        sxs = [x.to(st.device()) for x in xs] + list(sbase.unbind(1)) + [sother.t()[1:]]
+        sys_ = [y.to(st.device()) for y in ys]
+        tbase, tother = base.clone(), other.clone()
+        txs = [x.clone() for x in xs] + list(tbase.unbind(1)) + [tother.t()[1:]]
+        for _ in range(2):
+            torch._foreach_mul_(sxs, 0.5)
+            torch._foreach_lerp_(sxs, sys_, 0.25)
+            torch._foreach_mul_(txs, 0.5)
+            torch._foreach_lerp_(txs, ys, 0.25)
+        for sx, tx in zip(sxs, txs):
+            assert_close(sx.cpu(), tx)
+        assert_close(sbase.cpu(), tbase)
+        assert_close(sother.cpu(), tother)
+        ints = [torch.arange(3).to(st.device())]
+        with pytest.raises(RuntimeError, match="result type Float can't be cast to the desired output type Long"):
+            torch._foreach_mul_(ints, 0.5)
+        assert_close(ints[0].cpu(), torch.arange(3))

@@ -19,7 +19,7 @@ from shardtensor.dtypes import to_jax
 from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
 from shardtensor.graph.ir import Cell, Node, Pending, ScalarLeaf
-from shardtensor.graph.state import STATE, set_pending
+from shardtensor.graph.state import STATE, new_pending_cell, set_pending
 from shardtensor.ops import bakes_scalar, checks, lookup, precision
 from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
@@ -144,6 +144,19 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
     return (tuple(pos), kw), refs
 
 
+def view_template(func, args, kwargs, static_scalars=False):
+    """``flatten`` of a view op on the ShardedTensor ``args[0]``, without reading the base's value (a
+    view records no node): (template, references of the other arguments' dynamic values)."""
+    slots = facts(func).scalar_slots
+    refs: list = []
+    base = args[0]
+    pos = [base._sig or signature(base)]
+    for i in range(1, len(args)):
+        pos.append(_encode(args[i], i in slots, static_scalars, refs))
+    kw = tuple([(k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()]) if kwargs else ()
+    return (tuple(pos), kw), refs
+
+
 # --- plans: everything about an op signature that does not depend on values ------------------------
 @dataclasses.dataclass
 class Plan:
@@ -155,7 +168,8 @@ class Plan:
     single: bool = False  # one tensor result, no random key: the commonest op, with a short path
     # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
     checked: dict = dataclasses.field(default_factory=dict)
-    view_steps: tuple | None = None  # a view op's steps (dispatch.view_ops), made on its first call
+    # a view op's (step, template entry, contiguous?) per result (dispatch.view_ops), made on its first call
+    view_steps: tuple | None = None
     # per result: its template entry ("T", shape, dtype, strides, 0) if it is contiguous (else None),
     # shared by every tensor this plan makes (so the next op's template compares it by identity)
     sigs: tuple = ()
@@ -315,8 +329,7 @@ def record_and_wrap(func, args, kwargs):
     if plan is not None and plan.single and not STATE.eager:  # wrap()'s work for one lazy result
         ref = out_refs[0]
         shape, dtype, strides = plan.outs[0][:3]
-        cell = Cell(ref, shape, dtype)
-        set_pending(cell, ref)
+        cell = new_pending_cell(ref, shape, dtype)
         sig = plan.sig
         return ShardedTensor(cell, strides=strides) if sig is None else ShardedTensor._result(cell, sig)
     return wrap(func, out_refs, plan)
@@ -331,8 +344,7 @@ def new_tensors(refs, metas, sigs=()):
         if ref is None:
             outs.append(None)
             continue
-        cell = Cell(ref, meta[0], meta[1])
-        set_pending(cell, ref)
+        cell = new_pending_cell(ref, meta[0], meta[1])
         cells.append(cell)
         sig = sigs[i] if sigs else None
         if sig is not None:

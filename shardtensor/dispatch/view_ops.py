@@ -6,11 +6,12 @@ import torch
 
 from shardtensor.dispatch import param_moves
 from shardtensor.dispatch.meta import regroup
-from shardtensor.dispatch.record import flatten, plan_for, record_and_wrap
+from shardtensor.dispatch.record import plan_for, record_and_wrap, view_template
 from shardtensor.dispatch.table import special
 from shardtensor.graph import views
 from shardtensor.ops import lookup
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.geometry import contiguous_strides
 
 aten = torch.ops.aten
 
@@ -20,24 +21,27 @@ def view_op(func, args, kwargs):
     base, lowering = args[0], lookup(func)
     if not isinstance(base, ShardedTensor) or lowering is None:
         return record_and_wrap(func, args, kwargs)
-    template, refs = flatten(func, args, kwargs, lowering.static_scalars)
-    if len(refs) != 1:  # a view with other dynamic inputs: compute it as a copy
+    template, refs = view_template(func, args, kwargs, lowering.static_scalars)
+    if refs:  # a view with other dynamic inputs: compute it as a copy
         return record_and_wrap(func, args, kwargs)
     plan = plan_for(func, template, args, kwargs, lowering)
-    steps = plan.view_steps
-    if steps is None:
+    made = plan.view_steps
+    if made is None:
         # the plan's template holds everything a view step depends on (the base's geometry, the
         # static arguments): one step per plan, whose scatter (its inverse) is then made only once
-        steps = plan.view_steps = tuple(
-            views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0])
+        made = plan.view_steps = tuple(
+            (
+                views.ViewStep(func, tuple(args[1:]), kwargs, plan.caller, i, (plan.key, i), base.shape, meta[0]),
+                ("T", tuple(meta[0]), meta[1], tuple(meta[2]), meta[3]),
+                tuple(meta[2]) == contiguous_strides(meta[0]) and not meta[3],
+            )
             for i, meta in enumerate(plan.outs)
         )
-    outs = [
-        ShardedTensor(
-            base._cell, meta[0], meta[1], chain=base._chain + (step,), strides=meta[2], storage_offset=meta[3]
-        )
-        for step, meta in zip(steps, plan.outs)
-    ]
+    cell, chain = base._cell, base._chain
+    if len(made) == 1 and plan.structure == "one":
+        step, sig, contiguous = made[0]
+        return ShardedTensor._view(cell, chain + (step,), sig, contiguous)
+    outs = [ShardedTensor._view(cell, chain + (step,), sig, contiguous) for step, sig, contiguous in made]
     return regroup(outs, plan.structure)
 
 
@@ -51,7 +55,10 @@ def alias(func, args, kwargs):
         if earlier is not None:  # a parameter two modules hold: both get the one it became
             return earlier
     sig = t._sig  # ("T", shape, dtype, strides, storage offset), when known
-    if sig is not None:
+    contiguous = sig is not None and not sig[4] and sig[3] == contiguous_strides(sig[1])
+    if sig is not None and (contiguous or t._chain):  # (else __new__ notes the cell's storage layout)
+        out = ShardedTensor._view(t._cell, t._chain, sig, contiguous)
+    elif sig is not None:
         out = ShardedTensor(t._cell, sig[1], sig[2], chain=t._chain, strides=sig[3], storage_offset=sig[4])
     else:
         out = ShardedTensor(

@@ -111,6 +111,21 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     pending[weakref.ref(cell, pending.drop)] = cell.serial  # (an equal key already there stays)
 
 
+def new_pending_cell(ref: Pending, shape, dtype) -> Cell:
+    """A new cell whose value is ``ref`` (a recorded op's result): ``set_pending`` on a cell nothing
+    has seen yet, without its work for an earlier value.
+
+    Example: ``cell = new_pending_cell(Pending(node, 0), (2, 3), torch.float32)``.
+    """
+    cell = Cell(ref, shape, dtype)
+    cell.version = 1  # (as set_pending leaves a new cell)
+    pending = STATE.pending
+    if not pending or STATE.trace_start is None:  # the first op of a new graph
+        STATE.trace_start = time.perf_counter_ns()
+    pending[weakref.ref(cell, pending.drop)] = cell.serial
+    return cell
+
+
 def set_concrete(cell: Cell, array, owned: bool) -> None:
     """Give ``cell`` a new concrete value."""
     cell.value = array

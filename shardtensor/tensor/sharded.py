@@ -172,6 +172,26 @@ class ShardedTensor(torch.Tensor):
         r._sig = sig
         return r
 
+    @classmethod
+    def _view(cls, cell: Cell, chain: tuple, sig: tuple, contiguous: bool) -> ShardedTensor:
+        """A new view over ``cell`` through ``chain`` whose template entry ``sig`` (``("T", shape,
+        dtype, strides, storage offset)``, kept by the view op's plan) is known; ``contiguous``: its
+        strides are the contiguous ones at offset 0. A view op's result, by the shortest way.
+
+        Example: ``ShardedTensor._view(x._cell, chain, ("T", (3, 2), torch.float32, (1, 3), 0), False)``.
+        """
+        if contiguous:
+            r = torch.Tensor._make_wrapper_subclass(cls, sig[1], dtype=sig[2], device=torch_device._DEVICE)
+        else:
+            r = torch.Tensor._make_wrapper_subclass(
+                cls, sig[1], strides=sig[3], storage_offset=sig[4], dtype=sig[2], device=torch_device._DEVICE
+            )
+        r._cell = cell
+        r._chain = chain
+        r._vcache = None
+        r._sig = sig
+        return r
+
     # (torch's documented way for a subclass; its stubs give the two attributes other types)
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
