@@ -27,7 +27,10 @@ host time is the replay minus the time inside the program's call (``ExecuteTime`
 runs small programs within the call, and a replay reads its on-device checks before it returns, so
 replays do not overlap as direct calls do); its host overhead is that plus the trivial call (jax's
 own dispatch of that many arguments), and the ratio divides it by the trivial call. This part reads
-shardtensor internals (the frozen program) to build the baseline.
+shardtensor internals (the frozen program) to build the baseline. ``--host-only`` also times the
+replay with its program swapped for a no-op returning one real run's outputs: shardtensor's host
+work alone, as a host whose devices run elsewhere (a TPU's) pays it, without the CPU devices' worker
+threads competing with it for this machine's cores.
 
 Usage::
 
@@ -64,6 +67,11 @@ def _args():
         help="--overhead: the decode step compiled with options={'raise_on_call': False} (its checks read later)",
     )
     p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="--overhead: also time the replay with its program swapped for a no-op (shardtensor's host work alone)",
+    )
+    p.add_argument(
         "--ways", default="eager,dynamic,static,static-host,st.generate,st.generate-dynamic,st.generate-compiled"
     )
     return p.parse_args()
@@ -76,6 +84,7 @@ if ARGS is not None:
 
 import time  # noqa: E402
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import shardtensor as st  # noqa: E402
@@ -266,6 +275,46 @@ def decode_overhead(kind, args):
         f"  host overhead: shardtensor {own:.0f} + jax dispatch {t_jit:.0f} = {own + t_jit:.0f} us, "
         f"{(own + t_jit) / t_jit:.2f}x the jax.jit call (goal <= 1.2x)"
     )
+    if args.host_only:
+        print(f"  with a no-op program: {host_only(graph, call_args, frozen, reset, args):.1f} us per replay")
+
+
+def host_only(graph, call_args, frozen, reset, args):
+    """us per replay with the frozen program swapped for a function returning the outputs of one
+    real run (shardtensor's host work alone, without the CPU devices' threads running beside it)."""
+    import jax
+
+    reset()
+    with torch.no_grad():
+        graph(*call_args)
+    st.sync(wait=True)
+    real = frozen.executable
+    outs = []
+    for kind, ident, ref in frozen.targets:  # (what the run stored: fed back each call, as a decode loop)
+        cell = call_args[ident]._cell if kind == "arg" else ref() if kind != "ret" else None
+        outs.append(cell.value if cell is not None else jax.numpy.zeros(frozen.out_flat[ident].shape))
+    rows = None
+    if real.program.checks:
+        rows = jax.device_put(np.zeros((max(len(real.program.check_table), 1), 3), np.int32))
+
+    class NoOp:
+        program, memory = real.program, getattr(real, "memory", None)
+
+        def __call__(self, donated, kept, scalars):
+            return (list(outs), rows) if rows is not None else list(outs)
+
+    frozen.executable = NoOp()
+    try:
+        best = float("inf")
+        with torch.no_grad():
+            for _ in range(args.reps):
+                begin = time.perf_counter()
+                for _ in range(10 * args.calls):
+                    graph(*call_args)
+                best = min(best, (time.perf_counter() - begin) / (10 * args.calls) * 1e6)
+        return best
+    finally:
+        frozen.executable = real
 
 
 def main(args):
