@@ -230,6 +230,14 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
     """``mutating_op`` for a foreach op writing the list ``args[0]`` (``shape.listed``): the functional
     twin's results, one per element, written into the elements (an optimizer step's commonest op)."""
     targets = args[0]
+    if _shares_memory(targets, args):
+        # torch updates the elements one after another: an element whose memory another one also
+        # holds (overlapping views, a tensor twice, an operand that is an earlier target) sees the
+        # earlier updates, which one functional op over all of them would not
+        n = len(targets)
+        for i in range(n):
+            func(*[[a[i]] if isinstance(a, (list, tuple)) and len(a) == n else a for a in args], **kwargs)
+        return None if not shape.returns else targets
     _check_one_mesh(func, targets, args, kwargs)
     refs, plan = record(facts(func).functional, tuple(args) + shape.fill if shape.fill else args, kwargs)
     if plan is not None:
@@ -267,6 +275,40 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
     if STATE.eager:  # one run: a second would find the rng key donated by the first
         run_cells(cells + rng.pending_cells())
     return None if not shape.returns else targets
+
+
+def _shares_memory(targets, args) -> bool:
+    """Whether a foreach op's targets may share memory with each other (views of one cell whose
+    element ranges meet, a tensor twice), or an operand at another position of its lists is one of
+    them (conservatively: shares its cell). Cheap when no cell repeats (an optimizer's lists)."""
+    where: dict = {}  # id(cell) -> the targets' positions
+    repeated = False
+    for i, t in enumerate(targets):
+        positions = where.setdefault(id(t._cell), [])
+        repeated = repeated or bool(positions)
+        positions.append(i)
+    if repeated:
+        for positions in where.values():
+            if len(positions) > 1 and _ranges_meet([targets[i] for i in positions]):
+                return True
+    for a in args[1:]:
+        if type(a) is list or type(a) is tuple:
+            for j, x in enumerate(a):
+                positions = where.get(id(getattr(x, "_cell", None)))
+                if positions is not None and (len(positions) > 1 or positions[0] != j):
+                    return True
+    return False
+
+
+def _ranges_meet(views) -> bool:
+    """Whether any two of ``views`` (of one cell) span element ranges that meet."""
+    spans = []
+    for t in views:
+        if t.numel():
+            first = t.storage_offset()
+            spans.append((first, first + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))))
+    spans.sort()
+    return any(b[0] <= a[1] for a, b in zip(spans, spans[1:]))
 
 
 def _name(dtype) -> str:
