@@ -42,12 +42,16 @@ import torch
 
 from shardtensor.compiler import compile as st_compile
 from shardtensor.graph import checks
+from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import upload_replicated, zeros_on_devices
 
 # Steps the host runs ahead of the stop flag it reads: the flag of step n is read after step n + LAG
 # is queued, so the read finds it computed. Finishing early costs up to LAG steps run for nothing.
 LAG = 4
+# Steps under one SIGINT handler swap (each replay's own block nests in it): a Ctrl-C is delivered
+# within this many steps, and the host swaps handlers once per chunk instead of twice a token.
+INTERRUPT_CHUNK = 16
 # Loops (state buffers and compiled functions) kept per model for its one kept cache: one per set of
 # forward inputs (with or without a mask, position ids).
 KEPT_LOOPS = 4
@@ -307,13 +311,10 @@ def greedy_on_device(
     done = loop.prefill(upload_replicated(_packed(input_ids, model_kwargs, plan)))
     produced = plan.new_tokens
     with checks.deferred(LAG):  # the steps' checks are read LAG steps late, when long computed
-        for index in range(plan.new_tokens):
-            if index:
-                done = loop.step()
-            if not plan.eos or index < plan.eos_blocked:
-                continue  # (no row can have ended: nothing to read)
-            flags.append((index, done))
-            if len(flags) > LAG and (finished := _first_finished(flags, keep=LAG)) is not None:
+        for start in range(0, plan.new_tokens, INTERRUPT_CHUNK):
+            with deferred_interrupts():
+                finished = _steps(loop, plan, done, flags, start, min(start + INTERRUPT_CHUNK, plan.new_tokens))
+            if finished is not None:
                 produced = finished + 1
                 break
     checks.verify()
@@ -321,6 +322,20 @@ def greedy_on_device(
         produced = finished + 1
     new = loop.tokens.cpu()[:, :produced]
     return torch.cat([input_ids, new.to(input_ids.dtype)], dim=1)
+
+
+def _steps(loop: _Loop, plan: Plan, done: Any, flags: collections.deque, start: int, stop: int) -> int | None:
+    """Steps ``start`` to ``stop`` of the loop (step 0 is the prefill's token, ``done`` its flag);
+    returns the first step at which every row had ended, read ``LAG`` steps late, or None."""
+    for index in range(start, stop):
+        if index:
+            done = loop.step()
+        if not plan.eos or index < plan.eos_blocked:
+            continue  # (no row can have ended: nothing to read)
+        flags.append((index, done))
+        if len(flags) > LAG and (finished := _first_finished(flags, keep=LAG)) is not None:
+            return finished
+    return None
 
 
 def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:

@@ -7,6 +7,8 @@ Also the pieces it is made of: ``checks.deferred`` (checks read a few runs late)
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -205,6 +207,36 @@ def test_an_interrupt_mid_generation_leaves_the_next_one_correct():
     finally:
         loop.step = step
     torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
+
+
+def test_a_real_sigint_mid_generation_arrives_within_a_chunk_of_steps():
+    """A SIGINT (Ctrl-C) delivered by the OS while a decode step runs: the handler swap covers a chunk
+    of steps, so KeyboardInterrupt reaches the caller at the chunk's end (not mid-replay), and the
+    next generation equals eager torch."""
+    model = tiny("llama")
+    ids, mask = left_padded_batch(3)
+    greedy = dict(GREEDY, max_new_tokens=decode_loop.INTERRUPT_CHUNK + 4)
+    expected = model.generate(ids, attention_mask=mask, **greedy)
+    model.to(st.device())
+    st.sync()
+    st.generate(model, ids, attention_mask=mask, **greedy)
+    (loop,) = decode_loop._LOOPS[model].values()
+    step, calls = loop.step, []
+
+    def interrupted():
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return step()
+
+    loop.step = interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            st.generate(model, ids, attention_mask=mask, **greedy)
+    finally:
+        loop.step = step
+    assert len(calls) == decode_loop.INTERRUPT_CHUNK - 1  # the first chunk's steps (step 0 is the prefill's)
+    torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **greedy), expected, rtol=0, atol=0)
 
 
 def test_checks_deferred_reads_a_failure_late_but_raises_it():
