@@ -207,7 +207,7 @@ def worker(kind: str, config: str, steps: int, cache_dir: str | None) -> dict:
     loads = _time_program_loads()
     torch.manual_seed(0)
     state = {k: v.detach().clone() for k, v in (tvj.MLP() if kind == "mlp" else tvj.GPT()).state_dict().items()}
-    n = 8 if on_cpu else jax.device_count()
+    n = jax.device_count()  # (8 simulated CPU devices unless the caller set another count)
     mesh = st.Mesh(range(n), (n,), ("fsdp",))
     batches = tvj.make_batches(kind, steps)
     flags_ = set(config.split("+")[1:])

@@ -13,6 +13,10 @@ Sections (each a flag; none given: --gpt --f32 --attention):
 * ``--attention``: causal attention forward + backward at T=2048 (bf16, batch 4, 16 heads, head 64):
   ``st.kernels.flash_attention`` (Pallas) and ``F.scaled_dot_product_attention`` through shardtensor,
   against ``jax.nn.dot_product_attention`` and the same Pallas kernel under ``jax.jit``.
+* ``--startup`` (issue 37 §4): the first training step of a new process with a warm persistent cache
+  (bench/startup.py's GPT, each configuration in two fresh processes sharing a new cache directory,
+  the second timed): plain JAX against lazy and ``st.compile``. Runs first, before this process
+  opens the chip (one process at a time can hold it).
 * ``--llama`` (issue 37): a Hugging Face ``LlamaForCausalLM`` of ~168M parameters, lazy against
   ``st.compile`` (MFU), and ``st.generate`` tokens/s at batch 1 and 8 against a plain-JAX greedy
   decode loop of the same weights with a static KV cache (``jax.jit`` step). Needs transformers
@@ -480,12 +484,36 @@ def _time_calls(call, read):
     return (time.perf_counter() - t0) / ARGS.steps
 
 
+def startup_section():
+    """Warm-cache start-up rows from bench/startup.py's worker processes (before this process uses
+    JAX's backend: the workers must be able to open the chip)."""
+    import tempfile  # noqa: PLC0415
+
+    import startup  # noqa: PLC0415
+
+    print("\n== start-up: first training step of a new process with a warm cache (bench/startup.py's GPT)")
+    warm = {}
+    for config in ("jax", "lazy", "compile+cap"):
+        with tempfile.TemporaryDirectory(prefix="st_tpu_startup_") as cache:
+            startup._spawn("gpt", config, 2, cache)  # fills the cache
+            warm[config] = startup._spawn("gpt", config, 2, cache)
+    anchor, anchor_cpu = warm["jax"]["steps"][0]["wall"], warm["jax"]["steps"][0]["cpu"]
+    for config, r in warm.items():
+        first, second = r["steps"]
+        note = (
+            f"CPU {first['cpu'] / anchor_cpu:.2f}x JAX's; step 2 {second['wall'] * 1e3:.0f} ms; "
+            f"{first['compiled'] + second['compiled']} programs compiled or loaded in steps 1-2"
+        )
+        row("start-up", f"warm first step, {config}", first["wall"], anchor, None, note)
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gpt", action="store_true", help="the bf16 GPT in every mode, and forward only")
     ap.add_argument("--f32", action="store_true", help="the float32 GPT at each matmul precision")
     ap.add_argument("--attention", action="store_true", help="flash attention vs SDPA vs JAX at T=2048")
+    ap.add_argument("--startup", action="store_true", help="issue 37: the warm-cache first step, fresh processes")
     ap.add_argument("--llama", action="store_true", help="issue 37: HF Llama training and st.generate")
     ap.add_argument("--llama-generate-only", action="store_true", help="with --llama: st.generate rows only")
     ap.add_argument(
@@ -505,8 +533,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peak", type=float, default=197e12, help="the chip's peak FLOP/s for MFU (v5e bf16)")
     ARGS = ap.parse_args()
-    if not (ARGS.gpt or ARGS.f32 or ARGS.attention or ARGS.llama):
+    if not (ARGS.gpt or ARGS.f32 or ARGS.attention or ARGS.llama or ARGS.startup):
         ARGS.gpt = ARGS.f32 = ARGS.attention = True
+    t0 = time.perf_counter()
+    if ARGS.startup:  # (first: the worker processes open the chip, which this process has not yet)
+        startup_section()
     if jax.default_backend() == "cpu" and not ARGS.tiny:
         print("note: running on a CPU without --tiny: the full sizes take long here")
     print(
@@ -514,7 +545,6 @@ def main():
         f"({jax.default_backend()}), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         flush=True,
     )
-    t0 = time.perf_counter()
     if ARGS.gpt:
         gpt_section()
     if ARGS.f32:
