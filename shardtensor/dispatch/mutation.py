@@ -4,6 +4,7 @@ the targets through their view chains (``out=`` tensors of another shape are res
 
 from __future__ import annotations
 
+import operator
 import warnings
 
 import torch
@@ -280,24 +281,33 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
 def _shares_memory(targets, args) -> bool:
     """Whether a foreach op's targets may share memory with each other (views of one cell whose
     element ranges meet, a tensor twice), or an operand at another position of its lists is one of
-    them (conservatively: shares its cell). Cheap when no cell repeats (an optimizer's lists)."""
-    where: dict = {}  # id(cell) -> the targets' positions
-    repeated = False
-    for i, t in enumerate(targets):
-        positions = where.setdefault(id(t._cell), [])
-        repeated = repeated or bool(positions)
-        positions.append(i)
-    if repeated:
-        for positions in where.values():
-            if len(positions) > 1 and _ranges_meet([targets[i] for i in positions]):
-                return True
+    them (conservatively: shares its cell). C-level passes and set operations when no cell is shared
+    (an optimizer's lists): this runs on every foreach op of every step."""
+    ids = list(map(id, map(_CELL, targets)))
+    unique = set(ids)
+    if len(unique) != len(ids):
+        where: dict = {}
+        for i, k in enumerate(ids):
+            where.setdefault(k, []).append(targets[i])
+        if any(len(views) > 1 and _ranges_meet(views) for views in where.values()):
+            return True
     for a in args[1:]:
-        if type(a) is list or type(a) is tuple:
-            for j, x in enumerate(a):
-                positions = where.get(id(getattr(x, "_cell", None)))
-                if positions is not None and (len(positions) > 1 or positions[0] != j):
-                    return True
+        if (type(a) is list or type(a) is tuple) and a and isinstance(a[0], torch.Tensor):
+            try:
+                theirs = list(map(id, map(_CELL, a)))
+            except AttributeError:  # (a tensor that is not shardtensor's: not one of the targets)
+                theirs = [id(getattr(x, "_cell", None)) for x in a]
+            if unique.isdisjoint(theirs):
+                continue
+            if len(unique) != len(ids):
+                return True  # (a shared cell that is also an operand: never taken as safe)
+            position = {k: i for i, k in enumerate(ids)}
+            if any(k in position and position[k] != j for j, k in enumerate(theirs)):
+                return True
     return False
+
+
+_CELL = operator.attrgetter("_cell")
 
 
 def _ranges_meet(views) -> bool:
