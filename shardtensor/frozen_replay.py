@@ -311,8 +311,7 @@ class Frozen:
             results = list(self.out_flat)
             made = []
             for ident, template in self._returns:
-                cell = Cell(None, template[0], template[1], template[2].sharding)  # (the traced result's now)
-                results[ident] = ShardedTensor._result(cell, template[3])
+                results[ident], cell = _new_result(template)
                 made.append(cell)
             cells, entries = self._native.replay_store(self._store_plan, flat, outs, made)
         else:
@@ -344,8 +343,7 @@ class Frozen:
                 cell = flat[ident]._cell
                 ref = weakref.ref(cell)
             elif kind == "ret":
-                cell = Cell(None, made[0], made[1], made[2].sharding)  # (the traced result's sharding now)
-                results[ident] = ShardedTensor._result(cell, made[3])
+                results[ident], cell = _new_result(made)
                 ref = weakref.ref(cell)
             else:  # (a closed-over cell: its weak reference is kept)
                 cell = ref()
@@ -414,6 +412,13 @@ class Frozen:
         """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
         sig = self.leaf_sigs[source]
         return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
+
+
+def _new_result(template) -> tuple[ShardedTensor, Cell]:
+    """A new tensor (and its cell) for a value the replay returns: ``template`` is (shape, dtype, the
+    traced result's cell, whose sharding it takes now, its template entry)."""
+    cell = Cell(None, template[0], template[1], template[2].sharding)
+    return ShardedTensor._result(cell, template[3]), cell
 
 
 def _nothing():

@@ -182,37 +182,12 @@ def test_a_failed_check_in_the_loop_raises_as_torch_does_and_the_next_generation
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-def test_an_interrupt_mid_generation_leaves_the_next_one_correct():
+@pytest.mark.parametrize("how", ["raised", "signal"])
+def test_an_interrupt_mid_generation_leaves_the_next_one_correct(how):
     """Ctrl-C between two decode steps: KeyboardInterrupt reaches the caller; the next generation
-    starts from a clean state (cache and loop buffers reset) and equals eager torch."""
-    model = tiny("llama")
-    ids, mask = left_padded_batch(3)
-    expected = model.generate(ids, attention_mask=mask, **GREEDY)
-    model.to(st.device())
-    st.sync()
-    st.generate(model, ids, attention_mask=mask, **GREEDY)
-    (loop,) = decode_loop._LOOPS[model].values()
-    step, calls = loop.step, []
-
-    def interrupted():
-        calls.append(1)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return step()
-
-    loop.step = interrupted
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            st.generate(model, ids, attention_mask=mask, **GREEDY)
-    finally:
-        loop.step = step
-    torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
-
-
-def test_a_real_sigint_mid_generation_arrives_within_a_chunk_of_steps():
-    """A SIGINT (Ctrl-C) delivered by the OS while a decode step runs: the handler swap covers a chunk
-    of steps, so KeyboardInterrupt reaches the caller at the chunk's end (not mid-replay), and the
-    next generation equals eager torch."""
+    starts from a clean state (cache and loop buffers reset) and equals eager torch. A SIGINT the OS
+    delivers while a step runs arrives at the end of its chunk of steps (one handler swap per chunk),
+    never mid-replay."""
     model = tiny("llama")
     ids, mask = left_padded_batch(3)
     greedy = dict(GREEDY, max_new_tokens=decode_loop.INTERRUPT_CHUNK + 4)
@@ -226,6 +201,8 @@ def test_a_real_sigint_mid_generation_arrives_within_a_chunk_of_steps():
     def interrupted():
         calls.append(1)
         if len(calls) == 3:
+            if how == "raised":
+                raise KeyboardInterrupt
             signal.raise_signal(signal.SIGINT)
         return step()
 
@@ -235,7 +212,8 @@ def test_a_real_sigint_mid_generation_arrives_within_a_chunk_of_steps():
             st.generate(model, ids, attention_mask=mask, **greedy)
     finally:
         loop.step = step
-    assert len(calls) == decode_loop.INTERRUPT_CHUNK - 1  # the first chunk's steps (step 0 is the prefill's)
+    # raised: at once; a signal: after the first chunk's steps (step 0 is the prefill's)
+    assert len(calls) == (3 if how == "raised" else decode_loop.INTERRUPT_CHUNK - 1)
     torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **greedy), expected, rtol=0, atol=0)
 
 

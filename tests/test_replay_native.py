@@ -15,44 +15,19 @@ import pytest
 import torch
 
 import shardtensor as st
-from _training_helpers import reset_state
 from shardtensor.graph import checks
 from shardtensor.graph.ir import Cell
 from shardtensor.tensor import device as torch_device
+from test_replay_fast_path import _clean, _decoder  # noqa: F401 (_clean: autouse)
+from test_replay_fast_path import _run as run_decoder
 
 NATIVE = getattr(torch_device.EXT, "replay_store", None) is not None
 needs_extension = pytest.mark.skipif(not NATIVE, reason="the C++ extension could not be built here")
 
 
-@pytest.fixture(autouse=True)
-def _clean():
-    reset_state()
-    yield
-    reset_state()
-
-
-def _decoder(device, raise_on_call=True):
-    """(step, cache): a greedy step over a closed-over cache, its outputs fed back each call."""
-    torch.manual_seed(0)
-    w = torch.randn(6, 4).to(device)
-    cache = torch.zeros(8, 4).to(device)
-
-    def step(tok, pos):
-        cache.index_copy_(0, pos, w[tok])
-        logits = cache.sum(0, keepdim=True) @ w.t()
-        return logits.argmax(-1), pos + 1, logits
-
-    return (step if device == "cpu" else st.compile(step, raise_on_call=raise_on_call)), cache
-
-
 def _run(step, calls, device):
-    tok, pos = torch.tensor([1]).to(device), torch.tensor([0]).to(device)
-    out = []
-    with torch.no_grad():
-        for _ in range(calls):
-            tok, pos, logits = step(tok, pos)
-            out.append((tok, pos, logits))
-    return out
+    """``calls`` steps of the greedy decoder from token 1 at position 0."""
+    return run_decoder(step, torch.tensor([1]).to(device), torch.tensor([0]).to(device), calls)
 
 
 @pytest.mark.parametrize("raise_on_call", [True, False])

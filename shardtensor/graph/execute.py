@@ -18,6 +18,7 @@ off (``aliasing``) nothing is ever donated, so nothing is ever consumed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 import warnings
@@ -415,13 +416,10 @@ def _called(fn, outs, start):
     return outs
 
 
-_ROWS_EARLY: list = []  # [whether check rows are copied to the host at dispatch], once known
-
-
+@functools.cache
 def _copy_rows_early() -> bool:
-    if not _ROWS_EARLY:
-        _ROWS_EARLY.append(runtime.platform() != "cpu")
-    return _ROWS_EARLY[0]
+    """Whether check rows are copied to the host at dispatch (off CPU): the platform is fixed."""
+    return runtime.platform() != "cpu"
 
 
 def assign_outputs(program, cells, outs, sites=None, before=None, what="a program"):
