@@ -225,7 +225,6 @@ class Frozen:
     def replay(self, flat, name, tensors=None):
         """Run the frozen program on the current values (``STALE``: the call must run ``fn``);
         ``tensors``: the sharded tensors among ``flat`` when the caller knows them."""
-        checks.verify()  # a failed check of an earlier run raises first
         if tensors is None:
             tensors = [x for x in flat if isinstance(x, ShardedTensor)]
         if not self.guard.holds(tensors):
@@ -238,7 +237,6 @@ class Frozen:
         if program.aliasing != param_aliasing_enabled():  # st.set_param_aliasing changed
             return STALE
         rng.settle()  # a seed given since the last draw: the key's cell is read below
-        inflight.settle()  # a failed earlier run raises first; at most max_in_flight() runs stay queued
         passed = self._passed
         native = self._native
         if native is not None:
@@ -263,6 +261,11 @@ class Frozen:
             return STALE  # a donated input's buffer is shared with another tensor now
         if self.donated and others_pending():
             return STALE  # another thread's pending graph may read a buffer the program donates
+        # A failed check of an earlier run, or a failed earlier run, raises before this one runs.
+        # Only now: reading the checks waits for those runs, and the host work above then overlaps
+        # the devices' (if it raises, nothing above has changed a value)
+        checks.verify()
+        inflight.settle()  # (at most max_in_flight() runs stay queued)
         counters.increment("CompileReplay")
         memory.check(getattr(self.executable, "memory", None), self.what)
         scalars = self._scalar_arrays

@@ -65,6 +65,20 @@ def watch(program, rows, sites, cells, results) -> None:
     _UNREAD.append((rows, program, sites, suspects))
 
 
+def follow_copy(array, copy) -> None:
+    """A cell that held ``array`` now holds ``copy`` of it (the same value on another mesh): if an
+    unread run's check fails, that cell fails as it would have (a frozen replay or a program may
+    copy an input onto its mesh before it reads the earlier runs' checks).
+
+    Example::
+
+        follow_copy(before, moved); cell.value = moved
+    """
+    for entry in _UNREAD:
+        suspects = entry[3]
+        suspects.extend([(ref, copy) for ref, result in suspects if result is array])
+
+
 def verify() -> None:
     """Read every unread run's checks; raise the first failure (torch's exception, the user's line).
 

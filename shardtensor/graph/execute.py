@@ -63,14 +63,21 @@ def run_cells(cells, wait: bool = False):
     with JAX's 64-bit types on.
     """
     param_aliasing_enabled()  # a bad XLA_ENABLE_PARAM_ALIASING raises here, with nothing changed
+    return _run_cells(cells, wait)
+
+
+def _settle_earlier_runs() -> None:
+    """A failed on-device check of an earlier run, or an earlier run that failed on the devices,
+    raises here (the checks first: reading them waits for those runs, after which ``settle`` sees
+    their failures)."""
     checks.verify()
     inflight.settle()
-    return _run_cells(cells, wait)
 
 
 def _run_cells(cells, wait):
     cells = [c for c in cells if c.is_pending()]
     if not cells:
+        _settle_earlier_runs()
         return None
     if STATE.tracing:
         STATE.trace_broken = "a value was computed in the middle of the function"
@@ -78,7 +85,19 @@ def _run_cells(cells, wait):
     try:
         # Donating is safe only when no other pending value still needs an input of this graph.
         complete = has_only_pending(cells)
+        # The program is built and looked up (compiled) before the earlier runs are settled: that
+        # waits for them to finish, and this host work then overlaps the devices' work instead of
+        # leaving them idle until the call. Building changes no value: if settling raises, the
+        # execution is dropped unrun.
         execution = Execution.prepare(cells, donate=complete)
+    except Exception as error:
+        _settle_earlier_runs()  # an earlier failure is the one to report
+        failure = recover(cells, execution, error)
+        if failure is not None:
+            raise failure from failure.__cause__
+        raise
+    _settle_earlier_runs()
+    try:
         execution.run(wait=wait)
     except Exception as error:
         failure = recover(cells, execution, error)
@@ -252,6 +271,7 @@ class Execution:
         self.sites = sites  # this run's user lines of checked ops, by program step
         self.what = f"a program of {len(program.steps)} ops ({len(cells)} outputs)"  # for errors
         self.record: inflight.Run | None = None  # the run in flight, once its outputs are stored
+        self.moved: list = []  # (input position, its array before) for inputs copied onto the mesh
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -262,8 +282,6 @@ class Execution:
         program, arrays, scalars = Program.build(cells, donate)
         leaf_cells, program.leaf_cells = program.leaf_cells, None  # the cache must not keep cells alive
         moved, program.moved = program.moved, []  # (nor the arrays as they were before a copy)
-        for i, before in moved:  # copied onto the mesh: keep the copy, so the next call need not
-            mesh_moves.keep_moved(leaf_cells[i], before, arrays[i], program.mesh)
         fn = _EXECUTABLES.get(program.key)
         if fn is None:
             counters.increment("UncachedCompile")
@@ -274,9 +292,16 @@ class Execution:
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
-        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites)
+        execution = cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites)
+        execution.moved = moved
+        return execution
 
     def run(self, wait=False):
+        # inputs copied onto the mesh: their cells keep the copy, so the next call need not copy
+        # (done here, not when prepared: a failed check of an earlier run must first have poisoned
+        # the cells it should)
+        for i, before in self.moved:
+            mesh_moves.keep_moved(self.leaf_cells[i], before, self.arrays[i], self.program.mesh)
         what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
         memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
         before = self.values_before()

@@ -20,7 +20,7 @@ import weakref
 
 import jax
 
-from shardtensor.graph import inflight
+from shardtensor.graph import checks, inflight
 from shardtensor.graph.ir import Cell
 from shardtensor.graph.program import describe_mesh, mesh_of
 
@@ -52,7 +52,7 @@ def keep_moved(cell: Cell | None, before, moved, mesh) -> bool:
     if cell.sharding is not None or cell.value is not before:
         _last_copied[cell] = weakref.ref(before)
         return False
-    inflight.follow_copy(before, moved)
+    _follow_copy(before, moved)
     cell.value = moved
     cell._leaf = None
     cell.owned = True
@@ -112,7 +112,14 @@ def renamed(cell: Cell, array, sharding):
     shards = [s.data for s in array.addressable_shards]
     moved = jax.make_array_from_single_device_arrays(array.shape, sharding, shards)
     if cell.value is array:
-        inflight.follow_copy(array, moved)
+        _follow_copy(array, moved)
         cell.value = moved
         cell._leaf = None
     return moved
+
+
+def _follow_copy(array, copy) -> None:
+    """A cell that held ``array`` now holds ``copy``: a run in flight or an unread failed check that
+    answers for ``array`` answers for ``copy`` too."""
+    inflight.follow_copy(array, copy)
+    checks.follow_copy(array, copy)
