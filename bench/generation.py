@@ -37,6 +37,8 @@ Usage::
     python bench/generation.py
     python bench/generation.py --tokens 50 --devices 1
     python bench/generation.py --overhead --models gpt2
+    python bench/generation.py --models llama --ways eager,st.generate --batch 8 --layers 4 --width 512 \
+        --prompt 100 --second-prompt 120 --tokens 24      # a KV cache of 17 MB: its per-token cost shows
 
 It uses only shardtensor's public API.
 """
@@ -53,6 +55,7 @@ def _args():
     p.add_argument("--tokens", type=int, default=20)
     p.add_argument("--prompt", type=int, default=7)
     p.add_argument("--second-prompt", type=int, default=12)
+    p.add_argument("--batch", type=int, default=1, help="prompts per generation (rows of random ids)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--width", type=int, default=64)
     p.add_argument("--devices", type=int, default=8)
@@ -325,9 +328,9 @@ def main(args):
             decode_overhead(kind, args)
         return
     torch.manual_seed(1)
-    prompts = [torch.randint(1, VOCAB, (1, args.prompt)), torch.randint(1, VOCAB, (1, args.second_prompt))]
+    prompts = [torch.randint(1, VOCAB, (args.batch, n)) for n in (args.prompt, args.second_prompt)]
     print(
-        f"{args.tokens} new tokens, prompts of {args.prompt} then {args.second_prompt} tokens, "
+        f"{args.tokens} new tokens, batch {args.batch}, prompts of {args.prompt} then {args.second_prompt} tokens, "
         f"{args.layers} layers of width {args.width}, {st.global_runtime_device_count()} devices"
     )
     print(

@@ -43,6 +43,7 @@ import torch
 from shardtensor.compiler import compile as st_compile
 from shardtensor.graph import checks
 from shardtensor.graph.interrupts import deferred_interrupts
+from shardtensor.graph.program import mark_scratch
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.upload import upload_replicated, zeros_on_devices
 
@@ -210,6 +211,9 @@ class _Loop:
         self.eos = zeros_on_devices((EOS_SLOTS,), torch.long)
         self.pad = zeros_on_devices((), torch.long)
         self.blocked = zeros_on_devices((), torch.long)
+        for buffer in (self.mask, self.position, self.token, self.unfinished, self.count, self.tokens):
+            if buffer is not None:  # (the prefill resets them: a failed step need not keep them)
+                mark_scratch(buffer._cell)
         self.prefill = st_compile(self._prefill, name="st.generate prefill")
         self.step = st_compile(self._step, name="st.generate decode step")
         self.forward_extra: dict = {}
@@ -362,6 +366,10 @@ def _reused_cache(model: Any, fresh: Any, batch: int) -> Any:
         layer.keys = zeros_on_devices(layer.keys.shape, layer.keys.dtype)
         layer.values = zeros_on_devices(layer.values.shape, layer.values.dtype)
         layer.cumulative_length = zeros_on_devices((), layer.cumulative_length.dtype)
+        for buffer in (layer.keys, layer.values, layer.cumulative_length):
+            # a failed check need not restore it (the next prefill empties it), which would cost a
+            # copy of the cache and two passes over it every decode step (graph.program.mark_scratch)
+            mark_scratch(buffer._cell)
     _CACHES[model] = (key, fresh)
     return fresh
 

@@ -7,6 +7,7 @@ Also the pieces it is made of: ``checks.deferred`` (checks read a few runs late)
 
 from __future__ import annotations
 
+import re
 import signal
 
 import pytest
@@ -16,7 +17,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import shardtensor as st
 from _training_helpers import fresh_executable_cache
 from shardtensor import decode_loop
-from shardtensor.graph import checks
+from shardtensor.graph import checks, execute, program
+from shardtensor.runtime import x64_scope
 from shardtensor.tensor.upload import zeros_on_devices
 from test_generation import GREEDY, NEW_TOKENS, VOCAB, _clean, compiles, tiny  # noqa: F401 (_clean: autouse)
 
@@ -160,6 +162,44 @@ def test_plan_refuses_what_it_cannot_do():
     assert decode_loop.plan(model, ids, LogitsProcessorList(), criteria, config, extra) is None
     too_long = StoppingCriteriaList([MaxLengthCriteria(max_length=40)])  # more than the cache holds
     assert decode_loop.plan(model, ids, LogitsProcessorList(), too_long, config, {name: static}) is None
+
+
+def _top_level_results(hlo: str, shape: str) -> list[str]:
+    """The opcodes of the entry computation's instructions whose result has ``shape`` (``f32[2,2,16,16]``)."""
+    entry = hlo[hlo.index("\nENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    ops = re.findall(rf"= {re.escape(shape)}(?:{{[^}}]*}})? ([a-z][a-z0-9\-]*)\(", entry)
+    return [op for op in ops if op not in ("parameter", "bitcast", "get-tuple-element")]
+
+
+@pytest.mark.parametrize("selects", [True, False])
+def test_the_decode_step_updates_the_kv_cache_in_place_with_checks_on(monkeypatch, selects):
+    """The decode step has checks (its cache write, its embedding lookup), but a failure need not
+    restore the loop's cache and state (the next prefill resets them: graph.program.mark_scratch).
+    So its compiled program writes each cache buffer once, in place: no copy, select or conditional
+    of a cache-sized buffer (a TPU paid a copy of the whole cache and two passes over it per token for
+    that restore, by selects or by a conditional: ``selects``). The tokens are eager transformers'."""
+    monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: selects)
+    model = tiny("llama")
+    ids, mask = left_padded_batch(2)
+    expected = model.generate(ids, attention_mask=mask, **GREEDY)
+    model.to(st.device())
+    st.sync()
+    fresh_executable_cache()
+    torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
+    (loop,) = decode_loop._LOOPS[model].values()
+    (frozen,) = loop.step._frozen.values()
+    prog = frozen.executable.program
+    assert prog.checks and prog.check_table  # (the step is checked, as st.compile's default)
+    values = [None if kind == "arg" else ref().value if kind == "old" else ref for kind, _, ref in frozen.sources]
+    with x64_scope():
+        lowered = frozen.executable.lower(*execute._call_arguments(prog, values, frozen.scalars))
+        hlo = lowered.compile().as_text()
+    buffers = [t for layer in loop.cache.layers for t in (layer.keys, layer.values)]
+    shape = "f32[" + ",".join(map(str, buffers[0].shape)) + "]"
+    written = _top_level_results(hlo, shape)  # (before: a copy of each buffer, and selects or a conditional)
+    assert len(written) == len(buffers) and set(written) <= {"fusion", "dynamic-update-slice"}, written
+    assert " conditional(" not in hlo
 
 
 def test_a_failed_check_in_the_loop_raises_as_torch_does_and_the_next_generation_works():

@@ -7,9 +7,9 @@ value is read back to the host, at the end of an ``st.compile`` call and, in eag
 and raises the first failure with torch's exception type and message and the user's line.
 
 What a failed run leaves: the cells it overwrote hold their values from before the run (the program
-restored them on the device); its new results that depend on the failed check become ``Failed``
-(reading one raises the same error), and so do pending values recorded from them. New results that
-do not depend on it are kept.
+restored them on the device; scratch cells, ``program.mark_scratch``, keep what it computed); its new
+results that depend on the failed check become ``Failed`` (reading one raises the same error), and
+so do pending values recorded from them. New results that do not depend on it are kept.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ With on-device checks on (``ops.checks``), the program has one more output: the 
 lowerings declared. If any fails, every cell the program overwrites gets its value from before the
 program back (one conditional on the device), so parameters, optimizer state and step counters stay
 those before the step; ``graph.checks`` reads the rows after the run and fails the new results that
-depend on a checked op.
+depend on a checked op. Scratch cells (``mark_scratch``: a decode loop's KV cache and state, which
+its owner rewrites before any use) are not restored, and a failure does not poison them: restoring
+a buffer updated in place costs a copy of it and a pass over it every step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +91,27 @@ def _reuse(key: tuple, last):
     return StructuralKey(key)
 
 
+# cells whose value after a failed check does not matter (mark_scratch); weak: they go with their tensors
+_SCRATCH: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_scratch(cell: Cell) -> None:
+    """Let programs leave ``cell`` as they computed it when one of their checks fails.
+
+    A program with checks restores every cell it overwrites when a check fails, by a select per
+    cell: for a buffer updated in place at one position (a KV cache), XLA then keeps the old and the
+    new buffer at once, so it copies the whole buffer and passes over it twice more on every step.
+    A buffer whose owner rewrites it before any later use (the device decode loop's cache and
+    state: the next prefill resets them) needs none of that. Its value after a failed run is
+    unspecified, and reading it does not raise the failure.
+
+    Example::
+
+        mark_scratch(cache.layers[0].keys._cell)
+    """
+    _SCRATCH.add(cell)
+
+
 class Program:
     """The structure of one graph: everything about it except the concrete input values."""
 
@@ -114,6 +138,7 @@ class Program:
         self.rollback = {}
         self.check_table = []
         self.tainted: frozenset[int] = frozenset()
+        self.scratch: frozenset[int] = frozenset()  # outputs to scratch cells (mark_scratch)
         self.restored: frozenset[int] = frozenset()
 
     @classmethod
@@ -202,16 +227,18 @@ class Program:
         prog.donated = _paired_order(prog.donated, prog.leaf_cells, cells, prog.outputs)
         if prog.checks:  # an overwritten cell whose old value is an input can be restored
             leaf_of = {id(c): k for k, c in enumerate(prog.leaf_cells) if c is not None}
+            if _SCRATCH:
+                prog.scratch = frozenset(i for i, cell in enumerate(cells) if cell in _SCRATCH)
             for i, cell in enumerate(cells):
                 k = leaf_of.get(id(cell))
-                if k is not None and prog.leaf_shapes[k][0] == cell.shape:
+                if k is not None and prog.leaf_shapes[k][0] == cell.shape and i not in prog.scratch:
                     prog.rollback[i] = k
         leaf_sigs = tuple((a.shape, a.dtype, shape, a.sharding) for a, (shape, _) in zip(arrays, prog.leaf_shapes))
         last = _LAST_KEY[0]
         parts = _reuse(tuple(key_parts), last[0] if last is not None else None)
         scalars = _scalar_inputs(prog, scalar_refs, parts)
         prog.mesh = mesh
-        checked = tuple(sorted(prog.rollback.items())) if prog.checks else None
+        checked = (tuple(sorted(prog.rollback.items())), tuple(sorted(prog.scratch))) if prog.checks else None
         key = (
             parts,
             tuple(out_keys),
@@ -232,7 +259,7 @@ class Program:
         steps, leaf_shapes, slots, outputs = self.steps, self.leaf_shapes, self.scalar_slots, self.outputs
         order = self.donated + self.kept
         forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
-        checked, rollback = self.checks, self.rollback
+        checked, rollback, scratch = self.checks, self.rollback, self.scratch
 
         def replay(donated, kept, vecs):
             arrays: list = [None] * len(order)
@@ -270,7 +297,9 @@ class Program:
                 rows = collector.output()
                 self.check_table = collector.checks
                 self.tainted = frozenset(
-                    i for i, (code, _, _) in enumerate(outputs) if code[0] == 0 and code[1] in tainted
+                    i
+                    for i, (code, _, _) in enumerate(outputs)
+                    if code[0] == 0 and code[1] in tainted and i not in scratch
                 )
                 failed = None if rows is None else jnp.any(rows[:, 0] != 0)
             results = []
