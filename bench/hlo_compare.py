@@ -196,12 +196,25 @@ def jax_side(args, part, state, batch):
     }
     x, y = (jnp.asarray(t.numpy()) for t in batch)
     kw = dict(heads=args.heads, layers=args.layers)
+    adamw = jax_adamw
 
     def loss_fn(p):
         return jax_cross_entropy(jax_gpt(p, x, gelu="tanh", **kw).astype(jnp.float32), y)
 
+    if args.jax_model == "tpu":  # bench/tpu.py's: jax.nn.dot_product_attention, the chip's anchor
+        import tpu
+
+        adamw = tpu.jax_adamw
+
+        def loss_fn(p):
+            return tpu.jax_loss(p, x, y, args.heads, args.layers)
+
     if part == "forward":
-        fn, fargs, donate = (lambda p: jax_gpt(p, x, gelu="tanh", **kw)), (params,), ()
+        if args.jax_model == "tpu":
+            fn = lambda p: tpu.jax_gpt(p, x, args.heads, args.layers)  # noqa: E731
+        else:
+            fn = lambda p: jax_gpt(p, x, gelu="tanh", **kw)  # noqa: E731
+        fargs, donate = (params,), ()
     elif part == "backward":
         fn, fargs, donate = jax.value_and_grad(loss_fn), (params,), ()
     else:
@@ -210,13 +223,14 @@ def jax_side(args, part, state, batch):
 
         def fn(params, m, v, count):
             loss, grads = jax.value_and_grad(loss_fn)(params)
-            params, m, v, count = jax_adamw(params, grads, m, v, count)
+            params, m, v, count = adamw(params, grads, m, v, count)
             return params, m, v, count, loss
 
         v = {k: jnp.zeros_like(x) for k, x in params.items()}
         fargs, donate = (params, m, v, count), (0, 1, 2, 3)
-    jl = jax.jit(fn, donate_argnums=donate).lower(*fargs)
-    return jl.as_text(), jl.compile().as_text()
+    with jax.default_matmul_precision({"highest": "highest", "high": "high", "medium": "default"}[args.precision]):
+        jl = jax.jit(fn, donate_argnums=donate).lower(*fargs)
+        return jl.as_text(), jl.compile().as_text()
 
 
 def main():
@@ -230,9 +244,23 @@ def main():
     ap.add_argument("--parts", default="forward,backward,step")
     ap.add_argument("--dtype", choices=["bf16", "f32"], default="bf16", help="the parameters' dtype")
     ap.add_argument("--checks", action="store_true", help="keep shardtensor's on-device checks in")
+    ap.add_argument(
+        "--jax-model",
+        choices=["train_vs_jax", "tpu"],
+        default="train_vs_jax",
+        help="JAX's side: bench/train_vs_jax.py's model (its own softmax, F.cross_entropy's ignore_index) "
+        "or bench/tpu.py's, the chip's anchor (jax.nn.dot_product_attention)",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=["highest", "high", "medium"],
+        default="highest",
+        help="torch.set_float32_matmul_precision (and JAX's matching default_matmul_precision)",
+    )
     ap.add_argument("--dump", help="a folder to write each program's texts into")
     args = ap.parse_args()
     st.set_checks(args.checks)
+    torch.set_float32_matmul_precision(args.precision)
     state, batch = gpt_inputs(args)
     print(
         f"{args.dtype} GPT d={args.d} heads={args.heads} layers={args.layers} T={args.seq} batch={args.batch} "

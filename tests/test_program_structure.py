@@ -135,3 +135,51 @@ def test_cpu_flash_attention_backward_reuses_the_forward_probabilities():
     torch.testing.assert_close(torch.tensor(np.asarray(out)), ref_out)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(torch.tensor(np.asarray(a)), b)
+
+
+def _stablehlo(tensors) -> str:
+    lowered = lower([t._cell for t in tensors])
+    with x64_scope():
+        return lowered.jitted().lower(*lowered.abstract_arguments()).as_text()
+
+
+def _class_passes(text: str, rows: int, classes: int) -> tuple[int, int]:
+    """(reductions over a (rows, classes) value, 64-bit integer ops of that shape) in StableHLO."""
+    shape = f"tensor<{rows}x{classes}x"
+    reductions = len(re.findall(rf"stablehlo\.reduce\(.*\({re.escape(shape)}f32>", text))
+    wide = len(re.findall(rf"{re.escape(shape)}i64>", text))
+    return reductions, wide
+
+
+def test_cross_entropy_passes_over_the_logits_as_jax():
+    """F.cross_entropy forward and backward reduces over the (rows, classes) logits three times, as
+    JAX's log_softmax + take_along_axis and its gradient: the max, the sum of exponentials (the
+    target's logit is picked beside them, not from the log-probabilities in a pass of its own), and
+    none in the backward (the one-hot gradient's row sums are known); and compares classes in int32
+    (a TPU emulates 64-bit integers). Values equal eager torch's, ignored targets and weights included."""
+    rows, classes = 6, 40
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, classes, generator=g).requires_grad_()
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[2] = -100
+    weight = torch.rand(classes, generator=g)
+    for kw in ({}, {"weight": weight}):
+        ref = F.cross_entropy(x, t, **kw)
+        ref.backward()
+        mine = x.detach().to(st.device()).requires_grad_()
+        kwd = {k: v.to(st.device()) for k, v in kw.items()}
+        got = F.cross_entropy(mine, t.to(st.device()), **kwd)
+        got.backward()
+        passes, wide = _class_passes(_stablehlo([got, mine.grad]), rows, classes)
+        assert wide == 0
+        assert passes == 3 or kw  # (a class weight is picked by more, of the weights alone)
+        torch.testing.assert_close(got.cpu(), ref)
+        torch.testing.assert_close(mine.grad.cpu(), x.grad)
+        x.grad = None
+
+    def jax_loss(x, t):
+        logp = jax.nn.log_softmax(x, axis=-1)
+        return -jnp.take_along_axis(logp, t[:, None], axis=-1).mean()
+
+    jax_text = jax.jit(jax.value_and_grad(jax_loss)).lower(jnp.zeros((rows, classes)), jnp.zeros(rows, int)).as_text()
+    assert _class_passes(jax_text, rows, classes)[0] == 3
