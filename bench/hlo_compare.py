@@ -171,11 +171,15 @@ def st_lowered(args, part, state, batch, forward_loss=False):
         opt.zero_grad(set_to_none=True)
         return [loss]
 
-    if part == "step":  # one real step first: the state exists, the captured step is a steady one
-        step()
-        st.sync()
-    with capture() as seen:
-        results = step()  # (held: a result nothing holds is not computed)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    # XLA's attention, as bench/tpu.py's rows against jax.jit (a TPU's default is the splash kernel)
+    with sdpa_kernel([SDPBackend.OVERRIDEABLE, SDPBackend.MATH]):
+        if part == "step":  # one real step first: the state exists, the captured step is a steady one
+            step()
+            st.sync()
+        with capture() as seen:
+            results = step()  # (held: a result nothing holds is not computed)
     lowered = lower(seen.pending(), donate=True)
     del results
     return lowered
