@@ -56,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from gpt_model import GPT  # noqa: E402
+from shardtensor.ops.checks import checks_enabled  # noqa: E402
 from train_vs_jax import BETAS, EPS, LR, WD  # noqa: E402  (AdamW's settings, as the CPU bench)
 
 SIZES = {
@@ -264,7 +265,16 @@ def xla_attention():
 
 def time_st_training(state, size, batches, mode):
     """mode: 'compile' (capturable AdamW), 'compile-default', 'lazy-item', 'lazy-10', each with XLA's
-    attention; 'compile-splash': 'compile' with SDPA through the splash kernel (a TPU's default)."""
+    attention; 'compile-splash': 'compile' with SDPA through the splash kernel (a TPU's default);
+    'compile-async': 'compile' with ``raise_on_call=False``; 'compile-nochecks': 'compile' with
+    ``st.set_checks(False)`` (no on-device checks, so nothing to wait for: JAX's program has none)."""
+    if mode == "compile-nochecks":
+        before = checks_enabled()
+        st.set_checks(False)
+        try:
+            return time_st_training(state, size, batches, "compile")
+        finally:
+            st.set_checks(before)
     if mode != "compile-splash":
         with xla_attention():
             return _time_st_training(state, size, batches, mode)
@@ -276,7 +286,9 @@ def _time_st_training(state, size, batches, mode):
     dev = _device_batches(batches)
     index = {id(b[0]): i for i, b in enumerate(batches)}
     if mode.startswith("compile"):
-        compiled = st.compile(trainer.step)
+        # compile-async: a call returns at dispatch (a failed check raises on the next call), so the
+        # host records call n+1 while the chip runs call n, as jax.jit's; the default waits for each
+        compiled = st.compile(trainer.step, raise_on_call=mode != "compile-async")
 
         def run(x, y):
             return compiled(*dev[index[id(x)]])
@@ -342,6 +354,8 @@ def gpt_section():
         ("lazy-10", "lazy, one read after all steps"),
         ("compile-default", "st.compile, default AdamW"),
         ("compile-splash", "st.compile, capturable, SDPA via Pallas splash (TPU default)"),
+        ("compile-async", "st.compile(raise_on_call=False), capturable"),
+        ("compile-nochecks", "st.compile, capturable, st.set_checks(False)"),
     ):
         if ARGS.modes and mode not in ARGS.modes:
             continue
@@ -384,15 +398,17 @@ def f32_section():
                 f"loss {jax_l:.4f}",
             )
             torch.set_float32_matmul_precision(setting)
-            s, loss = time_st_training(state, size, batches, "compile")
-            row(
-                "f32 GPT",
-                f"st.compile at set_float32_matmul_precision('{setting}')",
-                s,
-                jax_s,
-                flops,
-                f"loss {loss:.4f}",
-            )
+            for mode in ARGS.f32_modes:
+                s, loss = time_st_training(state, size, batches, mode)
+                gc.collect()
+                row(
+                    "f32 GPT",
+                    f"st.{mode} at set_float32_matmul_precision('{setting}')",
+                    s,
+                    jax_s,
+                    flops,
+                    f"loss {loss:.4f}",
+                )
         if jax_default is not None:
             print(f"  (JAX's default precision, the TPU's bf16 speed: {jax_default * 1e3:.1f} ms)")
     finally:
@@ -517,13 +533,23 @@ def main():
     ap.add_argument("--llama", action="store_true", help="issue 37: HF Llama training and st.generate")
     ap.add_argument("--llama-generate-only", action="store_true", help="with --llama: st.generate rows only")
     ap.add_argument(
-        "--modes", nargs="*", help="only these bf16 GPT modes (compile, lazy-item, lazy-10, compile-default)"
+        "--modes",
+        nargs="*",
+        help="only these bf16 GPT modes (compile, lazy-item, lazy-10, compile-default, compile-splash, "
+        "compile-async, compile-nochecks)",
     )
     ap.add_argument(
         "--precisions", nargs="+", choices=list(JAX_PRECISION), default=list(JAX_PRECISION), help="with --f32"
     )
     ap.add_argument("--no-forward", action="store_true", help="with --gpt: no forward-only rows")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, to debug the bench on a CPU")
+    ap.add_argument(
+        "--f32-modes",
+        nargs="+",
+        default=["compile"],
+        choices=["compile", "compile-async", "compile-nochecks", "compile-default"],
+        help="with --f32: the st.compile variants timed at each precision (see time_st_training)",
+    )
     ap.add_argument(
         "--gc-freeze",
         action="store_true",
