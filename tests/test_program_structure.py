@@ -183,3 +183,19 @@ def test_cross_entropy_passes_over_the_logits_as_jax():
 
     jax_text = jax.jit(jax.value_and_grad(jax_loss)).lower(jnp.zeros((rows, classes)), jnp.zeros(rows, int)).as_text()
     assert _class_passes(jax_text, rows, classes)[0] == 3
+
+
+def test_causal_sdpa_masks_with_32_bit_integers():
+    """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
+    compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""
+    ref = _leaves([(1, 2, 24, 8)] * 3, torch.float32, seed=4)
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.square().sum().backward()
+    mine = _on_device(ref)
+    got = F.scaled_dot_product_attention(*mine, is_causal=True)
+    got.square().sum().backward()
+    text = _stablehlo([got] + [t.grad for t in mine])
+    assert "24x24xi32>" in text and "24x24xi64>" not in text
+    torch.testing.assert_close(got.cpu(), out)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)
