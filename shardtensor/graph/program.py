@@ -307,7 +307,7 @@ class Program:
                     x = jnp.pad(x, pad)
                 if checked and failed is not None and i in rollback:
                     old = arrays[rollback[i]]  # as stored (padded)
-                    if i in selected and selected[i] == len(collector.rows):
+                    if collector is not None and selected.get(i) == len(collector.rows):
                         early_restored.add(i)  # (selected where computed, after every check)
                     elif old.shape == x.shape and old.dtype == x.dtype:
                         restored[i] = old
