@@ -158,10 +158,10 @@ def _class_passes(text: str, rows: int, classes: int) -> tuple[int, int]:
 
 def test_cross_entropy_passes_over_the_logits_as_jax():
     """F.cross_entropy forward and backward reduces over the (rows, classes) logits three times, as
-    JAX's log_softmax + take_along_axis and its gradient: the max, the sum of exponentials (the
-    target's logit is picked beside them, not from the log-probabilities in a pass of its own), and
-    none in the backward (the one-hot gradient's row sums are known); and compares classes in int32
-    (a TPU emulates 64-bit integers). Values equal eager torch's, ignored targets and weights included."""
+    JAX's log_softmax + take_along_axis and its gradient: the max, the sum of exponentials, the
+    target's pick, and none in the backward (the one-hot gradient's row sums are known: it summed
+    them over the classes once more); and compares classes in int32 (a TPU emulates 64-bit
+    integers). Values equal eager torch's, ignored targets and weights included."""
     rows, classes = 6, 40
     g = torch.Generator().manual_seed(3)
     x = torch.randn(rows, classes, generator=g).requires_grad_()

@@ -1,15 +1,15 @@
 """Facts one lowering leaves about a traced value for a later lowering of the same trace (a program
-being built), so that the later one can compute its result from cheaper parts: the log-probabilities'
-logits and log-sum-exp (nll_loss picks the target's from the logits, in the pass that finds their
-max), a one-hot gradient's row sums (log_softmax's backward does not sum a row it knows).
+being built), so that the later one can compute its result from cheaper parts: nll_loss's gradient
+has one nonzero per row, whose row sums it knows, so log_softmax's backward does not sum them over
+the classes (a pass over the logits' shape, as large as the vocabulary times the tokens).
 
 A fact is kept only for a tracer, while it lives, and only for the trace it belongs to; concrete
 arrays (eager mode) never have facts, and every lowering still computes its result without them.
 
 Example::
 
-    remember(out, "log_softmax", (x, lse, axis))
-    facts = recall(logp, "log_softmax")   # None unless logp is that traced ``out``
+    remember(grad, "onehot_rows", (row_sums, axis))
+    facts = recall(g, "onehot_rows")   # None unless g is that traced ``grad``
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch
 
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops._traced import recall, remember
+from shardtensor.ops._traced import remember
 from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
@@ -103,15 +103,7 @@ def _nll_parts(x, target, weight, ignore_index):
 def nll_forward(x, target, weight, reduction, ignore_index):
     onehot, cdim, w, valid = _nll_parts(x, target, weight, ignore_index)
     acc = acc_dtype(x.dtype)
-    logits = recall(x, "log_softmax")
-    if logits is not None and logits[2] == cdim:
-        # x is log_softmax(src) = src - lse: pick src's target value (the same one subtraction), which
-        # reads src beside the pass that finds its max instead of in a third pass over the row
-        src, lse, _ = logits
-        picked_src = jnp.sum(jnp.where(onehot, src, jnp.zeros((), src.dtype)), axis=cdim)
-        picked = (picked_src - jnp.squeeze(lse, cdim)).astype(x.dtype).astype(acc)
-    else:
-        picked = jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
+    picked = jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
     loss = jnp.where(valid, -picked * w, jnp.zeros((), acc))
     total = jnp.sum(w)
     if reduction == NONE:  # torch reports a total weight only for 1-d input

@@ -26,7 +26,7 @@ from shardtensor.ops._promote import (
     opmath,
     result_type,
 )
-from shardtensor.ops._traced import recall, remember
+from shardtensor.ops._traced import recall
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -424,9 +424,7 @@ def _log_softmax(self, dim, half_to_float):
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order
-    out = cast(x - lse, rt)
-    remember(out, "log_softmax", (x, lse, ax))  # nll_loss picks x[t] - lse from the logits
-    return out
+    return cast(x - lse, rt)
 
 
 @register(aten._safe_softmax.default)
