@@ -243,8 +243,10 @@ class Program:
         last_checked = max(self.sites, default=-1)
         early: dict[int, list] = {}  # step -> [(output, index in the step's values)]
         by_selects = checked and rollback_by_selects(self.mesh)
+        late = [code for i, (code, _, _) in enumerate(outputs) if by_selects and i in rollback]
         for i, (code, _, _) in enumerate(outputs):
-            if by_selects and i in rollback and code[0] == 0 and code[1] > last_checked:
+            # (a value that overwrites two cells is selected against each one's old value at the end)
+            if by_selects and i in rollback and code[0] == 0 and code[1] > last_checked and late.count(code) == 1:
                 early.setdefault(code[1], []).append((i, code[2]))
 
         def replay(donated, kept, vecs):
