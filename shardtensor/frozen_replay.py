@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import operator
-import re
 import weakref
 from typing import Any
 
@@ -35,7 +34,6 @@ from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import STATE, locked, others_pending, set_failed
 from shardtensor.ops.checks import checks_enabled
 from shardtensor.replay_guard import Guard, picker
-from shardtensor.runtime import x64_scope
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides
@@ -153,7 +151,6 @@ class Frozen:
         self.fingerprint = trace.fingerprint
         ex = trace.execution
         self.executable = ex.executable if ex else None
-        self._rows_fn: Any = None  # the check rows' own program (False: none worth it), made at first use
         self.scalars = ex.scalars if ex else {}
         self.sources = trace.sources
         self.out_flat, self.out_spec = trace.out_flat, trace.out_spec
@@ -272,20 +269,10 @@ class Frozen:
         if scalars is None:
             scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
         donated_at, kept_at = self._call_order
-        donated_values, kept_values = list(donated_at(values)), list(kept_at(values))
-        early = None
-        if program.checks:
-            rows_fn = self._rows_fn
-            if rows_fn is None:
-                rows_fn = self._rows_fn = _rows_program(self.executable, donated_values, kept_values, scalars)
-            if rows_fn:
-                early = rows_fn(donated_values, kept_values, scalars)
         with deferred_interrupts():  # from donating the inputs to storing every output
             try:
                 # (lists, as the program was lowered with: a tuple would be another signature for jit)
-                outs = execute.call_prepared(self.executable, donated_values, kept_values, scalars)
-                if early is not None:
-                    outs.early_rows = early
+                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
             except Exception as error:
                 out_cells, _ = self._targets(flat)
                 _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
@@ -343,8 +330,7 @@ class Frozen:
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
-            early = getattr(outs, "early_rows", None)
-            checks.watch(program, rows if early is None else early, self.sites, cells, outs)
+            checks.watch(program, rows, self.sites, cells, outs)
         return results
 
     def _give(self, flat, outs) -> tuple[list, list, list]:
@@ -452,24 +438,3 @@ def _consumed_by_failed_call(cells, before, what, error) -> None:
         old = before.get(id(cell)) if cell is not None else None
         if old is not None and old.is_deleted():
             set_failed(cell, Failed(inflight.consumed_error(what, cell, error)))
-
-
-_HEAVY = re.compile(r"\s(?:dot|convolution|custom-call|while|all-reduce|all-gather|sort)\(")
-
-
-def _rows_program(executable, donated, kept, scalars):
-    """The compiled program computing only the check rows of ``executable``'s (``False`` if they
-    need a product, a loop, a collective or a sort: then they cost what the step does).
-
-    A call with checks returns after reading its rows (``raise_on_call``); read from the step's own
-    outputs, that waits for the whole step, so the device idles while the host prepares the next
-    call. The rows alone (the step's inputs checked: ids, targets) run before the step and are read
-    instead: the call returns once the earlier step is done, with this one queued behind them."""
-    rows_only = getattr(executable, "rows_only", None)
-    if rows_only is None:
-        return False
-    with x64_scope():
-        compiled = rows_only.lower(donated, kept, scalars).compile()
-    if _HEAVY.search(compiled.as_text()):
-        return False
-    return compiled

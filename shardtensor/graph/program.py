@@ -344,9 +344,6 @@ class Program:
             out_shardings = (out_shardings, NamedSharding(self.mesh, JaxSpec()))
         fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
         fn.program = self  # type: ignore[attr-defined]  # a function object takes attributes
-        if checked and self.mesh is not None:  # the check rows alone (XLA drops the rest): frozen_replay
-            rows_only = jax.jit(lambda d, k, v: replay(d, k, v)[1], out_shardings=NamedSharding(self.mesh, JaxSpec()))
-            fn.rows_only = rows_only  # type: ignore[attr-defined]
         return fn
 
 
