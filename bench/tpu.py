@@ -56,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from gpt_model import GPT  # noqa: E402
+from shardtensor.ops.checks import checks_enabled  # noqa: E402
 from train_vs_jax import BETAS, EPS, LR, WD  # noqa: E402  (AdamW's settings, as the CPU bench)
 
 SIZES = {
@@ -264,7 +265,16 @@ def xla_attention():
 
 def time_st_training(state, size, batches, mode):
     """mode: 'compile' (capturable AdamW), 'compile-default', 'lazy-item', 'lazy-10', each with XLA's
-    attention; 'compile-splash': 'compile' with SDPA through the splash kernel (a TPU's default)."""
+    attention; 'compile-splash': 'compile' with SDPA through the splash kernel (a TPU's default);
+    'compile-async': 'compile' with ``raise_on_call=False``; 'compile-nochecks': 'compile' with
+    ``st.set_checks(False)`` (no on-device checks, so nothing to wait for: JAX's program has none)."""
+    if mode == "compile-nochecks":
+        before = checks_enabled()
+        st.set_checks(False)
+        try:
+            return time_st_training(state, size, batches, "compile")
+        finally:
+            st.set_checks(before)
     if mode != "compile-splash":
         with xla_attention():
             return _time_st_training(state, size, batches, mode)
@@ -276,8 +286,8 @@ def _time_st_training(state, size, batches, mode):
     dev = _device_batches(batches)
     index = {id(b[0]): i for i, b in enumerate(batches)}
     if mode.startswith("compile"):
-        # 'compile-async': a failed on-device check raises on the next call, so a call need not wait
-        # for its own program (st.compile's default waits: each call raises its own failure)
+        # compile-async: a call returns at dispatch (a failed check raises on the next call), so the
+        # host records call n+1 while the chip runs call n, as jax.jit's; the default waits for each
         compiled = st.compile(trainer.step, raise_on_call=mode != "compile-async")
 
         def run(x, y):
@@ -340,11 +350,12 @@ def gpt_section():
     row("bf16 GPT", "plain jax.jit, donated state", jax_s, jax_s, flops, f"loss {jax_l:.4f}")
     for mode, name in (
         ("compile", "st.compile, AdamW(capturable=True)"),
-        ("compile-async", "st.compile(raise_on_call=False), capturable"),
         ("lazy-item", "lazy with st.step() + loss.item() each step"),
         ("lazy-10", "lazy, one read after all steps"),
         ("compile-default", "st.compile, default AdamW"),
         ("compile-splash", "st.compile, capturable, SDPA via Pallas splash (TPU default)"),
+        ("compile-async", "st.compile(raise_on_call=False), capturable"),
+        ("compile-nochecks", "st.compile, capturable, st.set_checks(False)"),
     ):
         if ARGS.modes and mode not in ARGS.modes:
             continue
@@ -387,11 +398,17 @@ def f32_section():
                 f"loss {jax_l:.4f}",
             )
             torch.set_float32_matmul_precision(setting)
-            for mode in [m for m in ("compile", "compile-async") if m in (ARGS.modes or ("compile",))]:
+            for mode in ARGS.f32_modes:
                 s, loss = time_st_training(state, size, batches, mode)
-                how = "st.compile" if mode == "compile" else "st.compile(raise_on_call=False)"
-                name = f"{how} at set_float32_matmul_precision('{setting}')"
-                row("f32 GPT", name, s, jax_s, flops, f"loss {loss:.4f}")
+                gc.collect()
+                row(
+                    "f32 GPT",
+                    f"st.{mode} at set_float32_matmul_precision('{setting}')",
+                    s,
+                    jax_s,
+                    flops,
+                    f"loss {loss:.4f}",
+                )
         if jax_default is not None:
             print(f"  (JAX's default precision, the TPU's bf16 speed: {jax_default * 1e3:.1f} ms)")
     finally:
@@ -518,14 +535,21 @@ def main():
     ap.add_argument(
         "--modes",
         nargs="*",
-        help="only these bf16 GPT modes (compile, compile-async, lazy-item, lazy-10, compile-default, "
-        "compile-splash); with --f32: compile and/or compile-async",
+        help="only these bf16 GPT modes (compile, lazy-item, lazy-10, compile-default, compile-splash, "
+        "compile-async, compile-nochecks)",
     )
     ap.add_argument(
         "--precisions", nargs="+", choices=list(JAX_PRECISION), default=list(JAX_PRECISION), help="with --f32"
     )
     ap.add_argument("--no-forward", action="store_true", help="with --gpt: no forward-only rows")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes, to debug the bench on a CPU")
+    ap.add_argument(
+        "--f32-modes",
+        nargs="+",
+        default=["compile"],
+        choices=["compile", "compile-async", "compile-nochecks", "compile-default"],
+        help="with --f32: the st.compile variants timed at each precision (see time_st_training)",
+    )
     ap.add_argument(
         "--gc-freeze",
         action="store_true",

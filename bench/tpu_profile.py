@@ -9,6 +9,7 @@ copied before each run). On a CPU it runs too (the numbers are the CPU's thunks)
 Example::
 
     source bench/tpu_setup.sh && python3 bench/tpu_profile.py --out $OUT/prof     # bench sizes
+    python3 bench/tpu_profile.py --f32 --parts step --out $OUT/prof32              # bench/tpu.py --f32's
     .venv/bin/python bench/tpu_profile.py --tiny --out /tmp/prof                     # on a CPU
 """
 
@@ -29,6 +30,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
 from jax.profiler import ProfileData  # noqa: E402
 
 import hlo_compare  # noqa: E402  (bench/hlo_compare.py: the same model, batch and program)
@@ -93,7 +95,8 @@ def st_program(args, part, state, batch):
 def jax_program(args, part, state, batch):
     import tpu  # the bench's JAX GPT (torch's bf16 numerics) and AdamW
 
-    params = {k: jnp.asarray(v.float().numpy(), jnp.bfloat16) for k, v in state.items()}
+    dtype = jnp.float32 if args.dtype == "f32" else jnp.bfloat16
+    params = {k: jnp.asarray(v.float().numpy(), dtype) for k, v in state.items()}
     x, y = (jnp.asarray(t.numpy()) for t in batch)
 
     def loss_fn(p):
@@ -131,18 +134,29 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument(
+        "--f32",
+        action="store_true",
+        help="bench/tpu.py --f32's model (float32, d=768, 6 layers, T=512) at torch's 'medium' precision "
+        "against JAX's default",
+    )
     args = ap.parse_args()
+    args.dtype, args.precision = ("f32", "medium") if args.f32 else ("bf16", "highest")
     sizes = dict(vocab=512, seq=64, d=64, heads=4, layers=2, batch=2) if args.tiny else {}
-    sizes = {**dict(vocab=32768, seq=1024, d=1024, heads=16, layers=8, batch=8), **sizes}
+    full = dict(seq=512, d=768, heads=12, layers=6) if args.f32 else dict(seq=1024, d=1024, heads=16, layers=8)
+    sizes = {**dict(vocab=32768, batch=8, **full), **sizes}
     for k, val in sizes.items():
         setattr(args, k, val)
     st.set_checks(False)  # JAX's program has none; the checks' cost is measured elsewhere
+    torch.set_float32_matmul_precision(args.precision)
     state, batch = hlo_compare.gpt_inputs(args)
     os.makedirs(args.out, exist_ok=True)
-    print(f"bf16 GPT {sizes} on {jax.devices()[0].device_kind}", flush=True)
+    print(f"{args.dtype} GPT {sizes} on {jax.devices()[0].device_kind}", flush=True)
     for part in args.parts.split(","):
         for side, build in (("jax", jax_program), ("st", st_program)):
-            compiled, run = build(args, part, state, batch)
+            jax_precision = "default" if args.precision == "medium" else args.precision
+            with jax.default_matmul_precision(jax_precision):
+                compiled, run = build(args, part, state, batch)
             text = compiled.as_text()
             wall, per_run = profiled(run, args.runs)
             with open(os.path.join(args.out, f"{part}_{side}_opt.txt"), "w") as f:

@@ -334,3 +334,33 @@ def test_torch_compile_backend_raises_on_the_call():
     with pytest.raises(IndexError, match="index out of range in self") as info:
         f(x, _put(_t(0, 6)))
     assert "test_checks.py" in str(info.value)
+
+
+def test_failed_step_keeps_values_overwritten_after_the_last_check(monkeypatch, request):
+    """Float32 values computed after the last check (so selected where they are computed, see
+    ``program.Program.make_executable``) overwriting two tensors stored padded: a failed check gives
+    each its own value back."""
+    monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: True)
+    st.clear_executables()
+    request.addfinalizer(st.clear_executables)
+    a0, b0 = torch.arange(6.0).reshape(2, 3), -torch.arange(6.0).reshape(2, 3)
+    a, b = _put(a0.clone()), _put(b0.clone())
+
+    @st.compile
+    def step(ids):
+        picked = X.to(st.device()).index_select(0, ids).sum()  # checked: ids in range
+        new = a * 2 + picked
+        a.copy_(new)
+        b.copy_(new)
+        return picked
+
+    good, bad = _put(_t(0, 1)), _put(_t(0, 9))
+    for _ in range(2):
+        step(good)
+    a1, b1 = a.cpu(), b.cpu()
+    with pytest.raises(IndexError):
+        step(bad)
+        a.cpu()
+    torch.testing.assert_close(a.cpu(), a1)
+    torch.testing.assert_close(b.cpu(), b1)
+    torch.testing.assert_close(b1, a1)  # (both got the same value before)

@@ -86,9 +86,10 @@ def _step(model, opt, ids, targets):
     return loss.detach()
 
 
-def _checked_step_hlo(monkeypatch, selects: bool) -> str:
+def _checked_step_hlo(monkeypatch, selects: bool, checks: bool = True) -> str:
     """The optimized HLO of a steady AdamW step of a net with an embedding (so a checked op),
-    its failed-check rollback by selects or by one conditional."""
+    its failed-check rollback by selects or by one conditional (``checks=False``: the program
+    without checks)."""
     monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: selects)
     torch.manual_seed(0)
     model = _Net().to(st.device())
@@ -98,7 +99,7 @@ def _checked_step_hlo(monkeypatch, selects: bool) -> str:
     st.sync()
     with capture() as seen:
         loss = _step(model, opt, ids, targets)
-    lowered = lower(seen.pending(), donate=True, checks=True)
+    lowered = lower(seen.pending(), donate=True, checks=checks)
     del loss
     with x64_scope():
         return lowered.jitted().lower(*lowered.abstract_arguments()).compile().as_text()
@@ -112,6 +113,10 @@ def test_failed_check_rollback_by_selects_copies_no_state(monkeypatch):
     by_conditional = _count("copy", _checked_step_hlo(monkeypatch, False))
     state = 3 * 4  # parameters, exp_avg, exp_avg_sq of the 4 parameters
     assert by_selects + state <= by_conditional, (by_selects, by_conditional)
+    # and the updates computed after the last check are selected where computed, so the parameter
+    # update reads the moments' outputs: no copy of the moments either (13 copies before, 4 after)
+    unchecked = _count("copy", _checked_step_hlo(monkeypatch, True, checks=False))
+    assert by_selects <= unchecked, (by_selects, unchecked)
 
 
 def test_cpu_flash_attention_backward_reuses_the_forward_probabilities():
@@ -135,3 +140,67 @@ def test_cpu_flash_attention_backward_reuses_the_forward_probabilities():
     torch.testing.assert_close(torch.tensor(np.asarray(out)), ref_out)
     for a, b in zip(grads, ref):
         torch.testing.assert_close(torch.tensor(np.asarray(a)), b)
+
+
+def _stablehlo(tensors) -> str:
+    lowered = lower([t._cell for t in tensors])
+    with x64_scope():
+        return lowered.jitted().lower(*lowered.abstract_arguments()).as_text()
+
+
+def _class_passes(text: str, rows: int, classes: int) -> tuple[int, int]:
+    """(reductions over a (rows, classes) value, 64-bit integer ops of that shape) in StableHLO."""
+    shape = f"tensor<{rows}x{classes}x"
+    reductions = len(re.findall(rf"stablehlo\.reduce\(.*\({re.escape(shape)}f32>", text))
+    wide = len(re.findall(rf"{re.escape(shape)}i64>", text))
+    return reductions, wide
+
+
+def test_cross_entropy_passes_over_the_logits_as_jax():
+    """F.cross_entropy forward and backward reduces over the (rows, classes) logits three times, as
+    JAX's log_softmax + take_along_axis and its gradient: the max, the sum of exponentials, the
+    target's pick, and none in the backward (the one-hot gradient's row sums are known: it summed
+    them over the classes once more); and compares classes in int32 (a TPU emulates 64-bit
+    integers). Values equal eager torch's, ignored targets and weights included."""
+    rows, classes = 6, 40
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, classes, generator=g).requires_grad_()
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[2] = -100
+    weight = torch.rand(classes, generator=g)
+    for kw in ({}, {"weight": weight}):
+        ref = F.cross_entropy(x, t, **kw)
+        ref.backward()
+        mine = x.detach().to(st.device()).requires_grad_()
+        kwd = {k: v.to(st.device()) for k, v in kw.items()}
+        got = F.cross_entropy(mine, t.to(st.device()), **kwd)
+        got.backward()
+        passes, wide = _class_passes(_stablehlo([got, mine.grad]), rows, classes)
+        assert wide == 0
+        assert passes == 3 or kw  # (a class weight is picked by more, of the weights alone)
+        torch.testing.assert_close(got.cpu(), ref)
+        torch.testing.assert_close(mine.grad.cpu(), x.grad)
+        x.grad = None
+
+    def jax_loss(x, t):
+        logp = jax.nn.log_softmax(x, axis=-1)
+        return -jnp.take_along_axis(logp, t[:, None], axis=-1).mean()
+
+    jax_text = jax.jit(jax.value_and_grad(jax_loss)).lower(jnp.zeros((rows, classes)), jnp.zeros(rows, int)).as_text()
+    assert _class_passes(jax_text, rows, classes)[0] == 3
+
+
+def test_causal_sdpa_masks_with_32_bit_integers():
+    """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
+    compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""
+    ref = _leaves([(1, 2, 24, 8)] * 3, torch.float32, seed=4)
+    out = F.scaled_dot_product_attention(*ref, is_causal=True)
+    out.square().sum().backward()
+    mine = _on_device(ref)
+    got = F.scaled_dot_product_attention(*mine, is_causal=True)
+    got.square().sum().backward()
+    text = _stablehlo([got] + [t.grad for t in mine])
+    assert "24x24xi32>" in text and "24x24xi64>" not in text
+    torch.testing.assert_close(got.cpu(), out)
+    for a, b in zip(mine, ref):
+        torch.testing.assert_close(a.grad.cpu(), b.grad)

@@ -260,6 +260,21 @@ class Program:
         order = self.donated + self.kept
         forwarded, forwarded_leaves = self.forwarded, self.forwarded_leaves
         checked, rollback, scratch = self.checks, self.rollback, self.scratch
+        # An overwritten value computed after the last checked op (checked ops carry a user line) is
+        # selected where it is computed, so its other readers (the parameter update reading the new
+        # moments) read the output itself: selected at the end instead, they read the update before
+        # the select, which XLA recomputes from the old buffer after the output overwrote it, and so
+        # copies every such buffer first (a pass over parameters and optimizer state each step).
+        # float32 values only: a bfloat16 step's updates (computed in float32, then rounded) are
+        # fused the other way round, and selecting them early made XLA:CPU copy 56 buffers, not 0
+        last_checked = max(self.sites, default=-1)
+        early: dict[int, list] = {}  # step -> [(output, index in the step's values)]
+        by_selects = checked and rollback_by_selects(self.mesh)
+        late = [code for i, (code, _, _) in enumerate(outputs) if by_selects and i in rollback]
+        for i, (code, _, _) in enumerate(outputs):
+            # (a value that overwrites two cells is selected against each one's old value at the end)
+            if by_selects and i in rollback and code[0] == 0 and code[1] > last_checked and late.count(code) == 1:
+                early.setdefault(code[1], []).append((i, code[2]))
 
         def replay(donated, kept, vecs):
             arrays: list = [None] * len(order)
@@ -282,7 +297,8 @@ class Program:
                 return leaves[code[1]] if code[0] == 1 else scalars[code[1]]
 
             collector = op_checks.Collector() if checked else None
-            failed, restored = None, {}
+            failed, restored, early_restored = None, {}, set()
+            selected: dict = {}  # output -> how many check rows its early select saw
             if collector is None:
                 for caller, codes in steps:
                     values.append(caller(*[resolve(c) for c in codes]))
@@ -294,6 +310,16 @@ class Program:
                         values.append(caller(*[resolve(c) for c in codes]))
                         if len(collector.rows) > declared or any(c[0] == 0 and c[1] in tainted for c in codes):
                             tainted.add(j)
+                        if j in early and collector.rows:
+                            so_far = jnp.any(collector.output()[:, 0] != 0)
+                            step_values = list(values[j])
+                            for i, k in early[j]:
+                                old, new = leaves[rollback[i]], step_values[k]
+                                if old.shape == new.shape and old.dtype == new.dtype == _EARLY_DTYPE:
+                                    step_values[k] = jnp.where(so_far, old, new)
+                                    selected[i] = len(collector.rows)
+                            values[j] = step_values
+                            tainted.add(j)  # (its readers now depend on the checks)
                 rows = collector.output()
                 self.check_table = collector.checks
                 self.tainted = frozenset(
@@ -312,7 +338,9 @@ class Program:
                     x = jnp.pad(x, pad)
                 if checked and failed is not None and i in rollback:
                     old = arrays[rollback[i]]  # as stored (padded)
-                    if old.shape == x.shape and old.dtype == x.dtype:
+                    if collector is not None and selected.get(i) == len(collector.rows):
+                        early_restored.add(i)  # (selected where computed, after every check)
+                    elif old.shape == x.shape and old.dtype == x.dtype:
                         restored[i] = old
                 if sharding is not None:
                     x = jax.lax.with_sharding_constraint(x, sharding)
@@ -335,7 +363,7 @@ class Program:
                     sharding = outputs[i][2]
                     results[i] = x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
             if checked:
-                self.restored = frozenset(restored)
+                self.restored = frozenset(restored) | frozenset(early_restored)
                 return results, rows
             return results
 
@@ -349,6 +377,7 @@ class Program:
 
 
 _OLDER_CPU_EMITTER = "--xla_cpu_use_fusion_emitters=false"
+_EARLY_DTYPE = np.dtype(np.float32)  # the overwritten values a checked program selects where computed
 
 
 def rollback_by_selects(mesh) -> bool:

@@ -35,6 +35,7 @@ from jax import lax
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.precision import as_jax_default, precision
 from shardtensor.ops.registry import register
+from shardtensor.runtime import x64_off_scope
 
 aten = torch.ops.aten
 
@@ -134,7 +135,9 @@ def _jax_attention(query, key, value, is_causal, scale):
     def bthd(x):  # (..., h, t, d) -> (batch, t, h, d), JAX's layout
         return jnp.swapaxes(x.reshape((-1,) + x.shape[-3:]), 1, 2)
 
-    with as_jax_default():
+    # 32-bit types inside, as under jax.jit: the causal mask's iota is int32, not an int64 that a TPU
+    # emulates for each score of the fused softmax (the inputs are float16/32, nothing else changes)
+    with as_jax_default(), x64_off_scope():
         out = jax.nn.dot_product_attention(
             bthd(query), bthd(key), bthd(value), scale=scale, is_causal=is_causal, implementation="xla"
         )

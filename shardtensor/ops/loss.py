@@ -20,6 +20,7 @@ import torch
 
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops._traced import remember
 from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
@@ -62,8 +63,13 @@ def _target_mask(target, nclass, cdim, ndim):
     entry = _ONEHOTS.get(key)
     if entry is not None and entry[0]() is target:
         return entry[1]
-    classes = jax.lax.broadcasted_iota(target.dtype, tuple(nclass if i == cdim else 1 for i in range(ndim)), cdim)
-    onehot = jnp.expand_dims(target, cdim) == classes
+    t = target
+    if jnp.dtype(t.dtype).itemsize > 4 and nclass < 2**31:
+        # int32 over the (..., nclass) comparison: a TPU emulates every 64-bit integer op, and an
+        # out-of-range target (-1 here) still matches no class
+        t = jnp.where((t >= 0) & (t < nclass), t, -1).astype(jnp.int32)
+    classes = jax.lax.broadcasted_iota(t.dtype, tuple(nclass if i == cdim else 1 for i in range(ndim)), cdim)
+    onehot = jnp.expand_dims(t, cdim) == classes
     trace = getattr(target, "_trace", None)
     if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
 
@@ -115,7 +121,11 @@ def nll_backward(grad, x, target, weight, reduction, ignore_index, total_weight)
     if reduction == MEAN:
         g = g / total_weight.astype(acc)
     coef = jnp.where(valid, -w * g, jnp.zeros((), acc))
-    return jnp.where(onehot, jnp.expand_dims(coef, cdim), jnp.zeros((), acc)).astype(x.dtype)
+    out = jnp.where(onehot, jnp.expand_dims(coef, cdim), jnp.zeros((), acc)).astype(x.dtype)
+    # each row's sum, known without a pass over the classes (log_softmax's backward needs it)
+    hit = (target >= 0) & (target < x.shape[cdim])
+    remember(out, "onehot_rows", (jnp.where(hit, coef, jnp.zeros((), acc)).astype(x.dtype), cdim))
+    return out
 
 
 @register(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, checked=True)

@@ -26,6 +26,7 @@ from shardtensor.ops._promote import (
     opmath,
     result_type,
 )
+from shardtensor.ops._traced import recall
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -400,35 +401,37 @@ def _softmax_out_dtype(self, half_to_float):
     return dt
 
 
-def _softmax_compute(x, dim, log):
+def _softmax_compute(x, dim):
     if x.ndim == 0:
-        return jnp.zeros_like(x) if log else jnp.ones_like(x)
+        return jnp.ones_like(x)
     ax = _axis(dim, x.ndim)
-    m = jnp.max(x, axis=ax, keepdims=True)
-    shifted = x - m
-    if log:  # torch's CPU kernel: x - (max + log(sum(exp(x - max))))
-        return x - (m + jnp.log(jnp.sum(jnp.exp(shifted), axis=ax, keepdims=True)))
-    e = jnp.exp(shifted)
+    e = jnp.exp(x - jnp.max(x, axis=ax, keepdims=True))
     return e / jnp.sum(e, axis=ax, keepdims=True)
 
 
 @register(aten._softmax.default)
 def _softmax(self, dim, half_to_float):
     rt = _softmax_out_dtype(self, half_to_float)
-    return cast(_softmax_compute(cast(self, opmath(rt)), dim, False), rt)
+    return cast(_softmax_compute(cast(self, opmath(rt)), dim), rt)
 
 
 @register(aten._log_softmax.default)
 def _log_softmax(self, dim, half_to_float):
     rt = _softmax_out_dtype(self, half_to_float)
-    return cast(_softmax_compute(cast(self, opmath(rt)), dim, True), rt)
+    x = cast(self, opmath(rt))
+    if x.ndim == 0:
+        return cast(jnp.zeros_like(x), rt)
+    ax = _axis(dim, x.ndim)
+    m = jnp.max(x, axis=ax, keepdims=True)
+    lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order
+    return cast(x - lse, rt)
 
 
 @register(aten._safe_softmax.default)
 def _safe_softmax(self, dim, dtype=None):
     rt = dtype_arg(dtype) if dtype is not None else dtype_of(self)
     x = cast(self, opmath(rt))
-    out = _softmax_compute(x, dim, False)
+    out = _softmax_compute(x, dim)
     if x.ndim:
         all_masked = jnp.all(x == -jnp.inf, axis=_axis(dim, x.ndim), keepdims=True)
         out = jnp.where(all_masked, jnp.zeros_like(out), out)
@@ -454,7 +457,12 @@ def _log_softmax_backward_data(grad_output, output, dim, input_dtype):
     if y.ndim == 0:
         return cast(jnp.zeros_like(g), rt)
     ax = _axis(dim, y.ndim)
-    return cast(g - jnp.exp(y) * jnp.sum(g, axis=ax, keepdims=True), rt)
+    rows = recall(grad_output, "onehot_rows")  # nll_loss's gradient: one nonzero per row, known
+    if rows is not None and rows[1] == ax:
+        total = jnp.expand_dims(cast(rows[0], ct), ax)
+    else:
+        total = jnp.sum(g, axis=ax, keepdims=True)
+    return cast(g - jnp.exp(y) * total, rt)
 
 
 # ----------------------------------------------------------------------------------------------
