@@ -109,3 +109,37 @@ def test_static_numbers_equal_in_python_keep_their_types():
         for g, w in zip(got, want):
             assert g.dtype == w.dtype
             assert_close(g.cpu(), w)
+
+
+def test_foreach_inplace_casts_into_its_targets_on_every_call():
+    """A foreach in-place op whose results have another dtype than some targets casts them into the
+    targets' dtypes; the second call with the same arguments reuses what the first checked (the
+    plan's per-target casts) and gives torch's values too."""
+
+    def fn(x):
+        a, b = x.to(torch.bfloat16), x * 3  # targets of two dtypes
+        for scale in (0.5, 0.25):  # the second call: the same plan
+            torch._foreach_add_([a, b], [x * scale, x + scale])
+        return [a, b]
+
+    _check(fn, torch.randn(8, 4))
+
+
+def test_op_tables_answer_by_identity_after_every_change():
+    """``OpTable.find`` (the dispatch's lookup by the overload's id) agrees with the dict after each
+    way of changing it, as the test suite's ``monkeypatch.delitem`` and ``.pop`` do."""
+    from shardtensor.ops.registry import OpTable
+
+    aten = torch.ops.aten
+    table = OpTable()
+    table[aten.add.Tensor] = "add"
+    table.update({aten.mul.Tensor: "mul"})
+    table.setdefault(aten.sub.Tensor, "sub")
+    assert [table.find(op) for op in (aten.add.Tensor, aten.mul.Tensor, aten.sub.Tensor)] == ["add", "mul", "sub"]
+    del table[aten.add.Tensor]
+    assert table.pop(aten.mul.Tensor) == "mul" and table.pop(aten.mul.Tensor, None) is None
+    assert table.find(aten.add.Tensor) is None and table.find(aten.mul.Tensor) is None
+    table[aten.sub.Tensor] = "sub2"
+    assert table.find(aten.sub.Tensor) == "sub2" and table.find(aten.div.Tensor) is None
+    table.clear()
+    assert table.find(aten.sub.Tensor) is None and not table.ids

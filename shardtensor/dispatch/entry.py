@@ -33,7 +33,7 @@ def handle(func, args, kwargs):
     threads may run, and with JAX's 64-bit types on (also in backward, on autograd's threads).
     """
     try:
-        special = SPECIAL.get(func)
+        special = SPECIAL.find(func)
         if special is not None:
             return special(func, args, kwargs)
         f = facts(func)

@@ -22,7 +22,7 @@ from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Leaf, Pending
 from shardtensor.graph.program import describe_mesh, mesh_of
-from shardtensor.graph.state import STATE
+from shardtensor.graph.state import STATE, set_pending_all
 from shardtensor.ops.schema import OpFacts, facts, is_inplace
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor.geometry import contiguous_strides
@@ -254,7 +254,14 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
         metas = [(tuple(r.shape), r.dtype, r.stride(), 0) for r in flat]
     if len(refs) != len(targets):
         raise RuntimeError(f"{func}: {len(refs)} results for a list of {len(targets)} tensors")
+    known = plan.list_casts.get(id(func)) if plan is not None else None
+    if known is not None and known[0] is func:
+        # the plan's template holds every target's shape and dtype: the checks below passed for it,
+        # and ``known[1]`` says which results are cast into their target's dtype
+        written = [(t, ref if dtype is None else cast(ref, dtype)) for t, ref, dtype in zip(targets, refs, known[1])]
+        return _write_list(written, targets, shape)
     written = []  # every result checked before the first is written: an error leaves all targets as they were
+    casts = []
     for t, ref, meta in zip(targets, refs, metas):
         sig = t._sig
         shape_, dtype = (sig[1], sig[2]) if sig is not None else (tuple(t.shape), t.dtype)
@@ -268,11 +275,27 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
                     f"result type {_name(meta[1])} can't be cast to the desired output type {_name(dtype)}"
                 )
             ref = cast(ref, dtype)
+            casts.append(dtype)
+        else:
+            casts.append(None)
         written.append((t, ref))
+    if plan is not None:
+        plan.list_casts[id(func)] = (func, tuple(casts))
+    return _write_list(written, targets, shape)
+
+
+def _write_list(written, targets, shape):
+    """The end of ``_inplace_list``: each (target, value reference) written."""
     cells = []
+    plain, plain_refs = [], []  # targets without a view chain, given pending values: set at once
     for t, ref in written:
-        views.write(t, ref)
+        if not t._chain and type(ref) is Pending:
+            plain.append(t._cell)
+            plain_refs.append(ref)
+        else:
+            views.write(t, ref)
         cells.append(t._cell)
+    set_pending_all(plain, plain_refs)
     if STATE.eager:  # one run: a second would find the rng key donated by the first
         run_cells(cells + rng.pending_cells())
     return None if not shape.returns else targets
@@ -339,8 +362,15 @@ def _check_one_mesh(func, targets, args, kwargs) -> None:
     # (and its ~100 inputs were walked once per target: 30 us each, 6 ms of an AdamW step)
     walked: dict = {}
     for t in targets:
-        written.add(id(t._cell))
-        m = _mesh_of(t, True, walked)
+        cell = t._cell
+        written.add(id(cell))
+        value = cell.value
+        if cell.sharding is None and type(value) is Pending:  # (the commonest target, inline)
+            m = walked.get(id(value.node), walked)
+            if m is walked:
+                m = walked[id(value.node)] = _recorded_mesh(value.node)
+        else:
+            m = _mesh_of(t, True, walked)
         if m is not None:
             if wanted is None:
                 wanted = m
@@ -351,7 +381,14 @@ def _check_one_mesh(func, targets, args, kwargs) -> None:
     for a in (*args, *kwargs.values()) if kwargs else args:
         for x in a if isinstance(a, (list, tuple)) else (a,):  # foreach ops and index_put_ take lists
             if isinstance(x, ShardedTensor) and id(x._cell) not in written:
-                m = _mesh_of(x, False, walked)
+                cell = x._cell
+                value = cell.value
+                if cell.sharding is None and type(value) is Pending:  # (as above)
+                    m = walked.get(id(value.node), walked)
+                    if m is walked:
+                        m = walked[id(value.node)] = _recorded_mesh(value.node)
+                else:
+                    m = _mesh_of(x, False, walked)
                 if m is not None and m is not wanted and m != wanted:
                     _refuse(func, wanted, m)
 

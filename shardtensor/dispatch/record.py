@@ -138,10 +138,26 @@ def flatten(func, args, kwargs, static_scalars=False, runtime_floats=frozenset()
             v = a._cell.value
             refs.append(v if type(v) is Pending else views.base_ref(a._cell))
             pos.append(a._sig or signature(a))
+        elif type(a) is list and a and isinstance(a[0], ShardedTensor):
+            pos.append(_tensor_list(a, refs))
         else:
             pos.append(_encode(a, i in slots, static_scalars, refs))
     kw = tuple([(k, _encode(v, k in slots, static_scalars, refs)) for k, v in kwargs.items()]) if kwargs else ()
     return (tuple(pos), kw), refs
+
+
+def _tensor_list(values: list, refs: list) -> tuple:
+    """``_encode`` of a list of tensors (a foreach op's: an optimizer's ~100 parameters, a dozen such
+    ops a step), with its commonest element inline."""
+    entries = []
+    for v in values:
+        if type(v) is ShardedTensor and not v._chain:
+            value = v._cell.value
+            refs.append(value if type(value) is Pending else views.base_ref(v._cell))
+            entries.append(v._sig or signature(v))
+        else:
+            entries.append(_encode(v, False, False, refs))
+    return ("L", tuple(entries))
 
 
 def view_template(func, args, kwargs, static_scalars=False):
@@ -168,6 +184,9 @@ class Plan:
     single: bool = False  # one tensor result, no random key: the commonest op, with a short path
     # id(in-place op) -> that op, for the in-place ops whose meta kernel accepted this plan's arguments
     checked: dict = dataclasses.field(default_factory=dict)
+    # id(foreach in-place op) -> (that op, per target: the dtype its result is cast into, or None),
+    # for the ops whose results were checked against this plan's targets (dispatch.mutation)
+    list_casts: dict = dataclasses.field(default_factory=dict)
     # a view op's (step, template entry, contiguous?) per result (dispatch.view_ops), made on its first call
     view_steps: tuple | None = None
     # per result: its template entry ("T", shape, dtype, strides, 0) if it is contiguous (else None),

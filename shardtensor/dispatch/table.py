@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 
-SPECIAL: dict = {}  # aten overload -> handler(func, args, kwargs)
+from shardtensor.ops.registry import OpTable
+
+SPECIAL: OpTable = OpTable()  # aten overload -> handler(func, args, kwargs); the entry uses SPECIAL.find
 
 
 def special(*ops):

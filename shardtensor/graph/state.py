@@ -101,7 +101,7 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     if STATE.trace_start is None or not pending:  # the first op of a new graph
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
-    if cell.sharding is None and hasattr(old, "sharding") and tuple(old.shape) == cell.shape:
+    if _keeps_layout(cell, old):
         # an in-place update keeps the layout the data had (so optimizer state does not drift
         # between layouts and recompile the next step)
         cell.layout = old.sharding
@@ -109,6 +109,32 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     cell.version += 1
     cell._leaf = None
     pending[weakref.ref(cell, pending.drop)] = cell.serial  # (an equal key already there stays)
+
+
+def _keeps_layout(cell: Cell, old) -> bool:
+    """Whether ``cell``, about to get a pending value in place of ``old``, keeps ``old``'s layout."""
+    if cell.sharding is not None or type(old) is Pending:
+        return False
+    return hasattr(old, "sharding") and tuple(old.shape) == cell.shape
+
+
+def set_pending_all(cells, refs) -> None:
+    """``set_pending(cell, ref)`` for each pair (a foreach op's targets: an optimizer's parameters).
+
+    Example: ``set_pending_all([a._cell, b._cell], [Pending(node, 0), Pending(node, 1)])``.
+    """
+    pending = STATE.pending
+    if STATE.trace_start is None or not pending:
+        STATE.trace_start = time.perf_counter_ns()
+    drop = pending.drop
+    for cell, ref in zip(cells, refs):
+        old = cell.value
+        if _keeps_layout(cell, old):
+            cell.layout = old.sharding  # (as set_pending)
+        cell.value = ref
+        cell.version += 1
+        cell._leaf = None
+        pending[weakref.ref(cell, drop)] = cell.serial
 
 
 def new_pending_cell(ref: Pending, shape, dtype) -> Cell:

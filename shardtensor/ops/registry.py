@@ -55,7 +55,61 @@ class Lowering:
         return dict(self.platforms).get(platform, self.fn)
 
 
-_TABLE: dict[torch._ops.OpOverload, Lowering] = {}
+class OpTable(dict):
+    """A dict keyed by aten overloads that also answers by the overload's identity (``find``).
+
+    An ``OpOverload`` hashes in Python (~0.3 us a lookup) and the dispatch looks every op up in
+    such tables; ``find`` is one C-level lookup by ``id(op)``. Each key also sits in ``ids`` as
+    ``id(op) -> (op, value)`` (the dict holds ``op`` alive, so no other object has its id meanwhile).
+
+    Example::
+
+        table = OpTable()
+        table[aten.add.Tensor] = "add"
+        table.find(aten.add.Tensor) == "add" and table.find(aten.mul.Tensor) is None   # True
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.ids: dict = {}
+
+    def __setitem__(self, op, value):
+        super().__setitem__(op, value)
+        self.ids[id(op)] = (op, value)
+
+    def __delitem__(self, op):
+        super().__delitem__(op)
+        del self.ids[id(op)]
+
+    def pop(self, op, *default):
+        self.ids.pop(id(op), None)
+        return super().pop(op, *default)
+
+    def popitem(self):
+        op, value = super().popitem()
+        del self.ids[id(op)]
+        return op, value
+
+    def setdefault(self, op, default=None):
+        if op not in self:
+            self[op] = default
+        return self[op]
+
+    def update(self, *args, **kwargs):
+        for op, value in dict(*args, **kwargs).items():
+            self[op] = value
+
+    def clear(self):
+        super().clear()
+        self.ids.clear()
+
+    def find(self, op):
+        """``self.get(op)`` without hashing ``op``."""
+        entry = self.ids.get(id(op))
+        return None if entry is None or entry[0] is not op else entry[1]
+
+
+_TABLE: OpTable = OpTable()  # aten overload -> Lowering
 
 
 def bakes_scalar(static_scalars: bool | frozenset, value) -> bool:
@@ -131,7 +185,7 @@ def lookup(op) -> Lowering | None:
 
         lookup(torch.ops.aten.add.Tensor).fn(x, y)
     """
-    return _TABLE.get(op)
+    return _TABLE.find(op)
 
 
 def registered_ops() -> list:

@@ -37,15 +37,17 @@ class OpFacts:
         return bound
 
 
+# id(overload) -> (overload, its facts): keyed by id, as an OpOverload hashes in Python and this runs
+# several times per dispatched op (the tuple keeps the overload alive, so its id stays its own)
 _FACTS: dict = {}
 
 
 def facts(func) -> OpFacts:
     """The (memoised) schema facts of an aten overload."""
-    f = _FACTS.get(func)
-    if f is None:
-        f = _FACTS[func] = _make_facts(func)
-    return f
+    entry = _FACTS.get(id(func))
+    if entry is None or entry[0] is not func:
+        entry = _FACTS[id(func)] = (func, _make_facts(func))
+    return entry[1]
 
 
 def _make_facts(func) -> OpFacts:

@@ -110,7 +110,11 @@ class ShardedTensor(torch.Tensor):
     """
 
     _cell: Cell
-    _chain: tuple  # view ops from the cell's value to this tensor's value
+    # view ops from the cell's value to this tensor's value; the class's () is a result's (no chain),
+    # and the class's _vcache a tensor's before its first read through the chain (views.read): defaults
+    # here, so the commonest tensors made (every op's result) skip setting them
+    _chain: tuple = ()
+    _vcache: tuple | None = None
     # ("T", shape, dtype, strides, storage offset): this tensor's entry in a recorded op's template
     # (dispatch.record), known when the tensor is made; None when not known (then read from torch).
     # Whatever changes the geometry in place (.data =, the in-place view ops) sets it back to None.
@@ -167,8 +171,6 @@ class ShardedTensor(torch.Tensor):
         """
         r = torch.Tensor._make_wrapper_subclass(cls, sig[1], dtype=sig[2], device=torch_device._DEVICE)
         r._cell = cell
-        r._chain = ()
-        r._vcache = None
         r._sig = sig
         return r
 
@@ -188,7 +190,6 @@ class ShardedTensor(torch.Tensor):
             )
         r._cell = cell
         r._chain = chain
-        r._vcache = None
         r._sig = sig
         return r
 
