@@ -39,19 +39,19 @@ import tpu  # noqa: E402  (the GPT, its trainer and batches)
 from gpt_model import GPT  # noqa: E402
 
 
-def _steps(trainer, batches, n, read_each):
-    """[(recording s, st.step() exit s, read s)] for ``n`` lazy steps."""
+def _steps(trainer, batches, n, read_each, clock=time.perf_counter):
+    """[(recording s, st.step() exit s, read s)] for ``n`` lazy steps, by ``clock``."""
     parts = []
     for i in range(n):
         x, y = batches[i % len(batches)]
-        t0 = time.perf_counter()
+        t0 = clock()
         with st.step():
             loss = trainer.step(x, y)
-            t1 = time.perf_counter()
-        t2 = time.perf_counter()
+            t1 = clock()
+        t2 = clock()
         if read_each:
             loss.item()
-        parts.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+        parts.append((t1 - t0, t2 - t1, clock() - t2))
     return parts, loss
 
 
@@ -100,14 +100,8 @@ def _cpu_parts(trainer, batches, n):
     try:
         for i in range(n):
             spent.update(build=0.0, call=0.0)
-            x, y = batches[i % len(batches)]
-            t0 = time.thread_time()
-            with st.step():
-                loss = trainer.step(x, y)
-                t1 = time.thread_time()
-            t2 = time.thread_time()
-            loss.item()
-            rows.append((t1 - t0, t2 - t1, spent["build"], spent["call"]))
+            ((recording, exit_, _),), _ = _steps(trainer, batches[i % len(batches) :], 1, True, time.thread_time)
+            rows.append((recording, exit_, spent["build"], spent["call"]))
     finally:
         gc.enable()
         program.Program.build, execute.call_executable = build, call  # type: ignore[method-assign]

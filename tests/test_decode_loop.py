@@ -36,16 +36,23 @@ def left_padded_batch(seed: int):
     return ids, mask
 
 
-def test_greedy_tokens_equal_eager_and_the_host_reads_nothing_per_token():
-    """A left-padded batch, no end-of-sequence token: the tokens are eager transformers'; every
-    decode step after the first two is a frozen replay; the host reads back only the tokens at the
-    end (no logits, no stop flag per token), and a second generation compiles nothing."""
+def _llama_on_device(seed: int):
+    """The tiny Llama, a left-padded batch and eager transformers' greedy tokens for it; then the
+    model on the devices, with no compiled program cached."""
     model = tiny("llama")
-    ids, mask = left_padded_batch(0)
+    ids, mask = left_padded_batch(seed)
     expected = model.generate(ids, attention_mask=mask, **GREEDY)
     model.to(st.device())
     st.sync()
     fresh_executable_cache()
+    return model, ids, mask, expected
+
+
+def test_greedy_tokens_equal_eager_and_the_host_reads_nothing_per_token():
+    """A left-padded batch, no end-of-sequence token: the tokens are eager transformers'; every
+    decode step after the first two is a frozen replay; the host reads back only the tokens at the
+    end (no logits, no stop flag per token), and a second generation compiles nothing."""
+    model, ids, mask, expected = _llama_on_device(0)
     before = compiles()
     torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
     assert compiles() - before == 2  # the prefill and the decode step
@@ -180,12 +187,7 @@ def test_the_decode_step_updates_the_kv_cache_in_place_with_checks_on(monkeypatc
     of a cache-sized buffer (a TPU paid a copy of the whole cache and two passes over it per token for
     that restore, by selects or by a conditional: ``selects``). The tokens are eager transformers'."""
     monkeypatch.setattr(program, "rollback_by_selects", lambda mesh: selects)
-    model = tiny("llama")
-    ids, mask = left_padded_batch(2)
-    expected = model.generate(ids, attention_mask=mask, **GREEDY)
-    model.to(st.device())
-    st.sync()
-    fresh_executable_cache()
+    model, ids, mask, expected = _llama_on_device(2)
     torch.testing.assert_close(st.generate(model, ids, attention_mask=mask, **GREEDY), expected, rtol=0, atol=0)
     (loop,) = decode_loop._LOOPS[model].values()
     (frozen,) = loop.step._frozen.values()

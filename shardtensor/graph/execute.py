@@ -263,7 +263,7 @@ def _fail(cell, error, before, what=""):
 class Execution:
     """One graph run: its program (structure), executable and concrete inputs."""
 
-    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells, sites=None):
+    def __init__(self, cells, program, executable, arrays, scalars, leaf_cells, sites=None, moved=()):
         self.cells, self.program, self.executable = cells, program, executable
         self.arrays, self.scalars = arrays, scalars
         self.leaf_cells = leaf_cells  # this run's cells behind each input (the cached program's are None)
@@ -271,7 +271,7 @@ class Execution:
         self.sites = sites  # this run's user lines of checked ops, by program step
         self.what = f"a program of {len(program.steps)} ops ({len(cells)} outputs)"  # for errors
         self.record: inflight.Run | None = None  # the run in flight, once its outputs are stored
-        self.moved: list = []  # (input position, its array before) for inputs copied onto the mesh
+        self.moved = moved  # (input position, its array before) for inputs copied onto the mesh
 
     @classmethod
     def prepare(cls, cells, donate=True):
@@ -292,9 +292,7 @@ class Execution:
             _EXECUTABLES[program.key] = fn
         else:
             counters.increment("CachedCompile")
-        execution = cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites)
-        execution.moved = moved
-        return execution
+        return cls(cells, fn.program, fn, arrays, scalars, leaf_cells, program.sites, moved)
 
     def run(self, wait=False):
         # inputs copied onto the mesh: their cells keep the copy, so the next call need not copy
