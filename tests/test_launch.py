@@ -7,6 +7,7 @@ process (it ends after the job), and a job that cannot form."""
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -69,6 +70,19 @@ def test_a_killed_process_fails_the_launch_and_the_survivor_raises(monkeypatch):
     # then an exit of its own: not SIGABRT from JAX's client, not stopped by launch
     assert survivor.startswith("raised ") and "Gloo" in survivor and "failed" in survivor
     assert info.value.exitcodes == [-9, 1]
+
+
+def test_the_root_failure_is_the_killed_process_whichever_failure_was_seen_first():
+    """A killed process's peer may fail (its collective) before the parent sees the death: the death
+    is reported, as in the test above whichever order the two came in. SIGABRT is a runtime's own
+    abort (a consequence), and without a death the first failure seen stays the one reported."""
+    launching = sys.modules["shardtensor.distributed.launch"]  # (the package's `launch` is the function)
+
+    assert launching._root_failure([1, 0], {0: -signal.SIGKILL}) == 0
+    assert launching._root_failure([0, 1], {0: -signal.SIGKILL}) == 0
+    assert launching._root_failure([1, 0], {0: -signal.SIGABRT}) == 1
+    assert launching._root_failure([1, 0], {0: 1}) == 1
+    assert launching._root_failure([1], {}) == 1
 
 
 def test_launch_refuses_bad_arguments():

@@ -137,6 +137,20 @@ def _how_it_ended(exitcode: int | None) -> str:
     return f"ended with exit code {exitcode} without a result"
 
 
+def _root_failure(failures: list, ended: dict) -> int:
+    """The failure to report: the first process killed by a signal from outside (not SIGABRT, which
+    a runtime raises itself, e.g. after a peer died), else the first failure seen. A killed process's
+    peers fail in their next collective, and that error can reach the parent before the death does.
+
+    Example: ``_root_failure([1, 0], {0: -9})`` is 0 (process 1's error came first, from the kill).
+    """
+    for index in failures:
+        code = ended.get(index)
+        if code is not None and code < 0 and -code != signal.SIGABRT:
+            return index
+    return failures[0]
+
+
 def _stop(processes: Sequence) -> None:
     """SIGKILL to those still running. (Not SIGTERM: in a process of a JAX job it only tells JAX's
     preemption notifier, which keeps running.)"""
@@ -232,7 +246,7 @@ def launch(
 
 def _collect(processes: list, connections: list, grace_period: float) -> list:
     """The return values, by index; or, at the first failure, the others' grace period, then a
-    LaunchError for that failure."""
+    LaunchError for the root failure (``_root_failure``)."""
     results: dict[int, Any] = {}
     errors: dict[int, tuple] = {}  # index -> (text, traceback, pickled exception)
     ended: dict[int, int | None] = {}  # index -> exit code, once it ended
@@ -265,7 +279,7 @@ def _collect(processes: list, connections: list, grace_period: float) -> list:
     if not failures:
         return [results[i] for i in range(len(processes))]
     _stop(processes)
-    first = failures[0]
+    first = _root_failure(failures, ended)
     others = {}
     for i in range(len(processes)):
         if i == first:
