@@ -166,6 +166,17 @@ def _timed(run_step, batches, warmup, steps, read):
         last = run_step(x, y)
     read(last)
     seconds = (time.perf_counter() - t0) / steps
+    if ARGS.timeline:  # the same steps once more, under the profiler: the device's programs and idle time
+        import timeline  # noqa: PLC0415
+
+        def profiled():
+            for i in range(steps):
+                x, y = batches[warmup + i % (len(batches) - warmup)]
+                out = run_step(x, y)
+            read(out)
+
+        print(f"  timeline ({steps} steps, {seconds * 1e3:.1f} ms a step unprofiled):", flush=True)
+        print(timeline.summary(timeline.traced(profiled), steps), flush=True)
     if ARGS.gc_freeze:
         gc.unfreeze()
     return seconds, first_loss
@@ -554,6 +565,9 @@ def main():
         "--gc-freeze",
         action="store_true",
         help="gc.freeze() after each row's warm-up (the collector's pauses in lazy steps; see docs/performance.md)",
+    )
+    ap.add_argument(
+        "--timeline", action="store_true", help="each timed loop once more under the profiler: programs, idle time"
     )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
