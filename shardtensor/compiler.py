@@ -149,10 +149,11 @@ class CompiledFunction:
             flat, signature = _key(args, kwargs)
         frozen = self._frozen.get(signature)
         if frozen is not None:
-            result = frozen.replay(flat, self.name, tensors)  # (it reads the earlier runs' checks first)
+            # (it reads the earlier runs' checks first)
+            result = frozen.replay(flat, self.name, tensors, own_checks=self.raise_on_call)
             if result is not STALE:
-                if self.raise_on_call:
-                    checks.verify()  # a failed on-device check raises on the call that ran it
+                if self.raise_on_call:  # a failed on-device check raises on the call that ran it
+                    checks.verify(wait_late=False)  # (its early rows, when it has them: graph.early_rows)
                 return result
             self._frozen.pop(signature, None)
         elif not synced:

@@ -26,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardtensor import metrics as counters
-from shardtensor.graph import checks, execute, inflight, memory, mesh_moves, rng
+from shardtensor.graph import checks, early_rows, execute, inflight, memory, mesh_moves, rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Cell, Failed
@@ -39,6 +39,10 @@ from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides
 
 STALE = object()  # what a replay returns when the call must run its Python instead
+# Whether a replay that must raise its own failed checks computes them first in a program of their
+# own (graph.early_rows); None: off a CPU only (there the devices are the host's cores: nothing to
+# overlap). Tests set it.
+EARLY_ROWS: bool | None = None
 
 
 class Trace:
@@ -196,6 +200,7 @@ class Frozen:
         self._written = [(j, read_of[i]) for j, i in self.overwrites]
         self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
         self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
+        self._rows_fn: Any = _NOTHING  # the check rows' own program (early_rows), None: not used
         spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
         self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
         # how a replay stores each output (``_store``): per target, whether its cell owns the array
@@ -222,9 +227,12 @@ class Frozen:
         self._native = torch_device.EXT if hasattr(torch_device.EXT, "replay_store") else None
 
     @locked
-    def replay(self, flat, name, tensors=None):
+    def replay(self, flat, name, tensors=None, own_checks=False):
         """Run the frozen program on the current values (``STALE``: the call must run ``fn``);
-        ``tensors``: the sharded tensors among ``flat`` when the caller knows them."""
+        ``tensors``: the sharded tensors among ``flat`` when the caller knows them; ``own_checks``:
+        the caller raises this run's failed checks before it returns (its rows may then come from a
+        program of their own run first, ``graph.early_rows``, so that waiting for them does not wait
+        for this run)."""
         if tensors is None:
             tensors = [x for x in flat if isinstance(x, ShardedTensor)]
         if not self.guard.holds(tensors):
@@ -264,7 +272,7 @@ class Frozen:
         # A failed check of an earlier run, or a failed earlier run, raises before this one runs.
         # Only now: reading the checks waits for those runs, and the host work above then overlaps
         # the devices' (if it raises, nothing above has changed a value)
-        checks.verify()
+        checks.verify(wait_late=False)  # (a run's own rows, when its early ones passed: once ready)
         inflight.settle()  # (at most max_in_flight() runs stay queued)
         counters.increment("CompileReplay")
         memory.check(getattr(self.executable, "memory", None), self.what)
@@ -272,16 +280,25 @@ class Frozen:
         if scalars is None:
             scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
         donated_at, kept_at = self._call_order
+        # (lists, as the program was lowered with: a tuple would be another signature for jit)
+        donated, kept = list(donated_at(values)), list(kept_at(values))
+        early = None
+        if own_checks and program.checks and _early_rows() and not checks.deferring():
+            rows_fn = self._rows_fn
+            if rows_fn is _NOTHING:
+                rows_fn = self._rows_fn = early_rows.rows_program(self.executable, donated, kept, scalars)
+            if rows_fn is not None:  # (before the program, which donates what it reads)
+                early = rows_fn(donated, kept, scalars)
+                execute.copy_rows_to_host(early)
         with deferred_interrupts():  # from donating the inputs to storing every output
             try:
-                # (lists, as the program was lowered with: a tuple would be another signature for jit)
-                outs = execute.call_prepared(self.executable, list(donated_at(values)), list(kept_at(values)), scalars)
+                outs = execute.call_prepared(self.executable, donated, kept, scalars)
             except Exception as error:
                 out_cells, _ = self._targets(flat)
                 _consumed_by_failed_call(out_cells, self._before(out_cells), self.what, error)
                 raise
             # (the cells it writes, made or read while the program runs: they still hold their values)
-            results = self._store(flat, outs, program)
+            results = self._store(flat, outs, program, early)
         fitting = self._written_fit
         if fitting is None:  # (the program's outputs have fixed layouts: found once)
             fitting = self._written_fit = [
@@ -306,10 +323,10 @@ class Frozen:
         values += self._consts
         return cells, values
 
-    def _store(self, flat, outs, program) -> list:
+    def _store(self, flat, outs, program, early=None) -> list:
         """Give each output to its cell, as ``assign_outputs`` does (the run noted in flight with
-        what it overwrites, its check rows kept to read), in one pass; returns the call's results
-        (new tensors for the new values it returns)."""
+        what it overwrites, its check rows kept to read, ``early``: its rows from their own program),
+        in one pass; returns the call's results (new tensors for the new values it returns)."""
         if self._native is not None:
             results = list(self.out_flat)
             made = []
@@ -333,7 +350,7 @@ class Frozen:
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs)
+            checks.watch(program, rows, self.sites, cells, outs, early)
         return results
 
     def _give(self, flat, outs) -> tuple[list, list, list]:
@@ -415,6 +432,12 @@ class Frozen:
         """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
         sig = self.leaf_sigs[source]
         return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
+
+
+def _early_rows() -> bool:
+    if EARLY_ROWS is not None:
+        return EARLY_ROWS
+    return execute.copy_rows_early()
 
 
 def _new_result(template) -> tuple[ShardedTensor, Cell]:

@@ -6,6 +6,12 @@ lowerings declared (``ops.checks``). After a run, ``watch`` keeps those rows on 
 value is read back to the host, at the end of an ``st.compile`` call and, in eager mode, at once —
 and raises the first failure with torch's exception type and message and the user's line.
 
+A run may also come with *early* rows (``watch(..., early=rows)``): the same checks computed by a
+small program dispatched just before it (``frozen_replay``: an ``st.compile`` call that raises its
+own failures). Waiting for those waits only for the runs before, not for this one; the run's own rows
+are then read once they are ready, or at the next read or sync (``verify(wait_late=False)`` leaves
+them unread until then). Either failing raises; a failure of the early rows drops the run's own.
+
 What a failed run leaves: the cells it overwrote hold their values from before the run (the program
 restored them on the device; scratch cells, ``program.mark_scratch``, keep what it computed); its new
 results that depend on the failed check become ``Failed`` (reading one raises the same error), and
@@ -26,7 +32,7 @@ from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
 
-_UNREAD: list = []  # (rows, program, sites, [(cell ref, result)] the failure would poison)
+_UNREAD: list = []  # the runs' unread rows (``_Rows``), oldest first
 # per thread, the innermost ``deferred``: how many of the newest runs verify() leaves unread
 _DEFERRING = threading.local()
 
@@ -55,14 +61,36 @@ def deferred(newest: int) -> Iterator[None]:
         _DEFERRING.newest = outer
 
 
-def watch(program, rows, sites, cells, results) -> None:
-    """Keep the check ``rows`` of a run of ``program`` until ``verify`` reads them."""
+class _Rows:
+    """One run's unread check rows; ``late``: the run's own rows when early ones were read for it
+    (read when ready, or at a read or sync); ``partner``: the early rows' entry of the same run."""
+
+    __slots__ = ("rows", "program", "sites", "suspects", "late", "partner")
+
+    def __init__(self, rows, program, sites, suspects, late=False, partner=None):
+        self.rows, self.program, self.sites, self.suspects = rows, program, sites, suspects
+        self.late, self.partner = late, partner
+
+
+def watch(program, rows, sites, cells, results, early=None) -> None:
+    """Keep the check ``rows`` of a run of ``program`` until ``verify`` reads them; ``early``: the
+    same checks' rows from a program dispatched before this run (module doc), read first."""
     suspects = []
     for i in program.tainted:
         cell = cells[i]
         if cell is not None and i not in program.restored:
             suspects.append((weakref.ref(cell), results[i]))
-    _UNREAD.append((rows, program, sites, suspects))
+    if early is None:
+        _UNREAD.append(_Rows(rows, program, sites, suspects))
+        return
+    own = _Rows(rows, program, sites, suspects, late=True)
+    _UNREAD.append(own)
+    _UNREAD.append(_Rows(early, program, sites, suspects, partner=own))
+
+
+def deferring() -> bool:
+    """Whether this thread is inside ``deferred`` (its runs' checks are read late anyway)."""
+    return getattr(_DEFERRING, "newest", 0) > 0
 
 
 def follow_copy(array, copy) -> None:
@@ -75,12 +103,14 @@ def follow_copy(array, copy) -> None:
         follow_copy(before, moved); cell.value = moved
     """
     for entry in _UNREAD:
-        suspects = entry[3]
+        suspects = entry.suspects
         suspects.extend([(ref, copy) for ref, result in suspects if result is array])
 
 
-def verify() -> None:
+def verify(wait_late: bool = True) -> None:
     """Read every unread run's checks; raise the first failure (torch's exception, the user's line).
+    ``wait_late=False``: a run's own rows whose early rows were read (module doc) are read only if
+    they are ready, so that a call returns without waiting for its run.
 
     Example::
 
@@ -93,19 +123,30 @@ def verify() -> None:
     if older <= 0:
         return
     runs = _UNREAD[:older]
-    del _UNREAD[:older]
+    if not wait_late:
+        runs = [r for r in runs if not r.late or _ready(r.rows)]
+    taken = {id(r) for r in runs}
+    _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
     first = None
-    for rows, program, sites, suspects in runs:
+    for entry in runs:
         try:
-            values = host_rows(rows)
+            values = host_rows(entry.rows)
         except Exception:  # noqa: BLE001  (jax raises a failed result as several types)
             continue  # the run failed on the devices: graph.inflight raises that, with what it left
-        error = _error(values, program, sites)
-        if error is not None:
-            _poison(suspects, error)
-            first = first or error
+        error = _error(values, entry.program, entry.sites)
+        if error is None:
+            continue
+        if entry.partner is not None:  # (the run's own rows say the same: not read again)
+            with contextlib.suppress(ValueError):
+                _UNREAD.remove(entry.partner)
+        _poison(entry.suspects, error)
+        first = first or error
     if first is not None:
         raise first
+
+
+def _ready(rows) -> bool:
+    return rows.is_ready()
 
 
 def host_rows(rows) -> np.ndarray:

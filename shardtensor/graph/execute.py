@@ -432,16 +432,27 @@ def _called(fn, outs, start):
         # the rows are read soon (``checks.verify``): on an accelerator their copy to the host starts
         # now, queued after the program, so the read finds them there instead of waiting for a
         # transfer (on CPU the devices' memory is the host's: starting a copy costs more than it saves)
-        if rows is not None and _copy_rows_early():
-            rows.copy_to_host_async()
+        if rows is not None:
+            copy_rows_to_host(rows)
     counters.increment("ExecuteReplicated")
     _EXECUTE_TIME.add_since(start)
     return outs
 
 
+def copy_rows_to_host(rows) -> None:
+    """Start copying a run's check rows to the host (off a CPU), to be read soon by ``checks.verify``.
+
+    Example::
+
+        copy_rows_to_host(outs.check_rows)
+    """
+    if copy_rows_early():
+        rows.copy_to_host_async()
+
+
 @functools.cache
-def _copy_rows_early() -> bool:
-    """Whether check rows are copied to the host at dispatch (off CPU): the platform is fixed."""
+def copy_rows_early() -> bool:
+    """Whether check rows are copied to the host at dispatch (off a CPU: the platform is fixed)."""
     return runtime.platform() != "cpu"
 
 

@@ -373,6 +373,10 @@ class Program:
             out_shardings = (out_shardings, NamedSharding(self.mesh, JaxSpec()))
         fn = jax.jit(replay, donate_argnums=(0,), out_shardings=out_shardings)
         fn.program = self  # type: ignore[attr-defined]  # a function object takes attributes
+        if checked:  # the check rows alone (graph.early_rows): XLA drops what they do not need
+            fn.rows_only = jax.jit(  # type: ignore[attr-defined]
+                lambda donated, kept, vecs: replay(donated, kept, vecs)[1], out_shardings=out_shardings[1]
+            )
         return fn
 
 

@@ -1,0 +1,162 @@
+"""An ``st.compile`` call that raises its own failed checks waits only for its check rows' own program.
+
+With ``raise_on_call=True`` (the default) a call reads its run's check rows before it returns; read
+from the step's program, that waits for the whole step, and the host cannot prepare the next call
+while the devices run this one. When the rows need only cheap work, a frozen replay computes them by a
+program of their own dispatched just before the step (``graph.early_rows``) and waits for that; the
+step's own rows are read later (once ready, or at the next read or sync). On a CPU it is off by
+default (nothing to overlap); these tests turn it on (``frozen_replay.EARLY_ROWS``).
+
+What must hold: results equal eager torch's; a bad index raises torch's error on the call that ran it,
+with the state as before the call; the step's own rows are read too (a failure only they show still
+raises, at the next read); a check that needs a product keeps the plain wait.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardtensor as st
+from shardtensor import frozen_replay
+from shardtensor.graph import checks
+
+VOCAB, WIDTH = 16, 8
+
+
+@pytest.fixture
+def early(monkeypatch):
+    monkeypatch.setattr(frozen_replay, "EARLY_ROWS", True)
+    st.sync()
+    checks.verify()
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))
+
+
+def _trainer(device):
+    model = _Model().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, capturable=device != "cpu")
+
+    def step(ids, targets):
+        loss = F.cross_entropy(model(ids).reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return model, step
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [tuple(torch.randint(0, VOCAB, (4, 6), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+def _frozen(compiled):
+    (frozen,) = compiled._frozen.values()
+    return frozen
+
+
+def test_training_matches_eager_and_uses_the_rows_program(early, monkeypatch):
+    seen = []
+    real = checks.host_rows
+    monkeypatch.setattr(checks, "host_rows", lambda rows: seen.append(rows) or real(rows))
+    model, step = _trainer(st.device())
+    compiled = st.compile(step)
+    eager_model, eager_step = _trainer("cpu")
+    batches = _batches(6)
+    for ids, targets in batches:
+        loss = compiled(ids.to(st.device()), targets.to(st.device()))
+        expected = eager_step(ids, targets)
+        torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-5)
+    frozen = _frozen(compiled)
+    assert frozen._rows_fn is not None  # index checks only: cheap
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-5)
+    st.sync()
+    checks.verify()
+    assert not checks._UNREAD  # every run's rows were read, its own and the early ones
+    assert len(seen) >= 2 * 3  # (the replays: early rows and the step's own each)
+
+
+def test_a_bad_target_raises_on_its_call_with_the_state_kept(early):
+    model, step = _trainer(st.device())
+    compiled = st.compile(step)
+    for ids, targets in _batches(4):
+        compiled(ids.to(st.device()), targets.to(st.device()))
+    assert _frozen(compiled)._rows_fn is not None
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    ids, targets = _batches(1)[0]
+    targets = targets.clone()
+    targets[1, 2] = VOCAB + 3
+    with pytest.raises(IndexError, match="out of bounds"):
+        compiled(ids.to(st.device()), targets.to(st.device()))
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.cpu(), b)
+    assert not checks._UNREAD  # (the failed run's own rows are not read again)
+    # and the next good call trains on
+    loss = compiled(ids.to(st.device()), _batches(1)[0][1].to(st.device()))
+    assert torch.isfinite(loss.cpu())
+
+
+def test_the_steps_own_rows_are_read_later(early, monkeypatch):
+    """Its own rows not ready when the call ends: left unread by the call, read by the next read."""
+    monkeypatch.setattr(checks, "_ready", lambda rows: False)
+    model, step = _trainer(st.device())
+    compiled = st.compile(step)
+    for ids, targets in _batches(4):
+        loss = compiled(ids.to(st.device()), targets.to(st.device()))
+    late = [entry for entry in checks._UNREAD if entry.late]
+    assert len(late) >= 1 and all(not entry.late or entry.partner is None for entry in checks._UNREAD)
+    loss.cpu()  # a read: every run's rows are read first
+    assert not checks._UNREAD
+
+
+def test_a_failure_only_the_steps_own_rows_show_still_raises(early, monkeypatch):
+    """The early rows are the same checks; were they ever to pass where the step's failed, the
+    step's rows still raise (at the next read), and its results that depend on them fail."""
+    model, step = _trainer(st.device())
+    compiled = st.compile(step)
+    for ids, targets in _batches(4):
+        compiled(ids.to(st.device()), targets.to(st.device()))
+    frozen = _frozen(compiled)
+    real = frozen._rows_fn
+    frozen._rows_fn = lambda donated, kept, scalars: real(donated, kept, scalars) * 0  # always "passed"
+    monkeypatch.setattr(checks, "_ready", lambda rows: False)
+    ids, targets = _batches(1)[0]
+    targets = targets.clone()
+    targets[0, 0] = -5
+    loss = compiled(ids.to(st.device()), targets.to(st.device()))  # early rows say fine
+    with pytest.raises(IndexError, match="out of bounds"):
+        loss.cpu()
+
+
+def test_a_check_after_a_product_keeps_the_plain_wait(early):
+    """Rows that need a matmul would cost most of the step: no program of their own."""
+    table = torch.arange(32.0).reshape(16, 2).to(st.device())
+
+    def pick(x, w):
+        index = (x @ w).argmax(-1)  # checked by the gather below: depends on the product
+        return table[index].sum()
+
+    compiled = st.compile(pick)
+    x, w = torch.randn(4, 5).to(st.device()), torch.randn(5, 16).to(st.device())
+    for _ in range(3):
+        out = compiled(x, w)
+    expected = torch.arange(32.0).reshape(16, 2)[(x.cpu() @ w.cpu()).argmax(-1)].sum()
+    torch.testing.assert_close(out.cpu(), expected)
+    assert _frozen(compiled)._rows_fn is None
+
+
+def test_off_on_a_cpu_by_default():
+    assert frozen_replay.EARLY_ROWS is None and frozen_replay._early_rows() is False
