@@ -39,10 +39,6 @@ from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides
 
 STALE = object()  # what a replay returns when the call must run its Python instead
-# Whether a replay that must raise its own failed checks computes them first in a program of their
-# own (graph.early_rows); None: off a CPU only (there the devices are the host's cores: nothing to
-# overlap). Tests set it.
-EARLY_ROWS: bool | None = None
 
 
 class Trace:
@@ -200,7 +196,6 @@ class Frozen:
         self._written = [(j, read_of[i]) for j, i in self.overwrites]
         self._written_fit: list | None = None  # the (target, read position) whose output passes as that input
         self._scalar_arrays: dict | None = None  # the scalar vectors on the devices, made by the first replay
-        self._rows_fn: Any = _NOTHING  # the check rows' own program (early_rows), None: not used
         spec = self.out_spec  # a tuple or list of tensors (a Dynamo graph's) is built without pytree
         self._plain_out = spec.type in (tuple, list) and all(c.is_leaf() for c in spec.children())
         # how a replay stores each output (``_store``): per target, whether its cell owns the array
@@ -282,14 +277,9 @@ class Frozen:
         donated_at, kept_at = self._call_order
         # (lists, as the program was lowered with: a tuple would be another signature for jit)
         donated, kept = list(donated_at(values)), list(kept_at(values))
-        early = None
-        if own_checks and program.checks and _early_rows() and not checks.deferring():
-            rows_fn = self._rows_fn
-            if rows_fn is _NOTHING:
-                rows_fn = self._rows_fn = early_rows.rows_program(self.executable, donated, kept, scalars)
-            if rows_fn is not None:  # (before the program, which donates what it reads)
-                early = rows_fn(donated, kept, scalars)
-                execute.copy_rows_to_host(early)
+        early = None  # (its rows' own program runs first: the program donates what it reads)
+        if own_checks and program.checks and early_rows.enabled() and not checks.deferring():
+            early = early_rows.dispatch(self.executable, donated, kept, scalars)
         with deferred_interrupts():  # from donating the inputs to storing every output
             try:
                 outs = execute.call_prepared(self.executable, donated, kept, scalars)
@@ -432,12 +422,6 @@ class Frozen:
         """Whether ``array`` has the shape, dtype and layout the program takes at input ``source``."""
         sig = self.leaf_sigs[source]
         return (array.shape, array.dtype) == sig[:2] and array.sharding == sig[3]
-
-
-def _early_rows() -> bool:
-    if EARLY_ROWS is not None:
-        return EARLY_ROWS
-    return execute.copy_rows_early()
 
 
 def _new_result(template) -> tuple[ShardedTensor, Cell]:

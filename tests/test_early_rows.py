@@ -5,7 +5,7 @@ from the step's program, that waits for the whole step, and the host cannot prep
 while the devices run this one. When the rows need only cheap work, a frozen replay computes them by a
 program of their own dispatched just before the step (``graph.early_rows``) and waits for that; the
 step's own rows are read later (once ready, or at the next read or sync). On a CPU it is off by
-default (nothing to overlap); these tests turn it on (``frozen_replay.EARLY_ROWS``).
+default (nothing to overlap); these tests turn it on (``early_rows.ENABLED``).
 
 What must hold: results equal eager torch's; a bad index raises torch's error on the call that ran it,
 with the state as before the call; the step's own rows are read too (a failure only they show still
@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 
 import shardtensor as st
-from shardtensor import frozen_replay
-from shardtensor.graph import checks
+from shardtensor.graph import checks, early_rows
 
 VOCAB, WIDTH = 16, 8
 
 
 @pytest.fixture
 def early(monkeypatch):
-    monkeypatch.setattr(frozen_replay, "EARLY_ROWS", True)
+    monkeypatch.setattr(early_rows, "ENABLED", True)
     st.sync()
     checks.verify()
 
@@ -67,6 +66,10 @@ def _frozen(compiled):
     return frozen
 
 
+def _has_rows_program(fn) -> bool:
+    return getattr(fn, "early_rows", None) not in (None, early_rows._SEEN, early_rows._NONE)
+
+
 def test_training_matches_eager_and_uses_the_rows_program(early, monkeypatch):
     seen = []
     real = checks.host_rows
@@ -80,7 +83,7 @@ def test_training_matches_eager_and_uses_the_rows_program(early, monkeypatch):
         expected = eager_step(ids, targets)
         torch.testing.assert_close(loss.cpu(), expected, rtol=1e-5, atol=1e-5)
     frozen = _frozen(compiled)
-    assert frozen._rows_fn is not None  # index checks only: cheap
+    assert _has_rows_program(frozen.executable)  # index checks only: cheap
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-5)
     st.sync()
@@ -94,7 +97,7 @@ def test_a_bad_target_raises_on_its_call_with_the_state_kept(early):
     compiled = st.compile(step)
     for ids, targets in _batches(4):
         compiled(ids.to(st.device()), targets.to(st.device()))
-    assert _frozen(compiled)._rows_fn is not None
+    assert _has_rows_program(_frozen(compiled).executable)
     before = [p.detach().cpu().clone() for p in model.parameters()]
     ids, targets = _batches(1)[0]
     targets = targets.clone()
@@ -130,8 +133,8 @@ def test_a_failure_only_the_steps_own_rows_show_still_raises(early, monkeypatch)
     for ids, targets in _batches(4):
         compiled(ids.to(st.device()), targets.to(st.device()))
     frozen = _frozen(compiled)
-    real = frozen._rows_fn
-    frozen._rows_fn = lambda donated, kept, scalars: real(donated, kept, scalars) * 0  # always "passed"
+    real = frozen.executable.early_rows
+    frozen.executable.early_rows = lambda *arguments: real(*arguments) * 0  # always "passed"
     monkeypatch.setattr(checks, "_ready", lambda rows: False)
     ids, targets = _batches(1)[0]
     targets = targets.clone()
@@ -155,8 +158,35 @@ def test_a_check_after_a_product_keeps_the_plain_wait(early):
         out = compiled(x, w)
     expected = torch.arange(32.0).reshape(16, 2)[(x.cpu() @ w.cpu()).argmax(-1)].sum()
     torch.testing.assert_close(out.cpu(), expected)
-    assert _frozen(compiled)._rows_fn is None
+    assert _frozen(compiled).executable.early_rows is early_rows._NONE
+
+
+def test_lazy_steps_read_the_earlier_run_early(early, monkeypatch):
+    """A repeated lazy step's program gets its rows' own program too: the next step's program is
+    called without waiting for this one. A bad target still raises at the next step (before its
+    program runs: the failed step is rolled back, the next one stays pending and runs at the read)."""
+    monkeypatch.setattr(checks, "_ready", lambda rows: False)
+    model, step = _trainer(st.device())
+    eager_model, eager_step = _trainer("cpu")
+    losses, expected = [], []
+    for ids, targets in _batches(5):
+        with st.step():
+            losses.append(step(ids.to(st.device()), targets.to(st.device())))
+        expected.append(eager_step(ids, targets))
+    assert any(entry.late for entry in checks._UNREAD)  # the last runs' own rows: not waited for
+    torch.testing.assert_close(torch.stack([x.cpu() for x in losses]), torch.stack(expected), rtol=1e-5, atol=1e-5)
+    assert not checks._UNREAD
+    ids, targets = _batches(1)[0]
+    bad = targets.clone()
+    bad[0, 1] = VOCAB
+    with st.step():
+        step(ids.to(st.device()), bad.to(st.device()))
+    with pytest.raises(IndexError, match="out of bounds"), st.step():
+        step(ids.to(st.device()), targets.to(st.device()))
+    eager_step(ids, targets)  # (eager torch raised at the bad step: only the good one trained)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-5)
 
 
 def test_off_on_a_cpu_by_default():
-    assert frozen_replay.EARLY_ROWS is None and frozen_replay._early_rows() is False
+    assert early_rows.ENABLED is None and early_rows.enabled() is False

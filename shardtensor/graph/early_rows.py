@@ -1,12 +1,16 @@
 """A checked program's check rows computed by a program of their own, dispatched just before it.
 
-``st.compile`` raises a failed on-device check on the call that ran it (``raise_on_call``), so each
-call waits for its check rows — and so for its whole program, while the host could already be
-preparing the next call (on a TPU the chip then idles between steps for the host's time per call).
-When the checks depend only on cheap work (index bounds of token ids and targets: no products, no
-kernels, no loops), their rows are computed by a small program of their own run before the step;
-waiting for it waits only for the runs before. The step's own rows are still read
-(``checks.watch(..., early=...)``), so nothing is decided on the small program's word alone.
+Reading a run's check rows waits for the run. ``st.compile`` raises a failed on-device check on the
+call that ran it (``raise_on_call``), so each call waited for its whole program, and a lazy step read
+the previous run's rows before calling its own program: either way the devices' queue drained and
+the chip idled for the host's time between steps. When the checks depend only on cheap work (index
+bounds of token ids and targets: no products, no kernels, no loops), a repeated program's rows are
+computed by a small program of their own run just before it; waiting for those waits only for the
+runs before. The program's own rows are still read (``checks.watch(..., early=...)``: once ready, or
+at the next read or sync), so nothing is decided on the small program's word alone.
+
+On by default off a CPU (there the devices are the host's own cores: nothing to overlap); ``ENABLED``
+overrides it (tests).
 """
 
 from __future__ import annotations
@@ -14,9 +18,40 @@ from __future__ import annotations
 import logging
 import warnings
 
+from shardtensor import runtime
+
+ENABLED: bool | None = None  # None: off a CPU only
 _LOG = logging.getLogger("shardtensor")
 # what would make the rows' program as costly as the step: products, kernels, loops
 _HEAVY = (" dot(", " convolution(", " custom-call(", " while(")  # (also inside fused computations)
+_SEEN, _NONE = object(), object()  # an executable's first call; no cheap rows program
+
+
+def enabled() -> bool:
+    """Whether checked programs that repeat get their rows' own program (module doc)."""
+    return ENABLED if ENABLED is not None else runtime.platform() != "cpu"
+
+
+def dispatch(fn, donated: list, kept: list, scalars: dict):
+    """Run ``fn``'s check rows' own program on these arguments (before ``fn`` itself, which may donate
+    them) and return its rows, or None: ``fn``'s first call, or its rows are not cheap (module doc).
+    The rows program is built at ``fn``'s second call (a program that repeats) and kept on ``fn``.
+
+    Example::
+
+        early = dispatch(fn, donated, kept, scalars)
+        outs = fn(donated, kept, scalars)
+        checks.watch(fn.program, outs[1], sites, cells, outs[0], early)
+    """
+    rows_fn = getattr(fn, "early_rows", None)
+    if rows_fn is None:
+        fn.early_rows = _SEEN
+        return None
+    if rows_fn is _SEEN:
+        rows_fn = fn.early_rows = rows_program(fn, donated, kept, scalars) or _NONE
+    if rows_fn is _NONE:
+        return None
+    return rows_fn(donated, kept, scalars)
 
 
 def rows_program(fn, donated: list, kept: list, scalars: dict):
@@ -25,8 +60,7 @@ def rows_program(fn, donated: list, kept: list, scalars: dict):
 
     Example::
 
-        rows_fn = rows_program(fn, donated, kept, scalars)
-        rows = rows_fn(donated, kept, scalars) if rows_fn is not None else None
+        rows = rows_program(fn, donated, kept, scalars)(donated, kept, scalars)
     """
     maker = getattr(fn, "rows_only", None)
     if maker is None:  # (an executable from the persistent cache: its trace is made again)
@@ -35,7 +69,7 @@ def rows_program(fn, donated: list, kept: list, scalars: dict):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiled = maker.lower(donated, kept, scalars).compile()
-    except Exception as error:  # noqa: BLE001  (an optimisation: the call waits for its own rows)
+    except Exception as error:  # noqa: BLE001  (an optimisation: the calls wait for their own rows)
         _LOG.info("shardtensor: the check rows' own program did not compile (%s); calls wait for their runs", error)
         return None
     text = compiled.as_text() or ""

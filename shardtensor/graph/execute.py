@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
-from shardtensor.graph import checks, inflight, memory, mesh_moves, program_store, recompile
+from shardtensor.graph import checks, early_rows, inflight, memory, mesh_moves, program_store, recompile
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.executable_cache import ExecutableCache
 from shardtensor.graph.interrupts import deferred_interrupts
@@ -66,11 +66,12 @@ def run_cells(cells, wait: bool = False):
     return _run_cells(cells, wait)
 
 
-def _settle_earlier_runs() -> None:
+def _settle_earlier_runs(wait_late: bool = True) -> None:
     """A failed on-device check of an earlier run, or an earlier run that failed on the devices,
     raises here (the checks first: reading them waits for those runs, after which ``settle`` sees
-    their failures)."""
-    checks.verify()
+    their failures). ``wait_late=False``: a run whose early rows passed is not waited for
+    (``graph.early_rows``): its own rows are read once ready."""
+    checks.verify(wait_late)
     inflight.settle()
 
 
@@ -96,7 +97,7 @@ def _run_cells(cells, wait):
         if failure is not None:
             raise failure from failure.__cause__
         raise
-    _settle_earlier_runs()
+    _settle_earlier_runs(wait_late=wait or STATE.eager)
     try:
         execution.run(wait=wait)
     except Exception as error:
@@ -303,10 +304,19 @@ class Execution:
         what = f"this program ({len(self.program.steps)} ops, {len(self.cells)} outputs)"
         memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
         before = self.values_before()
+        fn, early = self.executable, None
+        if fn.program.checks and not (wait or STATE.eager) and early_rows.enabled() and not checks.deferring():
+            arguments = _call_arguments(fn.program, self.arrays, self.scalars)
+            early = early_rows.dispatch(fn, *arguments)  # (a repeated program's rows, before it runs)
         with deferred_interrupts():  # from donating the inputs to storing every output
-            outs = call_executable(self.executable, self.arrays, self.scalars)
+            if early is None:
+                outs = call_executable(fn, self.arrays, self.scalars)
+            else:
+                outs = call_prepared(fn, *arguments)
             self.dispatched = True
-            self.record = assign_outputs(self.program, self.cells, outs, self.sites, before=before, what=self.what)
+            self.record = assign_outputs(
+                self.program, self.cells, outs, self.sites, before=before, what=self.what, early=early
+            )
             for i in self.program.forwarded_leaves:
                 leaf_cell = self.leaf_cells[i]
                 if leaf_cell is not None:
@@ -456,10 +466,11 @@ def copy_rows_early() -> bool:
     return runtime.platform() != "cpu"
 
 
-def assign_outputs(program, cells, outs, sites=None, before=None, what="a program"):
+def assign_outputs(program, cells, outs, sites=None, before=None, what="a program", early=None):
     """Give ``cells`` a run's results; ``sites``: the user's lines of its checked ops, by step;
     ``before``: id(cell) -> the array each overwritten cell had (kept to give back if the run fails,
-    see ``inflight``); ``what``: the program, for errors. Returns the run in flight."""
+    see ``inflight``); ``what``: the program, for errors; ``early``: its check rows from their own
+    program (``graph.early_rows``). Returns the run in flight."""
     record = inflight.track(what, cells, outs, before, program.aliasing, program.forwarded)
     forwarded = program.forwarded
     for i, (cell, out) in enumerate(zip(cells, outs)):
@@ -468,5 +479,5 @@ def assign_outputs(program, cells, outs, sites=None, before=None, what="a progra
     STATE.epoch += 1
     rows = getattr(outs, "check_rows", None)
     if rows is not None:
-        checks.watch(program, rows, sites, cells, outs)
+        checks.watch(program, rows, sites, cells, outs, early)
     return record
