@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 from shardtensor import runtime
 
@@ -43,7 +44,7 @@ def dispatch(fn, donated: list, kept: list, scalars: dict):
         outs = fn(donated, kept, scalars)
         checks.watch(fn.program, outs[1], sites, cells, outs[0], early)
     """
-    rows_fn = getattr(fn, "early_rows", None)
+    rows_fn: Any = getattr(fn, "early_rows", None)
     if rows_fn is None:
         fn.early_rows = _SEEN
         return None
