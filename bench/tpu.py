@@ -254,7 +254,8 @@ def time_jax_training(state, size, batches, precision=None):
         return loss
 
     with jax.default_matmul_precision(precision) if precision else _nullcontext():
-        seconds, loss = _timed(run, batches, ARGS.warmup, ARGS.steps, lambda v: v.block_until_ready())
+        # (the loss read to the host, as shardtensor's rows read it with loss.item())
+        seconds, loss = _timed(run, batches, ARGS.warmup, ARGS.steps, lambda v: float(v))
     return seconds, loss
 
 
@@ -332,7 +333,7 @@ def time_forward(state, size, batches):
     index = {id(b[0]): i for i, b in enumerate(batches)}
     fwd = jax.jit(functools.partial(jax_loss, heads=heads, layers=layers))
     jax_s, jax_loss_v = _timed(
-        lambda x, y: fwd(params, *jb[index[id(x)]]), batches, ARGS.warmup, ARGS.steps, lambda v: v.block_until_ready()
+        lambda x, y: fwd(params, *jb[index[id(x)]]), batches, ARGS.warmup, ARGS.steps, lambda v: float(v)
     )
     trainer = TorchTrainer(state, size, capturable=True)
     dev = _device_batches(batches)
