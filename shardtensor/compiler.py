@@ -83,7 +83,10 @@ def compile(
     ``if t.sum() > 0``, a data-dependent shape) raises instead of running part of the program.
 
     A failed on-device check (an index out of range, say) raises torch's error on the call that ran
-    it, so each call waits for its program to finish. With ``raise_on_call=False`` a call returns as
+    it, so each call waits for its check flags: on an accelerator, when they need no product (index
+    bounds of ids and targets), a repeated call computes them first in a small program of their own
+    and waits for that only (``graph.early_rows``: the host prepares the next call while the device
+    runs this one); else it waits for its program to finish. With ``raise_on_call=False`` a call returns as
     soon as its program is dispatched, and the error is raised as in lazy mode: by the next call (before
     its program runs), the next sync, or the first read of a value; the failed call's results raise it
     too, and what it overwrote keeps its value from before. A decode loop that feeds each call's
