@@ -190,6 +190,54 @@ def test_cross_entropy_passes_over_the_logits_as_jax():
     assert _class_passes(jax_text, rows, classes)[0] == 3
 
 
+def _after_log(text: str, rows: int, classes: int) -> int:
+    """How many reductions over a (rows, classes) value in the StableHLO's main function depend on a
+    ``log`` (log_softmax's logsumexp): passes over the logits that cannot start before it is known."""
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }")]
+    shape = f"tensor<{rows}x{classes}xf32>"
+    tainted: set = set()
+    late = 0
+    for line in main.splitlines():
+        m = re.match(r"\s*(%[\w#:]+?)(?::\d+)? = (.*)", line)
+        if not m:
+            continue
+        name, rest = m.group(1), m.group(2)
+        reads = {o.split("#")[0] for o in re.findall(r"%[\w#]+", rest)}
+        if "stablehlo.log " in rest or reads & tainted:
+            tainted.add(name)
+            late += bool(re.search(rf"stablehlo\.reduce\(.*\({re.escape(shape)}", rest))
+    return late
+
+
+def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp():
+    """F.cross_entropy's pick of each row's target reads the logits, not log_softmax's output (the
+    logits minus the logsumexp), and subtracts the logsumexp per row: no pass over the logits waits
+    for it, so XLA fuses the pick into a pass it makes anyway (on a TPU the f32 GPT's loss head had a
+    pass of its own for it, 0.7 ms of a 23 ms step). The loss and its gradient equal eager torch's,
+    to the bit for the loss (the same subtraction of the same two numbers)."""
+    rows, classes = 6, 40
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, classes, generator=g).requires_grad_()
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[1] = -100
+    for reduction in ("mean", "none"):
+        ref = F.cross_entropy(x, t, reduction=reduction)
+        ref.sum().backward()
+        mine = x.detach().to(st.device()).requires_grad_()
+        got = F.cross_entropy(mine, t.to(st.device()), reduction=reduction)
+        got.sum().backward()
+        assert _after_log(_stablehlo([got, mine.grad]), rows, classes) == 0
+        torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
+        torch.testing.assert_close(mine.grad.cpu(), x.grad)
+        x.grad = None
+    # log_softmax's output read by something else first: the pick reads it (and stays exact)
+    logp = F.log_softmax(x.detach(), -1)
+    ref = F.nll_loss(logp * 1.0, t)
+    got = F.nll_loss(F.log_softmax(x.detach().to(st.device()), -1) * 1.0, t.to(st.device()))
+    torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
+
+
 def test_causal_sdpa_masks_with_32_bit_integers():
     """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
     compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""

@@ -20,7 +20,7 @@ import torch
 
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops._traced import remember
+from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
@@ -100,10 +100,26 @@ def _nll_parts(x, target, weight, ignore_index):
     return onehot, cdim, w, valid
 
 
+def _picked(x, target, onehot, cdim, acc):
+    """Each row's element at its target (0 where the target is out of range), in ``acc``. When ``x`` is
+    log_softmax's output ``x0 - lse``, the pick reads ``x0`` and subtracts ``lse`` once per row (the
+    same rounding: one subtraction of the same two numbers): a reduction that does not wait for
+    ``lse``, so XLA fuses it into a pass over ``x0`` that it makes anyway (the max), instead of a pass
+    of its own over the logits (on a TPU, 0.7 ms a step for 4096 tokens of a 32768-word vocabulary)."""
+    facts = recall(x, "log_softmax_of")
+    if facts is None or facts[2] != cdim:
+        return jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
+    x0, lse, _ = facts
+    raw = jnp.sum(jnp.where(onehot, x0, jnp.zeros((), x0.dtype)), axis=cdim)  # one nonzero: exact
+    hit = (target >= 0) & (target < x.shape[cdim])
+    picked = (raw - jnp.squeeze(lse, cdim)).astype(x.dtype).astype(acc)
+    return jnp.where(hit, picked, jnp.zeros((), acc))
+
+
 def nll_forward(x, target, weight, reduction, ignore_index):
     onehot, cdim, w, valid = _nll_parts(x, target, weight, ignore_index)
     acc = acc_dtype(x.dtype)
-    picked = jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
+    picked = _picked(x, target, onehot, cdim, acc)
     loss = jnp.where(valid, -picked * w, jnp.zeros((), acc))
     total = jnp.sum(w)
     if reduction == NONE:  # torch reports a total weight only for 1-d input

@@ -26,7 +26,7 @@ from shardtensor.ops._promote import (
     opmath,
     result_type,
 )
-from shardtensor.ops._traced import recall
+from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -424,7 +424,11 @@ def _log_softmax(self, dim, half_to_float):
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order
-    return cast(x - lse, rt)
+    out = cast(x - lse, rt)
+    # nll_loss picks one element per row of ``out``: from ``x`` it needs no ``lse`` first, so that pick
+    # can share a pass over the rows with the max and the sum above (not one more pass of its own)
+    remember(out, "log_softmax_of", (x, lse, ax))
+    return out
 
 
 @register(aten._safe_softmax.default)
