@@ -238,6 +238,33 @@ def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp():
     torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
 
 
+def test_linear_on_tokens_contracts_the_tokens_unflattened():
+    """A Linear layer on (batch, tokens, features), forward and backward: its three products and its
+    bias gradient read the 3-D values, as JAX's dots of ``x @ w.T + b`` do, though torch flattens
+    (batch, tokens) into rows for them (the rows merged in memory: on a TPU, two layout copies of each
+    attention gradient piece feeding the qkv layer, and a concatenation for its bias gradient). The
+    values equal eager torch's."""
+    g = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(8, 12)
+    x = torch.randn(3, 5, 8, generator=g).requires_grad_()
+    w = torch.randn(3, 5, 12, generator=g)
+    (layer(x) * w).sum().backward()
+    mine = torch.nn.Linear(8, 12).to(st.device())
+    mine.load_state_dict(layer.state_dict())
+    mx = x.detach().to(st.device()).requires_grad_()
+    out = mine(mx)
+    (out * w.to(st.device())).sum().backward()
+    text = _stablehlo([out, mx.grad, mine.weight.grad, mine.bias.grad])
+    dots = re.findall(r"stablehlo\.dot_general .*", text)
+    assert len(dots) == 3 and all("tensor<3x5x" in d for d in dots), dots
+    assert "contracting_dims = [0, 1] x [0, 1]" in text  # the weight's gradient
+    assert re.search(r"stablehlo\.reduce\(.*across dimensions = \[0, 1\] : \(tensor<3x5x12xf32>", text)
+    torch.testing.assert_close(out.detach().cpu(), layer(x).detach())
+    torch.testing.assert_close(mx.grad.cpu(), x.grad)
+    torch.testing.assert_close(mine.weight.grad.cpu(), layer.weight.grad)
+    torch.testing.assert_close(mine.bias.grad.cpu(), layer.bias.grad)
+
+
 def test_causal_sdpa_masks_with_32_bit_integers():
     """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
     compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""

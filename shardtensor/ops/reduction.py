@@ -28,6 +28,7 @@ from shardtensor.ops._promote import (
 )
 from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.registry import register
+from shardtensor.ops.shape import rows_source
 
 aten = torch.ops.aten
 
@@ -67,6 +68,10 @@ def _acc_dtype(x, dtype, int_to=INT64):
 @register(aten.sum.dim_IntList)
 def sum_dim(self, dim, keepdim=False, *, dtype=None):
     rt, ct = _acc_dtype(self, dtype)
+    rows = rows_source(self) if self.ndim == 2 and axes(dim, 2) == (0,) else None
+    if rows is not None:  # a Linear layer's bias gradient: over the leading dims of its (batch, tokens, features)
+        out = jnp.sum(cast(rows, ct), axis=tuple(range(rows.ndim - 1)))
+        return cast(out[None] if keepdim else out, rt)
     return cast(jnp.sum(cast(self, ct), axis=axes(dim, self.ndim), keepdims=keepdim), rt)
 
 
