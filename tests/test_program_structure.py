@@ -210,12 +210,16 @@ def _after_log(text: str, rows: int, classes: int) -> int:
     return late
 
 
-def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp():
+def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp(monkeypatch):
     """F.cross_entropy's pick of each row's target reads the logits, not log_softmax's output (the
     logits minus the logsumexp), and subtracts the logsumexp per row: no pass over the logits waits
     for it, so XLA fuses the pick into a pass it makes anyway (on a TPU the f32 GPT's loss head had a
-    pass of its own for it, 0.7 ms of a 23 ms step). The loss and its gradient equal eager torch's,
-    to the bit for the loss (the same subtraction of the same two numbers)."""
+    pass of its own for it, 0.7 ms of a 23 ms step). Not on a CPU (see ops/loss.py), so the lowering
+    is told it runs on a TPU. The loss and its gradient equal eager torch's, to the bit for the loss
+    (the same subtraction of the same two numbers)."""
+    from shardtensor.ops import loss
+
+    monkeypatch.setattr(loss.rt, "platform", lambda: "tpu")
     rows, classes = 6, 40
     g = torch.Generator().manual_seed(5)
     x = torch.randn(rows, classes, generator=g).requires_grad_()
@@ -238,12 +242,16 @@ def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp():
     torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
 
 
-def test_linear_on_tokens_contracts_the_tokens_unflattened():
+def test_linear_on_tokens_contracts_the_tokens_unflattened(monkeypatch):
     """A Linear layer on (batch, tokens, features), forward and backward: its three products and its
     bias gradient read the 3-D values, as JAX's dots of ``x @ w.T + b`` do, though torch flattens
     (batch, tokens) into rows for them (the rows merged in memory: on a TPU, two layout copies of each
-    attention gradient piece feeding the qkv layer, and a concatenation for its bias gradient). The
-    values equal eager torch's."""
+    attention gradient piece feeding the qkv layer, and a concatenation for its bias gradient). Not
+    on a CPU (see ops/shape.py's view), so the lowering is told it runs on a TPU. The values equal
+    eager torch's."""
+    from shardtensor.ops import shape
+
+    monkeypatch.setattr(shape.rt, "platform", lambda: "tpu")
     g = torch.Generator().manual_seed(6)
     layer = torch.nn.Linear(8, 12)
     x = torch.randn(3, 5, 8, generator=g).requires_grad_()

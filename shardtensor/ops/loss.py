@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from shardtensor import runtime as rt
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops._traced import recall, remember
@@ -104,10 +105,13 @@ def _picked(x, target, onehot, cdim, acc):
     """Each row's element at its target (0 where the target is out of range), in ``acc``. When ``x`` is
     log_softmax's output ``x0 - lse``, the pick reads ``x0`` and subtracts ``lse`` once per row (the
     same rounding: one subtraction of the same two numbers): a reduction that does not wait for
-    ``lse``, so XLA fuses it into a pass over ``x0`` that it makes anyway (the max), instead of a pass
-    of its own over the logits (on a TPU, 0.7 ms a step for 4096 tokens of a 32768-word vocabulary)."""
+    ``lse``, so XLA can fuse it into a pass over ``x0`` that it makes anyway (the product, the max),
+    instead of a pass of its own over the logits (on a TPU, 0.7 ms a step for 4096 tokens of a
+    32768-word vocabulary)."""
     facts = recall(x, "log_softmax_of")
-    if facts is None or facts[2] != cdim:
+    # (not on a CPU: XLA:CPU fuses the whole log_softmax into the logits' product and keeps only its
+    # output, so a pick from the logits would keep them too: one more pass. A TPU keeps the logits.)
+    if facts is None or facts[2] != cdim or rt.platform() == "cpu":
         return jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
     x0, lse, _ = facts
     raw = jnp.sum(jnp.where(onehot, x0, jnp.zeros((), x0.dtype)), axis=cdim)  # one nonzero: exact

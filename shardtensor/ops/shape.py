@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from shardtensor import runtime as rt
 from shardtensor.dtypes import to_jax, to_torch
 from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.registry import register
@@ -107,10 +108,11 @@ def promote(tensors):
 @register(*_with_copy(aten.view.default, aten._unsafe_view.default), aten._reshape_alias.default)
 def view(x, size, stride=None):
     out = jnp.reshape(x, infer_size(size, x.size))
-    if x.ndim > 2 and out.ndim == 2 and out.shape[1] == x.shape[-1]:
+    if x.ndim > 2 and out.ndim == 2 and out.shape[1] == x.shape[-1] and rt.platform() != "cpu":
         # torch flattens a Linear layer's (batch, tokens, features) to rows for its products and
         # sums: those read ``x`` itself (``rows_source``), as JAX's do, so that XLA never needs the
-        # rows merged in memory (on a TPU, two layout copies of each attention gradient piece)
+        # rows merged in memory (on a TPU, two layout copies of each attention gradient piece). Not
+        # on a CPU, whose XLA transposes more for the 3-D products (JAX's CPU program does too)
         remember(out, "rows_of", x)
     return out
 
