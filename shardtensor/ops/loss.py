@@ -101,6 +101,13 @@ def _nll_parts(x, target, weight, ignore_index):
     return onehot, cdim, w, valid
 
 
+def _logits_kept() -> bool:
+    """Whether XLA keeps a log_softmax's input in memory anyway, so that reading it again is free: on
+    a TPU (the logits' product writes them); XLA:CPU fuses the whole log_softmax into the product and
+    keeps only its output, so a pick from the logits would keep them too: one more pass."""
+    return rt.platform() != "cpu"
+
+
 def _picked(x, target, onehot, cdim, acc):
     """Each row's element at its target (0 where the target is out of range), in ``acc``. When ``x`` is
     log_softmax's output ``x0 - lse``, the pick reads ``x0`` and subtracts ``lse`` once per row (the
@@ -109,9 +116,7 @@ def _picked(x, target, onehot, cdim, acc):
     instead of a pass of its own over the logits (on a TPU, 0.7 ms a step for 4096 tokens of a
     32768-word vocabulary)."""
     facts = recall(x, "log_softmax_of")
-    # (not on a CPU: XLA:CPU fuses the whole log_softmax into the logits' product and keeps only its
-    # output, so a pick from the logits would keep them too: one more pass. A TPU keeps the logits.)
-    if facts is None or facts[2] != cdim or rt.platform() == "cpu":
+    if facts is None or facts[2] != cdim or not _logits_kept():
         return jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
     x0, lse, _ = facts
     raw = jnp.sum(jnp.where(onehot, x0, jnp.zeros((), x0.dtype)), axis=cdim)  # one nonzero: exact
