@@ -11,6 +11,7 @@ Example::
     source bench/tpu_setup.sh && python3 bench/tpu_profile.py --out $OUT/prof     # bench sizes
     python3 bench/tpu_profile.py --f32 --parts step --out $OUT/prof32              # bench/tpu.py --f32's
     .venv/bin/python bench/tpu_profile.py --tiny --out /tmp/prof                     # on a CPU
+    python3 bench/tpu_profile.py --compare --parts step --out $OUT/prof32        # a run's times by kind
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import collections
 import glob
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -127,9 +129,52 @@ def jax_program(args, part, state, batch):
     return compiled, run
 
 
+def _category(instruction: str) -> str:
+    """An instruction's kind for ``compare``: a fusion by its name's stem and kind (XLA names a fusion
+    by its first ops: ``multiply_reduce_fusion kOutput``), another op by its opcode; the copies of the
+    donated inputs each run makes (``run`` above: ``copy(%args_0_...)``) are the harness's own."""
+    if re.match(r"%copy(\.\d+)? = .* copy\(.*%args_0_", instruction):
+        return "(harness: donated inputs copied)"
+    m = re.match(r"%(\S+?)(\.\d+)? = .*? ([a-z][a-z0-9\-]*)\(", instruction)
+    if not m:
+        return instruction[:40]
+    kind = re.search(r"kind=(k\w+)", instruction)
+    return (m.group(1) if m.group(3) == "fusion" else m.group(3)) + (f" {kind.group(1)}" if kind else "")
+
+
+def compare(folder, part, top=30):
+    """Print, from a run's ``--out`` folder, the device time per run of each kind of instruction, side by
+    side (shardtensor, JAX, difference), largest differences first, and the totals without the
+    harness's copies (what a training step's program costs)."""
+    sides = {}
+    for side in ("st", "jax"):
+        with open(os.path.join(folder, f"{part}_{side}_times.json")) as f:
+            times = json.load(f)
+        sums: dict = collections.defaultdict(lambda: [0.0, 0.0])
+        for instruction, (ns, n) in times.items():
+            row = sums[_category(instruction)]
+            row[0], row[1] = row[0] + ns / 1e3, row[1] + n
+        sides[side] = sums
+    st_sums, jax_sums = sides["st"], sides["jax"]
+    print(f"== {part}: device us per run by kind      shardtensor (n)       jax (n)     st - jax")
+    kinds = sorted(set(st_sums) | set(jax_sums), key=lambda k: -abs(st_sums[k][0] - jax_sums[k][0]))
+    for kind in kinds[:top]:
+        (a, na), (b, nb) = st_sums[kind], jax_sums[kind]
+        print(f"   {kind:38s} {a:9.1f} ({na:4.0f}) {b:9.1f} ({nb:4.0f}) {a - b:+9.1f}")
+    harness = "(harness: donated inputs copied)"
+    totals = [sum(v[0] for k, v in s.items() if k != harness) for s in (st_sums, jax_sums)]
+    gap = totals[0] - totals[1]
+    print(f"   {'total without the harness copies':38s} {totals[0]:9.1f}        {totals[1]:9.1f}        {gap:+9.1f}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument(
+        "--compare",
+        action="store_true",
+        help="run nothing: print the device time by kind of instruction of a finished run's --out folder",
+    )
     ap.add_argument("--parts", default="forward,step")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
@@ -141,6 +186,11 @@ def main():
         "against JAX's default",
     )
     args = ap.parse_args()
+    if args.compare:
+        for part in args.parts.split(","):
+            if os.path.exists(os.path.join(args.out, f"{part}_st_times.json")):
+                compare(args.out, part, args.top)
+        return
     args.dtype, args.precision = ("f32", "medium") if args.f32 else ("bf16", "highest")
     sizes = dict(vocab=512, seq=64, d=64, heads=4, layers=2, batch=2) if args.tiny else {}
     full = dict(seq=512, d=768, heads=12, layers=6) if args.f32 else dict(seq=1024, d=1024, heads=16, layers=8)

@@ -190,6 +190,89 @@ def test_cross_entropy_passes_over_the_logits_as_jax():
     assert _class_passes(jax_text, rows, classes)[0] == 3
 
 
+def _after_log(text: str, rows: int, classes: int) -> int:
+    """How many reductions over a (rows, classes) value in the StableHLO's main function depend on a
+    ``log`` (log_softmax's logsumexp): passes over the logits that cannot start before it is known."""
+    main = text[text.index("func.func public @main") :]
+    main = main[: main.index("\n  }")]
+    shape = f"tensor<{rows}x{classes}xf32>"
+    tainted: set = set()
+    late = 0
+    for line in main.splitlines():
+        m = re.match(r"\s*(%[\w#:]+?)(?::\d+)? = (.*)", line)
+        if not m:
+            continue
+        name, rest = m.group(1), m.group(2)
+        reads = {o.split("#")[0] for o in re.findall(r"%[\w#]+", rest)}
+        if "stablehlo.log " in rest or reads & tainted:
+            tainted.add(name)
+            late += bool(re.search(rf"stablehlo\.reduce\(.*\({re.escape(shape)}", rest))
+    return late
+
+
+def test_cross_entropy_picks_the_target_without_waiting_for_the_logsumexp(monkeypatch):
+    """F.cross_entropy's pick of each row's target reads the logits, not log_softmax's output (the
+    logits minus the logsumexp), and subtracts the logsumexp per row: no pass over the logits waits
+    for it, so XLA fuses the pick into a pass it makes anyway (on a TPU the f32 GPT's loss head had a
+    pass of its own for it, 0.7 ms of a 23 ms step). Not on a CPU (see ops/loss.py), so the lowering
+    is told it runs as on a TPU. The loss and its gradient equal eager torch's, to the bit for the loss
+    (the same subtraction of the same two numbers)."""
+    from shardtensor.ops import loss
+
+    monkeypatch.setattr(loss, "_logits_kept", lambda: True)
+    rows, classes = 6, 40
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, classes, generator=g).requires_grad_()
+    t = torch.randint(0, classes, (rows,), generator=g)
+    t[1] = -100
+    for reduction in ("mean", "none"):
+        ref = F.cross_entropy(x, t, reduction=reduction)
+        ref.sum().backward()
+        mine = x.detach().to(st.device()).requires_grad_()
+        got = F.cross_entropy(mine, t.to(st.device()), reduction=reduction)
+        got.sum().backward()
+        assert _after_log(_stablehlo([got, mine.grad]), rows, classes) == 0
+        torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
+        torch.testing.assert_close(mine.grad.cpu(), x.grad)
+        x.grad = None
+    # log_softmax's output read by something else first: the pick reads it (and stays exact)
+    logp = F.log_softmax(x.detach(), -1)
+    ref = F.nll_loss(logp * 1.0, t)
+    got = F.nll_loss(F.log_softmax(x.detach().to(st.device()), -1) * 1.0, t.to(st.device()))
+    torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=0)
+
+
+def test_linear_on_tokens_contracts_the_tokens_unflattened(monkeypatch):
+    """A Linear layer on (batch, tokens, features), forward and backward: its three products and its
+    bias gradient read the 3-D values, as JAX's dots of ``x @ w.T + b`` do, though torch flattens
+    (batch, tokens) into rows for them (the rows merged in memory: on a TPU, two layout copies of each
+    attention gradient piece feeding the qkv layer, and a concatenation for its bias gradient). Not
+    on a CPU (see ops/shape.py's view), so the lowering is told it runs on a TPU. The values equal
+    eager torch's."""
+    from shardtensor.ops import shape
+
+    monkeypatch.setattr(shape, "_unflattened_products", lambda: True)
+    g = torch.Generator().manual_seed(6)
+    layer = torch.nn.Linear(8, 12)
+    x = torch.randn(3, 5, 8, generator=g).requires_grad_()
+    w = torch.randn(3, 5, 12, generator=g)
+    (layer(x) * w).sum().backward()
+    mine = torch.nn.Linear(8, 12).to(st.device())
+    mine.load_state_dict(layer.state_dict())
+    mx = x.detach().to(st.device()).requires_grad_()
+    out = mine(mx)
+    (out * w.to(st.device())).sum().backward()
+    text = _stablehlo([out, mx.grad, mine.weight.grad, mine.bias.grad])
+    dots = re.findall(r"stablehlo\.dot_general .*", text)
+    assert len(dots) == 3 and all("tensor<3x5x" in d for d in dots), dots
+    assert "contracting_dims = [0, 1] x [0, 1]" in text  # the weight's gradient
+    assert re.search(r"stablehlo\.reduce\(.*across dimensions = \[0, 1\] : \(tensor<3x5x12xf32>", text)
+    torch.testing.assert_close(out.detach().cpu(), layer(x).detach())
+    torch.testing.assert_close(mx.grad.cpu(), x.grad)
+    torch.testing.assert_close(mine.weight.grad.cpu(), layer.weight.grad)
+    torch.testing.assert_close(mine.bias.grad.cpu(), layer.bias.grad)
+
+
 def test_causal_sdpa_masks_with_32_bit_integers():
     """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
     compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""

@@ -18,9 +18,10 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from shardtensor import runtime as rt
 from shardtensor.dtypes import to_jax as to_jax_dtype
 from shardtensor.ops._promote import acc_dtype
-from shardtensor.ops._traced import remember
+from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
@@ -100,10 +101,34 @@ def _nll_parts(x, target, weight, ignore_index):
     return onehot, cdim, w, valid
 
 
+def _logits_kept() -> bool:
+    """Whether XLA keeps a log_softmax's input in memory anyway, so that reading it again is free: on
+    a TPU (the logits' product writes them); XLA:CPU fuses the whole log_softmax into the product and
+    keeps only its output, so a pick from the logits would keep them too: one more pass."""
+    return rt.platform() != "cpu"
+
+
+def _picked(x, target, onehot, cdim, acc):
+    """Each row's element at its target (0 where the target is out of range), in ``acc``. When ``x`` is
+    log_softmax's output ``x0 - lse``, the pick reads ``x0`` and subtracts ``lse`` once per row (the
+    same rounding: one subtraction of the same two numbers): a reduction that does not wait for
+    ``lse``, so XLA can fuse it into a pass over ``x0`` that it makes anyway (the product, the max),
+    instead of a pass of its own over the logits (on a TPU, 0.7 ms a step for 4096 tokens of a
+    32768-word vocabulary)."""
+    facts = recall(x, "log_softmax_of")
+    if facts is None or facts[2] != cdim or not _logits_kept():
+        return jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
+    x0, lse, _ = facts
+    raw = jnp.sum(jnp.where(onehot, x0, jnp.zeros((), x0.dtype)), axis=cdim)  # one nonzero: exact
+    hit = (target >= 0) & (target < x.shape[cdim])
+    picked = (raw - jnp.squeeze(lse, cdim)).astype(x.dtype).astype(acc)
+    return jnp.where(hit, picked, jnp.zeros((), acc))
+
+
 def nll_forward(x, target, weight, reduction, ignore_index):
     onehot, cdim, w, valid = _nll_parts(x, target, weight, ignore_index)
     acc = acc_dtype(x.dtype)
-    picked = jnp.sum(jnp.where(onehot, x.astype(acc), jnp.zeros((), acc)), axis=cdim)
+    picked = _picked(x, target, onehot, cdim, acc)
     loss = jnp.where(valid, -picked * w, jnp.zeros((), acc))
     total = jnp.sum(w)
     if reduction == NONE:  # torch reports a total weight only for 1-d input

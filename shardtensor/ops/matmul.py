@@ -23,7 +23,7 @@ from shardtensor.dtypes import to_jax
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.precision import precision
 from shardtensor.ops.registry import register
-from shardtensor.ops.shape import transposed_source
+from shardtensor.ops.shape import rows_source, transposed_source
 
 aten = torch.ops.aten
 
@@ -43,13 +43,38 @@ def product(a, b, out_dtype=None):
         # a 2-D operand that is t(w): contract w itself (see shape.transposed_source), so that a
         # Linear layer's forward and backward dots read the same (once gathered) weight
         at, bt = transposed_source(a), transposed_source(b)
+        lhs, lc = (at, 0) if at is not None else (a, 1)
+        rhs, rc = (bt, 1) if bt is not None else (b, 0)
+        unmerged = _rows_product(lhs, lc, rhs, rc, dtype)
+        if unmerged is not None:
+            return unmerged
         if at is not None or bt is not None:
-            lhs, lc = (at, 0) if at is not None else (a, 1)
-            rhs, rc = (bt, 1) if bt is not None else (b, 0)
             return lax.dot_general(
                 lhs, rhs, (((lc,), (rc,)), ((), ())), precision=precision(), preferred_element_type=acc_dtype(dtype)
             )
     return jnp.matmul(a, b, precision=precision(), preferred_element_type=acc_dtype(dtype))
+
+
+def _rows_product(lhs, lc, rhs, rc, dtype):
+    """The 2-D product of ``lhs`` and ``rhs`` over their dims ``lc`` and ``rc`` computed from the values
+    their rows were flattened from (``shape.rows_source``), as JAX's dots of a Linear layer on
+    (batch, tokens, features): contracting both over their leading dims (a weight's gradient), or
+    keeping the leading dims of ``lhs`` and flattening the result; None where neither applies."""
+
+    def dot(x, y, dims):
+        return lax.dot_general(x, y, (dims, ((), ())), precision=precision(), preferred_element_type=acc_dtype(dtype))
+
+    ls = rows_source(lhs)
+    if lc == 0:
+        rs = rows_source(rhs) if rc == 0 else None
+        if ls is None or rs is None or ls.shape[:-1] != rs.shape[:-1]:
+            return None
+        lead = tuple(range(ls.ndim - 1))
+        return dot(ls, rs, (lead, lead))
+    if ls is None:
+        return None
+    out = dot(ls, rhs, ((ls.ndim - 1,), (rc,)))
+    return out.reshape(lhs.shape[0], out.shape[-1])
 
 
 def matmul(a, b, out_dtype=None):

@@ -26,8 +26,9 @@ from shardtensor.ops._promote import (
     opmath,
     result_type,
 )
-from shardtensor.ops._traced import recall
+from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.registry import register
+from shardtensor.ops.shape import rows_source
 
 aten = torch.ops.aten
 
@@ -67,6 +68,10 @@ def _acc_dtype(x, dtype, int_to=INT64):
 @register(aten.sum.dim_IntList)
 def sum_dim(self, dim, keepdim=False, *, dtype=None):
     rt, ct = _acc_dtype(self, dtype)
+    rows = rows_source(self) if self.ndim == 2 and axes(dim, 2) == (0,) else None
+    if rows is not None:  # a Linear layer's bias gradient: over the leading dims of its (batch, tokens, features)
+        out = jnp.sum(cast(rows, ct), axis=tuple(range(rows.ndim - 1)))
+        return cast(out[None] if keepdim else out, rt)
     return cast(jnp.sum(cast(self, ct), axis=axes(dim, self.ndim), keepdims=keepdim), rt)
 
 
@@ -424,7 +429,11 @@ def _log_softmax(self, dim, half_to_float):
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order
-    return cast(x - lse, rt)
+    out = cast(x - lse, rt)
+    # nll_loss picks one element per row of ``out``: from ``x`` it needs no ``lse`` first, so that pick
+    # can share a pass over the rows with the max and the sum above (not one more pass of its own)
+    remember(out, "log_softmax_of", (x, lse, ax))
+    return out
 
 
 @register(aten._safe_softmax.default)

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from jax import lax
 
+from shardtensor import runtime as rt
 from shardtensor.dtypes import to_jax, to_torch
+from shardtensor.ops._traced import recall, remember
 from shardtensor.ops.registry import register
 
 aten = torch.ops.aten
@@ -105,7 +107,25 @@ def promote(tensors):
 
 @register(*_with_copy(aten.view.default, aten._unsafe_view.default), aten._reshape_alias.default)
 def view(x, size, stride=None):
-    return jnp.reshape(x, infer_size(size, x.size))
+    out = jnp.reshape(x, infer_size(size, x.size))
+    if x.ndim > 2 and out.ndim == 2 and out.shape[1] == x.shape[-1] and _unflattened_products():
+        # torch flattens a Linear layer's (batch, tokens, features) to rows for its products and
+        # sums: those read ``x`` itself (``rows_source``), as JAX's do, so that XLA never needs the
+        # rows merged in memory (on a TPU, two layout copies of each attention gradient piece)
+        remember(out, "rows_of", x)
+    return out
+
+
+def _unflattened_products() -> bool:
+    """Whether products read the values torch flattened into rows (``view``): not on a CPU, whose XLA
+    transposes more for the 3-D products (JAX's CPU program does too)."""
+    return rt.platform() != "cpu"
+
+
+def rows_source(x):
+    """The value of 3 or more dims whose leading dims the 2-D ``x`` merges (a view of it made in the
+    trace being lowered), else None."""
+    return recall(x, "rows_of")
 
 
 @register(*_with_copy(aten.view.dtype))
