@@ -287,3 +287,20 @@ def test_causal_sdpa_masks_with_32_bit_integers():
     torch.testing.assert_close(got.cpu(), out)
     for a, b in zip(mine, ref):
         torch.testing.assert_close(a.grad.cpu(), b.grad)
+
+
+def test_embedding_gathers_without_a_nan_fill():
+    """An embedding's gather is not followed by a select filling out-of-range rows with NaN (its index
+    check raises for those): the select ran through every residual sum of a transformer, which a TPU's
+    XLA then recomputed in the backward. As JAX's ``w[ids]``."""
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(12, 6)
+    ids = torch.tensor([[0, 3, 11], [5, 5, 2]])
+    out = (emb(ids) + 1.0).sum(-1)
+    mine = torch.nn.Embedding(12, 6).to(st.device())
+    mine.load_state_dict(emb.state_dict())
+    got = (mine(ids.to(st.device())) + 1.0).sum(-1)
+    text = _stablehlo([got])
+    assert "stablehlo.gather" in text and "0x7FC00000" not in text, text
+    assert not re.search(r"stablehlo\.select .*f32>", text), text  # (the check's own selects are on integers)
+    torch.testing.assert_close(got.cpu(), out)
