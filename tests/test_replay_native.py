@@ -120,6 +120,35 @@ def test_store_gives_each_output_to_its_cell():
 
 
 @needs_extension
+def test_store_notes_what_passes_and_takes_any_cell_class():
+    """A target with a read position sets ``passed`` to a weak reference to its output; a cell of
+    another class (its fields reached by attribute, not by slot) is stored the same."""
+
+    class Out:  # (weakly referenceable, as jax arrays are)
+        pass
+
+    class OtherCell(Cell):
+        __slots__ = ()
+
+    class DictCell:  # no slots at all
+        def __init__(self):
+            self.value, self.owned, self.version, self._leaf = "b0", True, 5, "leaf"
+
+    cells_in = [Cell("a0", (1,), torch.float32, owned=True), OtherCell("c0", (1,), torch.float32), DictCell()]
+    plan = tuple((2, 0, weakref.ref(c), False, True, r) for c, r in zip(cells_in, (1, -1, 0)))
+    outs = [Out(), Out(), Out()]
+    passed = [None, None]
+    cells, entries = torch_device.EXT.replay_store(plan, [], outs, [], passed)
+    assert cells == cells_in
+    assert passed[0]() is outs[2] and passed[1]() is outs[0]
+    assert [c.value for c in cells] == outs and [c.owned for c in cells] == [False] * 3
+    assert [c.version for c in cells] == [1, 1, 6] and all(c._leaf is None for c in cells)
+    assert [e[2:] for e in entries] == [("a0", True), ("c0", False), ("b0", True)]
+    with pytest.raises(IndexError, match="passed"):
+        torch_device.EXT.replay_store(((2, 0, weakref.ref(cells_in[0]), False, False, 5),), [], [Out()], [], passed)
+
+
+@needs_extension
 def test_passes_refuse_malformed_plans():
     with pytest.raises(TypeError):
         torch_device.EXT.replay_store(((0, 0),), [], ["x"], [])
