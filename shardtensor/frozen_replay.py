@@ -330,31 +330,37 @@ class Frozen:
             for ident, template in self._returns:
                 results[ident], cell = _new_result(template)
                 made.append(cell)
-            cells, entries = self._native.replay_store(self._store_plan, flat, outs, made, self._passed)
+            cells, refs, befores, owned = self._native.replay_store(self._store_plan, flat, outs, made, self._passed)
         else:
-            cells, entries, results = self._give(flat, outs)
+            cells, refs, befores, owned, results = self._give(flat, outs)
+        entries = inflight.Entries(refs, outs, befores, owned)
         if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
             for cell in cells:
                 if cell is not None:
                     STATE.pending.pop(weakref.ref(cell), None)
         rows = getattr(outs, "check_rows", None)
-        outputs = list(outs)
-        computed = list(self._computed(outs))
         if rows is not None:
-            outputs.append(rows)
-            computed.insert(0, rows)
-        waits = not program.aliasing and any(e[2] is not None for e in entries)
+            outputs = [*outs, rows]
+            # (``inflight.settle`` probes the first computed result not donated since: the check
+            # rows, never donated, are that one whenever there are rows)
+            computed = [rows]
+        else:
+            outputs = list(outs)
+            computed = list(self._computed(outs))
+        waits = not program.aliasing and entries.keeps()
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
             checks.watch(program, rows, self.sites, cells, outs)
         return results
 
-    def _give(self, flat, outs) -> tuple[list, list, list]:
-        """(cells, entries, results): ``replay_store``'s pass in Python."""
+    def _give(self, flat, outs) -> tuple[list, list, list, list, list]:
+        """(cells, refs, befores, owned, results): ``replay_store``'s pass in Python."""
         results = list(self.out_flat)
         cells: list = []
-        entries = []
+        refs: list = []
+        befores: list = []
+        owned_before: list = []
         for (kind, ident, ref, made, owned, keep), out in zip(self._stores, outs):
             if kind == "arg":
                 cell = flat[ident]._cell
@@ -365,15 +371,18 @@ class Frozen:
             else:  # (a closed-over cell: its weak reference is kept)
                 cell = ref()
                 if cell is None:
-                    cells.append(None)
+                    for column in (cells, refs, befores, owned_before):
+                        column.append(None)
                     continue
             cells.append(cell)
-            entries.append((ref, out, cell.value if keep else None, cell.owned))
+            refs.append(ref)
+            befores.append(cell.value if keep else None)
+            owned_before.append(cell.owned)
             cell.value = out
             cell._leaf = None
             cell.owned = owned
             cell.version += 1
-        return cells, entries, results
+        return cells, refs, befores, owned_before, results
 
     def _targets(self, flat) -> tuple[list, list]:
         """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""

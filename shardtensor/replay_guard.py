@@ -175,6 +175,13 @@ class Guard:
         if self._fingerprint is not None:
             plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
             self._other_state = plain, list(map(id, identities)), hooks
+        # the modules' and tensors' weak references, which the C pass reads through (no list of the
+        # objects made first), and the optimizers'; None where one is not a weak reference
+        m, o, _ = self.counts
+        refs = self._roots
+        self._weak: tuple | None = None
+        if all(type(r) is weakref.ref for r in refs[:m] + refs[m + o :]):
+            self._weak = tuple(refs[:m]), tuple(refs[m : m + o]), tuple(refs[m + o :])
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
         position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
@@ -202,6 +209,18 @@ class Guard:
 
     def holds(self, args: Sequence = ()) -> bool:
         """Whether everything is as it was when the guard was taken."""
+        weak = self._weak
+        if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
+            now = _fingerprint(weak[0], weak[2])  # (the modules and tensors read through their references)
+            if now is not None:  # (None: one died, or took another form: the full check below says)
+                if now != self._fingerprint:
+                    return False
+                optimizers = tuple(map(operator.call, weak[1]))
+                if None in optimizers:  # (one died)
+                    return False
+                state = self._other_state
+                plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
+                return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
         objects = self.objects()
         if objects is None:
             return False

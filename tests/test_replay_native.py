@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor.graph import checks
+from shardtensor.graph import checks, inflight
 from shardtensor.graph.ir import Cell
 from shardtensor.tensor import device as torch_device
 from test_replay_fast_path import _clean, _decoder  # noqa: F401 (_clean: autouse)
@@ -106,8 +106,11 @@ def test_store_gives_each_output_to_its_cell():
     del gone
     gc.collect()
     versions = arg_cell.version, made.version, old.version
-    cells, entries = torch_device.EXT.replay_store(plan, [Arg()], ["a1", "m1", "c1", "d1"], [made])
+    outs = ["a1", "m1", "c1", "d1"]
+    cells, refs, befores, owned = torch_device.EXT.replay_store(plan, [Arg()], outs, [made])
+    entries = list(inflight.Entries(refs, outs, befores, owned))  # (as a replay notes them)
     assert cells[:3] == [arg_cell, made, old] and cells[3] is None
+    assert refs[3] is None and befores[3] is None and owned[3] is None
     assert [c.value for c in cells[:3]] == ["a1", "m1", "c1"]
     assert [c.owned for c in cells[:3]] == [False, True, True]
     assert [c.version for c in cells[:3]] == [v + 1 for v in versions]
@@ -138,7 +141,8 @@ def test_store_notes_what_passes_and_takes_any_cell_class():
     plan = tuple((2, 0, weakref.ref(c), False, True, r) for c, r in zip(cells_in, (1, -1, 0)))
     outs = [Out(), Out(), Out()]
     passed = [None, None]
-    cells, entries = torch_device.EXT.replay_store(plan, [], outs, [], passed)
+    cells, refs, befores, owned = torch_device.EXT.replay_store(plan, [], outs, [], passed)
+    entries = list(inflight.Entries(refs, outs, befores, owned))
     assert cells == cells_in
     assert passed[0]() is outs[2] and passed[1]() is outs[0]
     assert [c.value for c in cells] == outs and [c.owned for c in cells] == [False] * 3

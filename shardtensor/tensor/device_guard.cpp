@@ -280,7 +280,8 @@ PyObject* py_register_backend(PyObject*, PyObject*) {
 // one pass into bytes: equal bytes, the same state. Objects are recorded by address (the guard holds
 // a weak reference to each, and one dying fails it, so an address cannot be reused unseen), hook
 // handles by their ids. It answers None for a module that keeps one of these elsewhere than in its
-// __dict__, or in another form (the guard then reads it in Python).
+// __dict__, or in another form (the guard then reads it in Python). The modules and tensors may be given
+// as weak references to them (the guard's own): one that died also answers None.
 PyObject* guard_names[10] = {};  // "training", the 3 containers, the 4 module hook dicts; 2 tensor hook attrs
 PyObject* name_requires_grad = nullptr;
 PyObject* name_grad = nullptr;
@@ -359,6 +360,18 @@ void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
   }
 }
 
+PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of a weak reference obj
+  if (!PyWeakref_CheckRef(obj)) {
+    Py_INCREF(obj);
+    return obj;
+  }
+  PyObject* target = PyWeakref_GetObject(obj);  // borrowed
+  if (target == nullptr) throw PythonErrorSet();
+  if (target == Py_None) throw Unusual();  // (it died: the guard no longer holds, said in Python)
+  Py_INCREF(target);
+  return target;
+}
+
 PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
   PyObject *modules, *tensors;
   if (!PyArg_ParseTuple(args, "OO:guard_fingerprint", &modules, &tensors)) return nullptr;
@@ -369,9 +382,15 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
   std::vector<uint64_t> out;
   out.reserve(static_cast<size_t>(24 * PyTuple_GET_SIZE(modules) + 8 * PyTuple_GET_SIZE(tensors)));
   try {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(modules); ++i) push_module(out, PyTuple_GET_ITEM(modules, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(modules); ++i) {
+      OwnedRef module(live(PyTuple_GET_ITEM(modules, i)));
+      push_module(out, module.obj);
+    }
     out.push_back(kNoDict);  // (where the tensors begin)
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) push_tensor(out, PyTuple_GET_ITEM(tensors, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) {
+      OwnedRef tensor(live(PyTuple_GET_ITEM(tensors, i)));
+      push_tensor(out, tensor.obj);
+    }
   } catch (const Unusual&) {
     Py_RETURN_NONE;
   } catch (const PythonErrorSet&) {
@@ -551,12 +570,13 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
   }
 }
 
-// replay_store(plan, flat, outs, made[, passed]) -> (cells, entries): give output j to its cell as
+// replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): give output j to its cell as
 // frozen_replay.Frozen._store does. plan[j] = (kind, index, weak reference or None, owned, keep[, read]):
 // kind 0, the cell of argument flat[index]; 1, the next of the new cells ``made`` (a returned tensor's);
 // 2, the cell behind the weak reference (a closed-over or made cell; skipped, None in cells, if it
-// died). Each stored cell gets value=out, _leaf=None, owned, version+1; entries gets
-// (weak reference to the cell, out, its value before if keep else None, its owned before). With
+// died). Each stored cell gets value=out, _leaf=None, owned, version+1; the lists give, by target, the
+// cell, a weak reference to it, its value before if keep else None, and its owned before (None for
+// each of the four where it died: the columns of inflight.Entries, without a tuple per target). With
 // ``passed`` (replay_gather's list), a target whose read is r >= 0 also sets passed[r] to a weak
 // reference to out (what the replay wrote into an input passes as that input next time).
 PyObject* py_replay_store(PyObject*, PyObject* args) {
@@ -572,7 +592,9 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
       return nullptr;
     }
     OwnedRef cells(PyList_New(n));
-    OwnedRef entries(PyList_New(0));
+    OwnedRef refs(PyList_New(n));
+    OwnedRef befores(PyList_New(n));
+    OwnedRef owned_befores(PyList_New(n));
     Py_ssize_t next_made = 0;
     for (Py_ssize_t j = 0; j < n; ++j) {
       PyObject* target = PyTuple_GET_ITEM(plan, j);
@@ -610,8 +632,10 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
         if (cell == Py_None) {  // (it died: nothing to store, as in Python)
           Py_DECREF(cell);
           Py_DECREF(ref);
-          Py_INCREF(Py_None);
-          PyList_SET_ITEM(cells.obj, j, Py_None);
+          for (PyObject* column : {cells.obj, refs.obj, befores.obj, owned_befores.obj}) {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(column, j, Py_None);
+          }
           continue;
         }
       }
@@ -630,8 +654,12 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
       Py_ssize_t at_leaf = fast ? cell_slots.leaf : -1, at_version = fast ? cell_slots.version : -1;
       OwnedRef before(keep ? get_field(cell, at_value, name_value) : (Py_INCREF(Py_None), Py_None));
       OwnedRef owned_before(get_field(cell, at_owned, name_owned));
-      OwnedRef entry(PyTuple_Pack(4, ref, out, before.obj, owned_before.obj));
-      if (PyList_Append(entries.obj, entry.obj) < 0) throw PythonErrorSet();
+      Py_INCREF(ref);
+      PyList_SET_ITEM(refs.obj, j, ref);
+      Py_INCREF(before.obj);
+      PyList_SET_ITEM(befores.obj, j, before.obj);
+      Py_INCREF(owned_before.obj);
+      PyList_SET_ITEM(owned_befores.obj, j, owned_before.obj);
       OwnedRef version(get_field(cell, at_version, name_version));
       OwnedRef one(PyLong_FromLong(1));
       OwnedRef next_version(PyNumber_Add(version.obj, one.obj));
@@ -655,7 +683,7 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
       Py_INCREF(cell);
       PyList_SET_ITEM(cells.obj, j, cell);
     }
-    return PyTuple_Pack(2, cells.obj, entries.obj);
+    return PyTuple_Pack(4, cells.obj, refs.obj, befores.obj, owned_befores.obj);
   } catch (const PythonErrorSet&) {
     return nullptr;
   }
@@ -691,7 +719,7 @@ PyMethodDef methods[] = {
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
     {"replay_store", py_replay_store, METH_VARARGS,
-     "replay_store(plan, flat, outs, made[, passed]): a frozen replay's outputs given to their cells"},
+     "replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): a frozen replay's outputs given to their cells"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, SHARDTENSOR_STR(TORCH_EXTENSION_NAME),
