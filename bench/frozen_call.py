@@ -19,7 +19,7 @@ Usage::
 
     python bench/frozen_call.py
     python bench/frozen_call.py --layers 12 --optimizer adam
-    python bench/frozen_call.py --model gpt --layers 6 --optimizer adamw --host-only
+    python bench/frozen_call.py --model gpt --layers 6 --width 32 --optimizer adamw --host-only
 """
 
 from __future__ import annotations
@@ -50,7 +50,10 @@ def main():
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--host-only", action="store_true", help="also the replay's host work alone, and jax.jit's")
     p.add_argument("--profile", action="store_true", help="cProfile of the no-op replay")
+    p.add_argument("--no-checks", action="store_true", help="on-device checks off (st.set_checks(False))")
     args = p.parse_args()
+    if args.no_checks:
+        st.set_checks(False)
 
     torch.manual_seed(0)
     if args.model == "gpt":
