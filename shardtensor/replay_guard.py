@@ -168,13 +168,15 @@ class Guard:
         for o in identities:
             if o is not None:
                 self._watch(o)
-        self.state = plain, list(map(id, identities)), hooks
+        # identities as ids, or packed by the C extension when it has them (one form per guard)
+        self._ids = getattr(torch_device.EXT, "addresses", None) or _id_list
+        self.state = plain, self._ids(identities), hooks
         # the modules' and tensors' part read in one C pass when it can be (``_fingerprint``), the
         # rest (grad mode, optimizers, arguments, global hooks) in Python
         self._fingerprint = _fingerprint(modules, tensors)
         if self._fingerprint is not None:
             plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
-            self._other_state = plain, list(map(id, identities)), hooks
+            self._other_state = plain, self._ids(identities), hooks
         # the modules' and tensors' weak references, which the C pass reads through (no list of the
         # objects made first), and the optimizers'; None where one is not a weak reference
         m, o, _ = self.counts
@@ -196,7 +198,7 @@ class Guard:
             )
             rest = self._shared[2](tensors)
             plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
-            self._rest_state = plain, list(map(id, identities)), hooks
+            self._rest_state = plain, self._ids(identities), hooks
             self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
@@ -220,7 +222,7 @@ class Guard:
                     return False
                 state = self._other_state
                 plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
-                return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
+                return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
         objects = self.objects()
         if objects is None:
             return False
@@ -239,7 +241,7 @@ class Guard:
                     return False
                 modules, tensors, state = (), (), self._other_state
         plain, identities, hooks = self._state(modules, optimizers, tensors, args)
-        return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
+        return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
         ref: Callable[[], Any]
@@ -327,6 +329,11 @@ def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
         (i,) = indices
         return lambda items: (items[i],)
     return lambda items: ()
+
+
+def _id_list(objects: Sequence) -> list[int]:
+    """The ids of ``objects``, in order (the extension's ``addresses`` packs the same into bytes)."""
+    return list(map(id, objects))
 
 
 def _hook_ids(flags: tuple) -> tuple:

@@ -400,6 +400,20 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
                                    static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
 }
 
+// addresses(seq) -> bytes: the addresses of seq's items, packed (equal bytes: the same objects, in
+// order; list(map(id, seq)) without an int made per item). The guard compares the objects it holds
+// weak references to (an optimizer's parameters, gradients) this way.
+PyObject* py_addresses(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "addresses(seq) takes a sequence");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  std::vector<uint64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = reinterpret_cast<uintptr_t>(PySequence_Fast_GET_ITEM(fast, i));
+  Py_DECREF(fast);
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
+}
+
 // ------------------------------------------------------------------- a frozen replay's passes
 // A frozen st.compile replay (frozen_replay.Frozen) reads each input's cell and array before it calls
 // its program, and gives each output to its cell after: two loops over a few dozen objects on every
@@ -716,6 +730,7 @@ PyMethodDef methods[] = {
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
      "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
+    {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
     {"replay_store", py_replay_store, METH_VARARGS,
