@@ -214,9 +214,10 @@ class Frozen:
                 self._returns.append((ident, made))
             self._stores.append((kind, ident, ref, made, j not in forwarded, j in kept_before))
         # the same for the C++ pass (``replay_store``): (0 argument / 1 returned / 2 weak reference,
-        # position, reference, owned, keep)
+        # position, reference, owned, keep), and after the first replay the read position whose
+        # ``passed`` entry its output becomes (-1: none; ``_find_written_fit``)
         codes = {"arg": 0, "ret": 1}
-        self._store_plan = tuple((codes.get(k, 2), i, r, o, b) for k, i, r, _, o, b in self._stores)
+        self._store_plan: tuple[tuple, ...] = tuple((codes.get(k, 2), i, r, o, b) for k, i, r, _, o, b in self._stores)
         self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
         # the C++ passes when the extension has them (else the Python below, which does the same)
         self._native = torch_device.EXT if hasattr(torch_device.EXT, "replay_store") else None
@@ -290,12 +291,25 @@ class Frozen:
             # (the cells it writes, made or read while the program runs: they still hold their values)
             results = self._store(flat, outs, program, early)
         fitting = self._written_fit
-        if fitting is None:  # (the program's outputs have fixed layouts: found once)
-            fitting = self._written_fit = [
-                (j, r) for j, r in self._written if self._fits(outs[j], self._read_sources[r], program)
-            ]
-        for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
-            passed[r] = weakref.ref(outs[j])
+        if fitting is None or native is None:  # (with the C++ pass, the store sets them after the first)
+            if fitting is None:
+                fitting = self._find_written_fit(outs, program)
+            for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
+                passed[r] = weakref.ref(outs[j])
+        return self._result(results)
+
+    def _find_written_fit(self, outs, program) -> list:
+        """The (target, read position) pairs whose output passes as that input (the program's outputs
+        have fixed layouts: found once); the C++ store's plan then takes their read positions."""
+        fitting = self._written_fit = [
+            (j, r) for j, r in self._written if self._fits(outs[j], self._read_sources[r], program)
+        ]
+        read_at = dict(fitting)
+        self._store_plan = tuple((*t, read_at.get(j, -1)) for j, t in enumerate(self._store_plan))
+        return fitting
+
+    def _result(self, results):
+        """The call's result, from its flat ``results``."""
         if self._plain_out:
             return self.out_spec.type(results)
         return pytree.tree_unflatten(results, self.out_spec)
@@ -323,31 +337,37 @@ class Frozen:
             for ident, template in self._returns:
                 results[ident], cell = _new_result(template)
                 made.append(cell)
-            cells, entries = self._native.replay_store(self._store_plan, flat, outs, made)
+            cells, refs, befores, owned = self._native.replay_store(self._store_plan, flat, outs, made, self._passed)
         else:
-            cells, entries, results = self._give(flat, outs)
+            cells, refs, befores, owned, results = self._give(flat, outs)
+        entries = inflight.Entries(refs, outs, befores, owned)
         if STATE.pending:  # (values of this thread recorded since the call began: none are these cells)
             for cell in cells:
                 if cell is not None:
                     STATE.pending.pop(weakref.ref(cell), None)
         rows = getattr(outs, "check_rows", None)
-        outputs = list(outs)
-        computed = list(self._computed(outs))
         if rows is not None:
-            outputs.append(rows)
-            computed.insert(0, rows)
-        waits = not program.aliasing and any(e[2] is not None for e in entries)
+            outputs = [*outs, rows]
+            # (``inflight.settle`` probes the first computed result not donated since: the check
+            # rows, never donated, are that one whenever there are rows)
+            computed = [rows]
+        else:
+            outputs = list(outs)
+            computed = list(self._computed(outs))
+        waits = not program.aliasing and entries.keeps()
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
             checks.watch(program, rows, self.sites, cells, outs, early)
         return results
 
-    def _give(self, flat, outs) -> tuple[list, list, list]:
-        """(cells, entries, results): ``replay_store``'s pass in Python."""
+    def _give(self, flat, outs) -> tuple[list, list, list, list, list]:
+        """(cells, refs, befores, owned, results): ``replay_store``'s pass in Python."""
         results = list(self.out_flat)
         cells: list = []
-        entries = []
+        refs: list = []
+        befores: list = []
+        owned_before: list = []
         for (kind, ident, ref, made, owned, keep), out in zip(self._stores, outs):
             if kind == "arg":
                 cell = flat[ident]._cell
@@ -358,15 +378,18 @@ class Frozen:
             else:  # (a closed-over cell: its weak reference is kept)
                 cell = ref()
                 if cell is None:
-                    cells.append(None)
+                    for column in (cells, refs, befores, owned_before):
+                        column.append(None)
                     continue
             cells.append(cell)
-            entries.append((ref, out, cell.value if keep else None, cell.owned))
+            refs.append(ref)
+            befores.append(cell.value if keep else None)
+            owned_before.append(cell.owned)
             cell.value = out
             cell._leaf = None
             cell.owned = owned
             cell.version += 1
-        return cells, entries, results
+        return cells, refs, befores, owned_before, results
 
     def _targets(self, flat) -> tuple[list, list]:
         """(the cell each output goes to, the call's results: new tensors for the new values it returns)."""

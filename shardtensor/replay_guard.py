@@ -168,13 +168,22 @@ class Guard:
         for o in identities:
             if o is not None:
                 self._watch(o)
-        self.state = plain, list(map(id, identities)), hooks
+        # identities as ids, or packed by the C extension when it has them (one form per guard)
+        self._ids = getattr(torch_device.EXT, "addresses", None) or _id_list
+        self.state = plain, self._ids(identities), hooks
         # the modules' and tensors' part read in one C pass when it can be (``_fingerprint``), the
         # rest (grad mode, optimizers, arguments, global hooks) in Python
         self._fingerprint = _fingerprint(modules, tensors)
         if self._fingerprint is not None:
             plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
-            self._other_state = plain, list(map(id, identities)), hooks
+            self._other_state = plain, self._ids(identities), hooks
+        # the modules' and tensors' weak references, which the C pass reads through (no list of the
+        # objects made first), and the optimizers'; None where one is not a weak reference
+        m, o, _ = self.counts
+        refs = self._roots
+        self._weak: tuple | None = None
+        if all(type(r) is weakref.ref for r in refs[:m] + refs[m + o :]):
+            self._weak = tuple(refs[:m]), tuple(refs[m : m + o]), tuple(refs[m + o :])
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
         position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
@@ -189,7 +198,7 @@ class Guard:
             )
             rest = self._shared[2](tensors)
             plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
-            self._rest_state = plain, list(map(id, identities)), hooks
+            self._rest_state = plain, self._ids(identities), hooks
             self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
@@ -202,6 +211,18 @@ class Guard:
 
     def holds(self, args: Sequence = ()) -> bool:
         """Whether everything is as it was when the guard was taken."""
+        weak = self._weak
+        if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
+            now = _fingerprint(weak[0], weak[2])  # (the modules and tensors read through their references)
+            if now is not None:  # (None: one died, or took another form: the full check below says)
+                if now != self._fingerprint:
+                    return False
+                optimizers = tuple(map(operator.call, weak[1]))
+                if None in optimizers:  # (one died)
+                    return False
+                state = self._other_state
+                plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
+                return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
         objects = self.objects()
         if objects is None:
             return False
@@ -220,7 +241,7 @@ class Guard:
                     return False
                 modules, tensors, state = (), (), self._other_state
         plain, identities, hooks = self._state(modules, optimizers, tensors, args)
-        return plain == state[0] and list(map(id, identities)) == state[1] and hooks == state[2]
+        return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
 
     def _watch(self, obj):
         ref: Callable[[], Any]
@@ -308,6 +329,11 @@ def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
         (i,) = indices
         return lambda items: (items[i],)
     return lambda items: ()
+
+
+def _id_list(objects: Sequence) -> list[int]:
+    """The ids of ``objects``, in order (the extension's ``addresses`` packs the same into bytes)."""
+    return list(map(id, objects))
 
 
 def _hook_ids(flags: tuple) -> tuple:

@@ -9,6 +9,7 @@ still retrace, as on the slower paths.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -260,6 +261,35 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
     finally:
         if hasattr(handle, "remove"):
             handle.remove()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda opt, model: opt.param_groups[0].update(lr=0.5),
+        lambda opt, model: opt.param_groups[0]["params"].reverse(),
+        lambda opt, model: opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2).to(st.device()))),
+        lambda opt, model: opt.register_step_pre_hook(lambda *a: None),
+    ],
+    ids=["lr", "order", "new parameter", "step hook"],
+)
+def test_guard_sees_optimizer_changes_and_a_dropped_module(change):
+    """The optimizers' state (compared by value and identity, ``addresses``) and the watched objects'
+    lives, through the guard's weak references."""
+    from shardtensor import replay_guard
+
+    model = nn.Sequential(nn.Linear(4, 4)).to(st.device())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = replay_guard.Guard((tuple(model.modules()), (opt,), tuple(model.parameters())))
+    assert guard.holds()
+    change(opt, model)
+    assert not guard.holds()
+    other = nn.Linear(2, 2).to(st.device())
+    guard = replay_guard.Guard(((other,), (), ()))
+    assert guard.holds()
+    del other
+    gc.collect()
+    assert not guard.holds()
 
 
 def test_replay_still_checks_an_address_space_limit_set_later(monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import shardtensor as st
-from shardtensor.graph import checks
+from shardtensor.graph import checks, inflight
 from shardtensor.graph.ir import Cell
 from shardtensor.tensor import device as torch_device
 from test_replay_fast_path import _clean, _decoder  # noqa: F401 (_clean: autouse)
@@ -106,8 +106,11 @@ def test_store_gives_each_output_to_its_cell():
     del gone
     gc.collect()
     versions = arg_cell.version, made.version, old.version
-    cells, entries = torch_device.EXT.replay_store(plan, [Arg()], ["a1", "m1", "c1", "d1"], [made])
+    outs = ["a1", "m1", "c1", "d1"]
+    cells, refs, befores, owned = torch_device.EXT.replay_store(plan, [Arg()], outs, [made])
+    entries = list(inflight.Entries(refs, outs, befores, owned))  # (as a replay notes them)
     assert cells[:3] == [arg_cell, made, old] and cells[3] is None
+    assert refs[3] is None and befores[3] is None and owned[3] is None
     assert [c.value for c in cells[:3]] == ["a1", "m1", "c1"]
     assert [c.owned for c in cells[:3]] == [False, True, True]
     assert [c.version for c in cells[:3]] == [v + 1 for v in versions]
@@ -117,6 +120,46 @@ def test_store_gives_each_output_to_its_cell():
         (made, "m1", None, False),
         (old, "c1", "c0", False),
     ]
+
+
+@needs_extension
+def test_store_notes_what_passes_and_takes_any_cell_class():
+    """A target with a read position sets ``passed`` to a weak reference to its output; a cell of
+    another class (its fields reached by attribute, not by slot) is stored the same."""
+
+    class Out:  # (weakly referenceable, as jax arrays are)
+        pass
+
+    class OtherCell(Cell):
+        __slots__ = ()
+
+    class DictCell:  # no slots at all
+        def __init__(self):
+            self.value, self.owned, self.version, self._leaf = "b0", True, 5, "leaf"
+
+    cells_in = [Cell("a0", (1,), torch.float32, owned=True), OtherCell("c0", (1,), torch.float32), DictCell()]
+    plan = tuple((2, 0, weakref.ref(c), False, True, r) for c, r in zip(cells_in, (1, -1, 0)))
+    outs = [Out(), Out(), Out()]
+    passed = [None, None]
+    cells, refs, befores, owned = torch_device.EXT.replay_store(plan, [], outs, [], passed)
+    entries = list(inflight.Entries(refs, outs, befores, owned))
+    assert cells == cells_in
+    assert passed[0]() is outs[2] and passed[1]() is outs[0]
+    assert [c.value for c in cells] == outs and [c.owned for c in cells] == [False] * 3
+    assert [c.version for c in cells] == [1, 1, 6] and all(c._leaf is None for c in cells)
+    assert [e[2:] for e in entries] == [("a0", True), ("c0", False), ("b0", True)]
+    with pytest.raises(IndexError, match="passed"):
+        torch_device.EXT.replay_store(((2, 0, weakref.ref(cells_in[0]), False, False, 5),), [], [Out()], [], passed)
+
+
+@needs_extension
+def test_addresses_pack_the_ids_in_order():
+    a, b = object(), object()
+    packed = torch_device.EXT.addresses([a, b, a])
+    assert np.frombuffer(packed, np.uint64).tolist() == [id(a), id(b), id(a)]
+    assert torch_device.EXT.addresses((a, b, a)) == packed != torch_device.EXT.addresses([b, a, a])
+    with pytest.raises(TypeError):
+        torch_device.EXT.addresses(3)
 
 
 @needs_extension

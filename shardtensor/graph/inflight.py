@@ -88,6 +88,30 @@ class Run:
         return self.what + where
 
 
+class Entries:
+    """A run's entries as columns by output (a frozen replay's store makes them in one pass, without
+    a tuple per output): iterating gives each ``(weak reference to the cell, its new array, its array
+    before or None, owned before)``, skipping the outputs whose cell had died (None in ``refs``).
+
+    Example::
+
+        entries = Entries([weakref.ref(cell)], [out], [None], [True])
+        note("a program", entries, [out], [out], False)
+    """
+
+    __slots__ = ("befores", "outs", "owned", "refs")
+
+    def __init__(self, refs, outs, befores, owned):
+        self.refs, self.outs, self.befores, self.owned = refs, outs, befores, owned
+
+    def __iter__(self):
+        return (e for e in zip(self.refs, self.outs, self.befores, self.owned) if e[0] is not None)
+
+    def keeps(self) -> bool:
+        """Whether any entry keeps its array before (to give it back if the run fails)."""
+        return self.befores.count(None) != len(self.befores)
+
+
 _RUNS: list[Run] = []
 
 
@@ -114,7 +138,7 @@ def track(what, cells, outs, before, aliasing: bool, forwarded=()) -> Run:
 def note(what, entries, outputs, computed, waits) -> Run:
     """Note a run in flight from its parts (``track`` makes them; a frozen replay, which knows
     them in advance, makes them itself): ``entries``, (weak reference to an output cell, its new
-    array, its array before or None, whether it owned that), ``outputs`` (check rows last),
+    array, its array before or None, whether it owned that) each, a list or ``Entries``; ``outputs`` (check rows last),
     ``computed`` (those a finished run has computed, check rows first), ``waits`` (it keeps
     buffers to give back: the next run waits for it).
 

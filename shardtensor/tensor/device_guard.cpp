@@ -22,6 +22,7 @@
 // __torch_dispatch__ sees it. "overrideable" makes SDPA reach shardtensor as one op
 // (_scaled_dot_product_fused_attention_overrideable, lowered in ops/attention.py).
 #include <Python.h>
+#include <structmember.h>  // (T_OBJECT_EX, READONLY: a Cell's slots, read and written directly)
 
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
@@ -279,7 +280,8 @@ PyObject* py_register_backend(PyObject*, PyObject*) {
 // one pass into bytes: equal bytes, the same state. Objects are recorded by address (the guard holds
 // a weak reference to each, and one dying fails it, so an address cannot be reused unseen), hook
 // handles by their ids. It answers None for a module that keeps one of these elsewhere than in its
-// __dict__, or in another form (the guard then reads it in Python).
+// __dict__, or in another form (the guard then reads it in Python). The modules and tensors may be given
+// as weak references to them (the guard's own): one that died also answers None.
 PyObject* guard_names[10] = {};  // "training", the 3 containers, the 4 module hook dicts; 2 tensor hook attrs
 PyObject* name_requires_grad = nullptr;
 PyObject* name_grad = nullptr;
@@ -358,6 +360,18 @@ void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
   }
 }
 
+PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of a weak reference obj
+  if (!PyWeakref_CheckRef(obj)) {
+    Py_INCREF(obj);
+    return obj;
+  }
+  PyObject* target = PyWeakref_GetObject(obj);  // borrowed
+  if (target == nullptr) throw PythonErrorSet();
+  if (target == Py_None) throw Unusual();  // (it died: the guard no longer holds, said in Python)
+  Py_INCREF(target);
+  return target;
+}
+
 PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
   PyObject *modules, *tensors;
   if (!PyArg_ParseTuple(args, "OO:guard_fingerprint", &modules, &tensors)) return nullptr;
@@ -368,14 +382,34 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
   std::vector<uint64_t> out;
   out.reserve(static_cast<size_t>(24 * PyTuple_GET_SIZE(modules) + 8 * PyTuple_GET_SIZE(tensors)));
   try {
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(modules); ++i) push_module(out, PyTuple_GET_ITEM(modules, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(modules); ++i) {
+      OwnedRef module(live(PyTuple_GET_ITEM(modules, i)));
+      push_module(out, module.obj);
+    }
     out.push_back(kNoDict);  // (where the tensors begin)
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) push_tensor(out, PyTuple_GET_ITEM(tensors, i));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) {
+      OwnedRef tensor(live(PyTuple_GET_ITEM(tensors, i)));
+      push_tensor(out, tensor.obj);
+    }
   } catch (const Unusual&) {
     Py_RETURN_NONE;
   } catch (const PythonErrorSet&) {
     return nullptr;
   }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
+                                   static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
+}
+
+// addresses(seq) -> bytes: the addresses of seq's items, packed (equal bytes: the same objects, in
+// order; list(map(id, seq)) without an int made per item). The guard compares the objects it holds
+// weak references to (an optimizer's parameters, gradients) this way.
+PyObject* py_addresses(PyObject*, PyObject* seq) {
+  PyObject* fast = PySequence_Fast(seq, "addresses(seq) takes a sequence");
+  if (fast == nullptr) return nullptr;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  std::vector<uint64_t> out(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) out[i] = reinterpret_cast<uintptr_t>(PySequence_Fast_GET_ITEM(fast, i));
+  Py_DECREF(fast);
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()),
                                    static_cast<Py_ssize_t>(out.size() * sizeof(uint64_t)));
 }
@@ -389,6 +423,78 @@ PyObject* name_value = nullptr;
 PyObject* name_owned = nullptr;
 PyObject* name_leaf = nullptr;
 PyObject* name_version = nullptr;
+
+// A cell's fields (graph/ir.py: Cell, a class with __slots__) are read and written straight in its
+// slots: through PyObject_GetAttr each access walks the type's attribute cache and calls the slot's
+// descriptor, and a replay makes about ten per input (300 inputs: a training step's parameters and
+// optimizer state). The offsets come from the class's own member descriptors, taken again whenever
+// the class changes (its version tag); a cell of another class, or a slot left unset, takes
+// PyObject_GetAttr/SetAttr as before.
+struct CellSlots {
+  PyTypeObject* type = nullptr;  // (a strong reference once set)
+  unsigned int version_tag = 0;
+  Py_ssize_t value = -1, owned = -1, leaf = -1, version = -1;
+} cell_slots;
+
+Py_ssize_t slot_offset(PyTypeObject* type, PyObject* name) {  // -1: not a plain writable object slot
+  PyObject* descr = PyObject_GetAttr(reinterpret_cast<PyObject*>(type), name);
+  if (descr == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  Py_ssize_t offset = -1;
+  if (Py_TYPE(descr) == &PyMemberDescr_Type) {
+    PyMemberDef* member = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member;
+    if (member->type == T_OBJECT_EX && !(member->flags & READONLY)) offset = member->offset;
+  }
+  Py_DECREF(descr);
+  return offset;
+}
+
+bool fast_cell(PyObject* cell) {  // whether cell's fields can be accessed through cell_slots
+  PyTypeObject* type = Py_TYPE(cell);
+  if (type == cell_slots.type && type->tp_version_tag == cell_slots.version_tag && cell_slots.version_tag != 0)
+    return true;
+  if (type == cell_slots.type && type->tp_version_tag == cell_slots.version_tag) return false;  // (no tag)
+  CellSlots found;
+  found.value = slot_offset(type, name_value);
+  found.owned = slot_offset(type, name_owned);
+  found.leaf = slot_offset(type, name_leaf);
+  found.version = slot_offset(type, name_version);
+  found.version_tag = type->tp_version_tag;  // (the look-ups above gave the class one, if it can have one)
+  if (found.value < 0 || found.owned < 0 || found.leaf < 0 || found.version < 0) found.version_tag = 0;
+  Py_INCREF(type);
+  found.type = type;
+  Py_XDECREF(cell_slots.type);
+  cell_slots = found;
+  return found.version_tag != 0;
+}
+
+PyObject** slot(PyObject* obj, Py_ssize_t offset) {
+  return reinterpret_cast<PyObject**>(reinterpret_cast<char*>(obj) + offset);
+}
+
+// a new reference to the field (offset: its slot when fast, else -1) or nullptr with an error set
+PyObject* get_field(PyObject* cell, Py_ssize_t offset, PyObject* name) {
+  if (offset >= 0) {
+    PyObject* value = *slot(cell, offset);
+    if (value != nullptr) {
+      Py_INCREF(value);
+      return value;
+    }
+  }
+  return PyObject_GetAttr(cell, name);  // (an unset slot raises AttributeError here, as in Python)
+}
+
+int set_field(PyObject* cell, Py_ssize_t offset, PyObject* name, PyObject* value) {
+  if (offset < 0) return PyObject_SetAttr(cell, name, value);
+  PyObject** at = slot(cell, offset);
+  PyObject* old = *at;
+  Py_INCREF(value);
+  *at = value;
+  Py_XDECREF(old);  // (last: freeing it may run Python)
+  return 0;
+}
 
 PyObject* deref(PyObject* ref) {  // a new reference to a weak reference's object (None if it died)
   PyObject* obj = PyWeakref_GetObject(ref);  // borrowed
@@ -443,7 +549,8 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
     }
     bool passed_ok = true;
     for (Py_ssize_t r = 0; r < n_cells; ++r) {
-      PyObject* value = PyObject_GetAttr(PyList_GET_ITEM(cells.obj, r), name_value);
+      PyObject* cell = PyList_GET_ITEM(cells.obj, r);
+      PyObject* value = get_field(cell, fast_cell(cell) ? cell_slots.value : -1, name_value);
       if (value == nullptr) throw PythonErrorSet();
       PyList_SET_ITEM(values.obj, r, value);
       if (passed_ok) {
@@ -465,7 +572,8 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
         PyErr_SetString(PyExc_IndexError, "replay_gather: a donated read outside the cells read");
         throw PythonErrorSet();
       }
-      OwnedRef owned(PyObject_GetAttr(PyList_GET_ITEM(cells.obj, r), name_owned));
+      PyObject* cell = PyList_GET_ITEM(cells.obj, r);
+      OwnedRef owned(get_field(cell, fast_cell(cell) ? cell_slots.owned : -1, name_owned));
       int truth = PyObject_IsTrue(owned.obj);
       if (truth < 0) throw PythonErrorSet();
       owned_ok = truth == 1;
@@ -476,16 +584,19 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
   }
 }
 
-// replay_store(plan, flat, outs, made) -> (cells, entries): give output j to its cell as
-// frozen_replay.Frozen._store does. plan[j] = (kind, index, weak reference or None, owned, keep):
+// replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): give output j to its cell as
+// frozen_replay.Frozen._store does. plan[j] = (kind, index, weak reference or None, owned, keep[, read]):
 // kind 0, the cell of argument flat[index]; 1, the next of the new cells ``made`` (a returned tensor's);
 // 2, the cell behind the weak reference (a closed-over or made cell; skipped, None in cells, if it
-// died). Each stored cell gets value=out, _leaf=None, owned, version+1; entries gets
-// (weak reference to the cell, out, its value before if keep else None, its owned before).
+// died). Each stored cell gets value=out, _leaf=None, owned, version+1; the lists give, by target, the
+// cell, a weak reference to it, its value before if keep else None, and its owned before (None for
+// each of the four where it died: the columns of inflight.Entries, without a tuple per target). With
+// ``passed`` (replay_gather's list), a target whose read is r >= 0 also sets passed[r] to a weak
+// reference to out (what the replay wrote into an input passes as that input next time).
 PyObject* py_replay_store(PyObject*, PyObject* args) {
-  PyObject *plan, *flat, *outs, *made;
-  if (!PyArg_ParseTuple(args, "O!O!OO!:replay_store", &PyTuple_Type, &plan, &PyList_Type, &flat, &outs, &PyList_Type,
-                        &made))
+  PyObject *plan, *flat, *outs, *made, *passed = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!OO!|O!:replay_store", &PyTuple_Type, &plan, &PyList_Type, &flat, &outs,
+                        &PyList_Type, &made, &PyList_Type, &passed))
     return nullptr;
   try {
     OwnedRef out_seq(PySequence_Fast(outs, "replay_store: the outputs are a sequence"));
@@ -495,12 +606,14 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
       return nullptr;
     }
     OwnedRef cells(PyList_New(n));
-    OwnedRef entries(PyList_New(0));
+    OwnedRef refs(PyList_New(n));
+    OwnedRef befores(PyList_New(n));
+    OwnedRef owned_befores(PyList_New(n));
     Py_ssize_t next_made = 0;
     for (Py_ssize_t j = 0; j < n; ++j) {
       PyObject* target = PyTuple_GET_ITEM(plan, j);
-      if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) != 5) {
-        PyErr_SetString(PyExc_TypeError, "replay_store: a target is (kind, index, ref, owned, keep)");
+      if (!PyTuple_CheckExact(target) || PyTuple_GET_SIZE(target) < 5 || PyTuple_GET_SIZE(target) > 6) {
+        PyErr_SetString(PyExc_TypeError, "replay_store: a target is (kind, index, ref, owned, keep[, read])");
         throw PythonErrorSet();
       }
       long kind = PyLong_AsLong(PyTuple_GET_ITEM(target, 0));
@@ -533,8 +646,10 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
         if (cell == Py_None) {  // (it died: nothing to store, as in Python)
           Py_DECREF(cell);
           Py_DECREF(ref);
-          Py_INCREF(Py_None);
-          PyList_SET_ITEM(cells.obj, j, Py_None);
+          for (PyObject* column : {cells.obj, refs.obj, befores.obj, owned_befores.obj}) {
+            Py_INCREF(Py_None);
+            PyList_SET_ITEM(column, j, Py_None);
+          }
           continue;
         }
       }
@@ -548,21 +663,41 @@ PyObject* py_replay_store(PyObject*, PyObject* args) {
       PyObject* out = PySequence_Fast_GET_ITEM(out_seq.obj, j);
       int keep = PyObject_IsTrue(PyTuple_GET_ITEM(target, 4));
       if (keep < 0) throw PythonErrorSet();
-      OwnedRef before(keep ? PyObject_GetAttr(cell, name_value) : (Py_INCREF(Py_None), Py_None));
-      OwnedRef owned_before(PyObject_GetAttr(cell, name_owned));
-      OwnedRef entry(PyTuple_Pack(4, ref, out, before.obj, owned_before.obj));
-      if (PyList_Append(entries.obj, entry.obj) < 0) throw PythonErrorSet();
-      OwnedRef version(PyObject_GetAttr(cell, name_version));
+      bool fast = fast_cell(cell);
+      Py_ssize_t at_value = fast ? cell_slots.value : -1, at_owned = fast ? cell_slots.owned : -1;
+      Py_ssize_t at_leaf = fast ? cell_slots.leaf : -1, at_version = fast ? cell_slots.version : -1;
+      OwnedRef before(keep ? get_field(cell, at_value, name_value) : (Py_INCREF(Py_None), Py_None));
+      OwnedRef owned_before(get_field(cell, at_owned, name_owned));
+      Py_INCREF(ref);
+      PyList_SET_ITEM(refs.obj, j, ref);
+      Py_INCREF(before.obj);
+      PyList_SET_ITEM(befores.obj, j, before.obj);
+      Py_INCREF(owned_before.obj);
+      PyList_SET_ITEM(owned_befores.obj, j, owned_before.obj);
+      OwnedRef version(get_field(cell, at_version, name_version));
       OwnedRef one(PyLong_FromLong(1));
       OwnedRef next_version(PyNumber_Add(version.obj, one.obj));
-      if (PyObject_SetAttr(cell, name_value, out) < 0 || PyObject_SetAttr(cell, name_leaf, Py_None) < 0 ||
-          PyObject_SetAttr(cell, name_owned, PyTuple_GET_ITEM(target, 3)) < 0 ||
-          PyObject_SetAttr(cell, name_version, next_version.obj) < 0)
+      if (set_field(cell, at_value, name_value, out) < 0 || set_field(cell, at_leaf, name_leaf, Py_None) < 0 ||
+          set_field(cell, at_owned, name_owned, PyTuple_GET_ITEM(target, 3)) < 0 ||
+          set_field(cell, at_version, name_version, next_version.obj) < 0)
         throw PythonErrorSet();
+      if (passed != nullptr && PyTuple_GET_SIZE(target) == 6) {
+        Py_ssize_t r = PyLong_AsSsize_t(PyTuple_GET_ITEM(target, 5));
+        if (r == -1 && PyErr_Occurred()) throw PythonErrorSet();
+        if (r >= PyList_GET_SIZE(passed)) {
+          PyErr_SetString(PyExc_IndexError, "replay_store: a read outside the passed list");
+          throw PythonErrorSet();
+        }
+        if (r >= 0) {
+          PyObject* passed_ref = PyWeakref_NewRef(out, nullptr);
+          if (passed_ref == nullptr) throw PythonErrorSet();
+          if (PyList_SetItem(passed, r, passed_ref) < 0) throw PythonErrorSet();  // (steals it)
+        }
+      }
       Py_INCREF(cell);
       PyList_SET_ITEM(cells.obj, j, cell);
     }
-    return PyTuple_Pack(2, cells.obj, entries.obj);
+    return PyTuple_Pack(4, cells.obj, refs.obj, befores.obj, owned_befores.obj);
   } catch (const PythonErrorSet&) {
     return nullptr;
   }
@@ -595,10 +730,11 @@ PyMethodDef methods[] = {
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
      "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
+    {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
     {"replay_store", py_replay_store, METH_VARARGS,
-     "replay_store(plan, flat, outs, made): a frozen replay's outputs given to their cells"},
+     "replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): a frozen replay's outputs given to their cells"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module_def = {PyModuleDef_HEAD_INIT, SHARDTENSOR_STR(TORCH_EXTENSION_NAME),
