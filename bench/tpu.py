@@ -56,6 +56,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import shardtensor as st  # noqa: E402
 from gpt_model import GPT  # noqa: E402
+from shardtensor.graph import early_rows  # noqa: E402
 from shardtensor.ops.checks import checks_enabled  # noqa: E402
 from train_vs_jax import BETAS, EPS, LR, WD  # noqa: E402  (AdamW's settings, as the CPU bench)
 
@@ -305,7 +306,12 @@ def _time_st_training(state, size, batches, mode):
         def run(x, y):
             return compiled(*dev[index[id(x)]])
 
-        read = lambda loss: loss.item()  # noqa: E731
+        def read(loss):
+            frozen = next(iter(compiled._frozen.values()), None)
+            if frozen is not None and frozen.executable is not None:  # (graph/early_rows.py)
+                print(f"  ({mode}: check rows' own program used: {early_rows.used(frozen.executable)})", flush=True)
+            return loss.item()
+
     elif mode == "lazy-item":
 
         def run(x, y):
@@ -575,7 +581,17 @@ def main():
     # replay builds the check rows' own program, graph.early_rows)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--peak", type=float, default=197e12, help="the chip's peak FLOP/s for MFU (v5e bf16)")
+    ap.add_argument(
+        "--cpu-lowerings",
+        action="store_true",
+        help="the lowerings a CPU gets where a TPU's differ (ops/loss.py _logits_kept, ops/shape.py "
+        "_unflattened_products off): to compare the two on the chip",
+    )
     ARGS = ap.parse_args()
+    if ARGS.cpu_lowerings:
+        from shardtensor.ops import loss, shape  # noqa: PLC0415
+
+        loss._logits_kept = shape._unflattened_products = lambda: False
     if not (ARGS.gpt or ARGS.f32 or ARGS.attention or ARGS.llama or ARGS.startup):
         ARGS.gpt = ARGS.f32 = ARGS.attention = True
     t0 = time.perf_counter()

@@ -188,5 +188,20 @@ def test_lazy_steps_read_the_earlier_run_early(early, monkeypatch):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-5)
 
 
+def test_what_counts_as_heavy():
+    """The compiler's own cheap calls of a TPU (as its optimized HLO writes them) do not make the rows'
+    program heavy; products, loops and kernels do."""
+    concat = (
+        "%custom-call.1 = s64[2,3]{1,0} custom-call(s64[1,3]{1,0} %a, s64[1,3]{1,0} %b), "
+        'custom_call_target="ConcatBitcast"'
+    )
+    gather = '%custom-call.2 = s32[4]{0} custom-call(s32[4]{0} %i), custom_call_target="AssumeGatherIndicesInBound"'
+    kernel = '%custom-call.3 = f32[8,128]{1,0} custom-call(f32[8,128]{1,0} %x), custom_call_target="tpu_custom_call"'
+    product = "%dot.1 = f32[4,4]{1,0} dot(f32[4,8]{1,0} %a, f32[8,4]{1,0} %b)"
+    assert not early_rows.heavy(concat + "\n" + gather)
+    assert early_rows.heavy(concat + "\n" + kernel)
+    assert early_rows.heavy(product)
+
+
 def test_off_on_a_cpu_by_default():
     assert early_rows.ENABLED is None and early_rows.enabled() is False

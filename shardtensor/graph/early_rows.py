@@ -16,6 +16,7 @@ overrides it (tests).
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from typing import Any
 
@@ -23,9 +24,27 @@ from shardtensor import runtime
 
 ENABLED: bool | None = None  # None: off a CPU only
 _LOG = logging.getLogger("shardtensor")
-# what would make the rows' program as costly as the step: products, kernels, loops
-_HEAVY = (" dot(", " convolution(", " custom-call(", " while(")  # (also inside fused computations)
+# what would make the rows' program as costly as the step: products, loops (also inside fused
+# computations) and custom calls but the compiler's own cheap ones (a TPU's XLA writes a concatenation
+# of rows as a "ConcatBitcast" call and marks checked gathers with "AssumeGatherIndicesInBound"; a
+# Pallas kernel is a "tpu_custom_call")
+_HEAVY = (" dot(", " convolution(", " while(")
+_CHEAP_CALLS = frozenset(
+    {"ConcatBitcast", "AssumeGatherIndicesInBound", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
+)
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _SEEN, _NONE = object(), object()  # an executable's first call; no cheap rows program
+
+
+def used(fn) -> bool | None:
+    """Whether ``fn``'s calls run its check rows' own program: None while undecided (its first call).
+
+    Example::
+
+        used(frozen.executable)   # True: the calls wait for the rows' program only
+    """
+    rows_fn = getattr(fn, "early_rows", None)
+    return None if rows_fn in (None, _SEEN) else rows_fn is not _NONE
 
 
 def enabled() -> bool:
@@ -73,7 +92,19 @@ def rows_program(fn, donated: list, kept: list, scalars: dict):
     except Exception as error:  # noqa: BLE001  (an optimisation: the calls wait for their own rows)
         _LOG.info("shardtensor: the check rows' own program did not compile (%s); calls wait for their runs", error)
         return None
-    text = compiled.as_text() or ""
-    if any(token in text for token in _HEAVY):
+    if heavy(compiled.as_text() or ""):
+        _LOG.info("shardtensor: the check rows need a product, loop or kernel: calls wait for their runs")
         return None
     return compiled
+
+
+def heavy(hlo_text: str) -> bool:
+    """Whether an optimized HLO program does work like a step's: products, loops, kernels (module doc).
+
+    Example::
+
+        heavy(jax.jit(f).lower(x).compile().as_text())
+    """
+    if any(token in hlo_text for token in _HEAVY):
+        return True
+    return any(target not in _CHEAP_CALLS for target in _CALL_TARGET.findall(hlo_text))
