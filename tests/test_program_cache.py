@@ -168,6 +168,17 @@ def test_a_warm_process_loads_every_program_and_traces_nothing(filled, tmp_path)
     assert second["check"] == first["check"] and second["warnings"] == []
 
 
+def test_loaded_programs_take_the_check_rows_own_program(filled, tmp_path):
+    """A warm process on an accelerator (graph.early_rows turned on here) gives the programs it loads
+    their check rows' own program, as the ones it compiles; results as before, the check still raises."""
+    cache = _copy(filled[0], tmp_path)
+    script = "from shardtensor.graph import early_rows\nearly_rows.ENABLED = True\n" + SCRIPT
+    warm = _result(_run(cache, script=script))
+    assert warm["PersistentProgramHit"] and warm["PersistentProgramMiss"] is None
+    assert warm["lazy"] == filled[1]["lazy"] and warm["compiled"] == filled[1]["compiled"]
+    assert warm["check"].split("(checked")[0] == filled[1]["check"].split("(checked")[0]  # (lines moved by 2)
+
+
 DAMAGES = ["truncated", "a byte flipped", "emptied", "another version", "hostile header"]
 
 

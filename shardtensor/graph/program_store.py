@@ -63,7 +63,7 @@ class StoredExecutable:
         outs = fn(donated, kept, vectors)   # as the jitted function would be called
     """
 
-    __slots__ = ("_compiled", "program", "memory")
+    __slots__ = ("_compiled", "program", "memory", "early_rows")  # (early_rows: graph.early_rows's)
 
     def __init__(self, compiled, program, analysis):
         self._compiled, self.program, self.memory = compiled, program, analysis
