@@ -504,7 +504,10 @@ def _paired_order(donated: list[int], leaf_cells: list, cells, outputs: list) ->
         else:
             k = queue.pop()
         order.append(k)
-    return order
+    # (a leaf no output of its kind took, or a second leaf of one cell — a restored RNG key and the
+    # key it replaces —, is still an input: after the others)
+    placed = set(order)
+    return order + [k for k in donated if k not in placed]
 
 
 def _output_layout(cell: Cell, mesh):
