@@ -203,5 +203,9 @@ def test_what_counts_as_heavy():
     assert early_rows.heavy(product)
 
 
-def test_off_on_a_cpu_by_default():
+def test_off_on_a_cpu_by_default_and_the_environment_decides(monkeypatch):
     assert early_rows.ENABLED is None and early_rows.enabled() is False
+    monkeypatch.setenv("SHARDTENSOR_EARLY_ROWS", "1")
+    assert early_rows.enabled() is True
+    monkeypatch.setenv("SHARDTENSOR_EARLY_ROWS", "off")
+    assert early_rows.enabled() is False

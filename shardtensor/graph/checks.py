@@ -7,8 +7,8 @@ value is read back to the host, at the end of an ``st.compile`` call and, in eag
 and raises the first failure with torch's exception type and message and the user's line.
 
 A run may also come with *early* rows (``watch(..., early=rows)``): the same checks computed by a
-small program dispatched just before it (``frozen_replay``: an ``st.compile`` call that raises its
-own failures). Waiting for those waits only for the runs before, not for this one; the run's own rows
+small program dispatched just before it (``graph.early_rows``: a repeated program's, on an
+accelerator). Waiting for those waits only for the runs before, not for this one; the run's own rows
 are then read once they are ready, or at the next read or sync (``verify(wait_late=False)`` leaves
 them unread until then). Either failing raises; a failure of the early rows drops the run's own.
 

@@ -9,13 +9,15 @@ computed by a small program of their own run just before it; waiting for those w
 runs before. The program's own rows are still read (``checks.watch(..., early=...)``: once ready, or
 at the next read or sync), so nothing is decided on the small program's word alone.
 
-On by default off a CPU (there the devices are the host's own cores: nothing to overlap); ``ENABLED``
-overrides it (tests).
+On by default off a CPU (there the devices are the host's own cores: nothing to overlap);
+``SHARDTENSOR_EARLY_ROWS=0`` (or ``1``) in the environment turns it off (or on), and ``ENABLED``
+overrides both (tests).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import warnings
 from typing import Any
@@ -48,8 +50,18 @@ def used(fn) -> bool | None:
 
 
 def enabled() -> bool:
-    """Whether checked programs that repeat get their rows' own program (module doc)."""
-    return ENABLED if ENABLED is not None else runtime.platform() != "cpu"
+    """Whether checked programs that repeat get their rows' own program (module doc).
+
+    Example::
+
+        early_rows.enabled()   # False on a CPU, unless SHARDTENSOR_EARLY_ROWS=1
+    """
+    if ENABLED is not None:
+        return ENABLED
+    setting = os.environ.get("SHARDTENSOR_EARLY_ROWS", "").strip().lower()
+    if setting:
+        return setting not in ("0", "false", "no", "off")
+    return runtime.platform() != "cpu"
 
 
 def dispatch(fn, donated: list, kept: list, scalars: dict):
@@ -92,19 +104,23 @@ def rows_program(fn, donated: list, kept: list, scalars: dict):
     except Exception as error:  # noqa: BLE001  (an optimisation: the calls wait for their own rows)
         _LOG.info("shardtensor: the check rows' own program did not compile (%s); calls wait for their runs", error)
         return None
-    if heavy(compiled.as_text() or ""):
-        _LOG.info("shardtensor: the check rows need a product, loop or kernel: calls wait for their runs")
+    reason = heavy(compiled.as_text() or "")
+    if reason:
+        _LOG.info("shardtensor: the check rows' own program would run %s: calls wait for their runs", reason)
         return None
     return compiled
 
 
-def heavy(hlo_text: str) -> bool:
-    """Whether an optimized HLO program does work like a step's: products, loops, kernels (module doc).
+def heavy(hlo_text: str) -> str:
+    """What in an optimized HLO program does work like a step's (products, loops, kernels: module
+    doc), or "" when nothing does.
 
     Example::
 
-        heavy(jax.jit(f).lower(x).compile().as_text())
+        heavy(jax.jit(f).lower(x).compile().as_text())   # e.g. 'dot(', '' for compares and sums
     """
-    if any(token in hlo_text for token in _HEAVY):
-        return True
-    return any(target not in _CHEAP_CALLS for target in _CALL_TARGET.findall(hlo_text))
+    for token in _HEAVY:
+        if token in hlo_text:
+            return token.strip()
+    calls = [t for t in _CALL_TARGET.findall(hlo_text) if t not in _CHEAP_CALLS]
+    return f"custom call {calls[0]!r}" if calls else ""
