@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import logging
 import os
 import sys
 import time
@@ -588,6 +589,9 @@ def main():
         "_unflattened_products off): to compare the two on the chip",
     )
     ARGS = ap.parse_args()
+    # shardtensor's INFO lines: long compiles, and why a step's check rows get no program of their own
+    logging.basicConfig(format="  (%(name)s: %(message)s)")
+    logging.getLogger("shardtensor").setLevel(logging.INFO)
     if ARGS.cpu_lowerings:
         from shardtensor.ops import loss, shape  # noqa: PLC0415
 
