@@ -204,6 +204,7 @@ def test_what_counts_as_heavy():
 
 
 def test_off_on_a_cpu_by_default_and_the_environment_decides(monkeypatch):
+    monkeypatch.delenv("SHARDTENSOR_EARLY_ROWS", raising=False)
     assert early_rows.ENABLED is None and early_rows.enabled() is False
     monkeypatch.setenv("SHARDTENSOR_EARLY_ROWS", "1")
     assert early_rows.enabled() is True
