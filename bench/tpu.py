@@ -584,18 +584,25 @@ def main():
     ap.add_argument("--peak", type=float, default=197e12, help="the chip's peak FLOP/s for MFU (v5e bf16)")
     ap.add_argument(
         "--cpu-lowerings",
-        action="store_true",
-        help="the lowerings a CPU gets where a TPU's differ (ops/loss.py _logits_kept, ops/shape.py "
-        "_unflattened_products off): to compare the two on the chip",
+        nargs="*",
+        choices=["pick", "rows"],
+        help="the lowerings a CPU gets where a TPU's differ, to compare them on the chip: 'pick' (nll_loss's "
+        "target pick from the logits, ops/loss.py _logits_kept), 'rows' (3-D products of Linear layers, "
+        "ops/shape.py _unflattened_products); none named: both",
     )
     ARGS = ap.parse_args()
     # shardtensor's INFO lines: long compiles, and why a step's check rows get no program of their own
     logging.basicConfig(format="  (%(name)s: %(message)s)")
     logging.getLogger("shardtensor").setLevel(logging.INFO)
-    if ARGS.cpu_lowerings:
+    if ARGS.cpu_lowerings is not None:
         from shardtensor.ops import loss, shape  # noqa: PLC0415
 
-        loss._logits_kept = shape._unflattened_products = lambda: False
+        off = ARGS.cpu_lowerings or ["pick", "rows"]
+        if "pick" in off:
+            loss._logits_kept = lambda: False
+        if "rows" in off:
+            shape._unflattened_products = lambda: False
+        print(f"(the CPU's lowerings for: {', '.join(off)})")
     if not (ARGS.gpt or ARGS.f32 or ARGS.attention or ARGS.llama or ARGS.startup):
         ARGS.gpt = ARGS.f32 = ARGS.attention = True
     t0 = time.perf_counter()
