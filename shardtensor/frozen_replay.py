@@ -278,9 +278,8 @@ class Frozen:
         donated_at, kept_at = self._call_order
         # (lists, as the program was lowered with: a tuple would be another signature for jit)
         donated, kept = list(donated_at(values)), list(kept_at(values))
-        early = None  # (its rows' own program runs first: the program donates what it reads)
-        if own_checks and program.checks and early_rows.enabled() and not checks.deferring():
-            early = early_rows.dispatch(self.executable, donated, kept, scalars)
+        # (its rows' own program runs first: the program donates what it reads)
+        early = early_rows.dispatch(self.executable, donated, kept, scalars) if own_checks else None
         with deferred_interrupts():  # from donating the inputs to storing every output
             try:
                 outs = execute.call_prepared(self.executable, donated, kept, scalars)

@@ -23,6 +23,7 @@ import warnings
 from typing import Any
 
 from shardtensor import runtime
+from shardtensor.graph import checks
 
 ENABLED: bool | None = None  # None: off a CPU only
 _LOG = logging.getLogger("shardtensor")
@@ -66,8 +67,10 @@ def enabled() -> bool:
 
 def dispatch(fn, donated: list, kept: list, scalars: dict):
     """Run ``fn``'s check rows' own program on these arguments (before ``fn`` itself, which may donate
-    them) and return its rows, or None: ``fn``'s first call, or its rows are not cheap (module doc).
-    The rows program is built at ``fn``'s second call (a program that repeats) and kept on ``fn``.
+    them) and return its rows, their copy to the host started; or None: off (``enabled``), ``fn``
+    has no checks, its first call, its rows are not cheap (module doc), or the caller's thread reads
+    its checks late anyway (``checks.deferred``). The rows program is built at ``fn``'s second call
+    (a program that repeats) and kept on ``fn``.
 
     Example::
 
@@ -75,6 +78,8 @@ def dispatch(fn, donated: list, kept: list, scalars: dict):
         outs = fn(donated, kept, scalars)
         checks.watch(fn.program, outs[1], sites, cells, outs[0], early)
     """
+    if not (fn.program.checks and enabled()) or checks.deferring():
+        return None
     rows_fn: Any = getattr(fn, "early_rows", None)
     if rows_fn is None:
         fn.early_rows = _SEEN
@@ -83,7 +88,10 @@ def dispatch(fn, donated: list, kept: list, scalars: dict):
         rows_fn = fn.early_rows = rows_program(fn, donated, kept, scalars) or _NONE
     if rows_fn is _NONE:
         return None
-    return rows_fn(donated, kept, scalars)
+    rows = rows_fn(donated, kept, scalars)
+    if runtime.platform() != "cpu":  # (read soon: queued after the small program, as execute does)
+        rows.copy_to_host_async()
+    return rows
 
 
 def rows_program(fn, donated: list, kept: list, scalars: dict):

@@ -305,14 +305,11 @@ class Execution:
         memory.check(getattr(self.executable, "memory", None), what)  # before anything is donated
         before = self.values_before()
         fn, early = self.executable, None
-        if fn.program.checks and not (wait or STATE.eager) and early_rows.enabled() and not checks.deferring():
+        if not (wait or STATE.eager) and early_rows.enabled():  # (a caller that waits needs none)
             arguments = _call_arguments(fn.program, self.arrays, self.scalars)
             early = early_rows.dispatch(fn, *arguments)  # (a repeated program's rows, before it runs)
         with deferred_interrupts():  # from donating the inputs to storing every output
-            if early is None:
-                outs = call_executable(fn, self.arrays, self.scalars)
-            else:
-                outs = call_prepared(fn, *arguments)
+            outs = call_executable(fn, self.arrays, self.scalars) if early is None else call_prepared(fn, *arguments)
             self.dispatched = True
             self.record = assign_outputs(
                 self.program, self.cells, outs, self.sites, before=before, what=self.what, early=early
@@ -442,27 +439,16 @@ def _called(fn, outs, start):
         # the rows are read soon (``checks.verify``): on an accelerator their copy to the host starts
         # now, queued after the program, so the read finds them there instead of waiting for a
         # transfer (on CPU the devices' memory is the host's: starting a copy costs more than it saves)
-        if rows is not None:
-            copy_rows_to_host(rows)
+        if rows is not None and _copy_rows_early():
+            rows.copy_to_host_async()
     counters.increment("ExecuteReplicated")
     _EXECUTE_TIME.add_since(start)
     return outs
 
 
-def copy_rows_to_host(rows) -> None:
-    """Start copying a run's check rows to the host (off a CPU), to be read soon by ``checks.verify``.
-
-    Example::
-
-        copy_rows_to_host(outs.check_rows)
-    """
-    if copy_rows_early():
-        rows.copy_to_host_async()
-
-
 @functools.cache
-def copy_rows_early() -> bool:
-    """Whether check rows are copied to the host at dispatch (off a CPU: the platform is fixed)."""
+def _copy_rows_early() -> bool:
+    """Whether check rows are copied to the host at dispatch (off CPU): the platform is fixed."""
     return runtime.platform() != "cpu"
 
 

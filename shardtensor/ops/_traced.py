@@ -20,8 +20,9 @@ import weakref
 _FACTS: dict = {}
 
 
-def remember(value, kind: str, fact) -> None:
-    """Keep ``fact`` about ``value`` (a tracer; anything else is ignored) until the value dies."""
+def remember(value, kind, fact) -> None:
+    """Keep ``fact`` about ``value`` (a tracer; anything else is ignored) until the value dies;
+    ``kind``: any hashable name of the fact."""
     if getattr(value, "_trace", None) is None:
         return
     key = (id(value), kind)
@@ -32,7 +33,7 @@ def remember(value, kind: str, fact) -> None:
     _FACTS[key] = (weakref.ref(value, forget), fact)
 
 
-def recall(value, kind: str):
+def recall(value, kind):
     """The fact remembered about this very ``value`` under ``kind``, or None."""
     entry = _FACTS.get((id(value), kind))
     if entry is None or entry[0]() is not value:

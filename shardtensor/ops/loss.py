@@ -12,8 +12,6 @@ Example::
 
 from __future__ import annotations
 
-import weakref
-
 import jax
 import jax.numpy as jnp
 import torch
@@ -51,19 +49,16 @@ def _grad_norm(reduction, numel):
 # --------------------------------------------------------------------------------------- nll loss
 
 
-# The one-hot mask of the targets, per target value of the graph being traced: id(target) ->
-# (weak target, mask). nll_loss_forward and nll_loss_backward compare the same targets with the same
-# iota, and XLA partitions the two comparisons apart: with the classes sharded (vocab-sharded
-# logits) each all-gathers the batch-sharded targets. The backward reusing the forward's mask — as
-# JAX's autodiff keeps it as a residual — makes that one all-gather.
-_ONEHOTS: dict = {}
-
-
 def _target_mask(target, nclass, cdim, ndim):
-    key = (id(target), nclass, cdim, ndim)
-    entry = _ONEHOTS.get(key)
-    if entry is not None and entry[0]() is target:
-        return entry[1]
+    """The one-hot mask of the targets. nll_loss_forward and nll_loss_backward compare the same
+    targets with the same iota, and XLA partitions the two comparisons apart: with the classes
+    sharded (vocab-sharded logits) each all-gathers the batch-sharded targets. The backward reusing
+    the forward's mask (a fact about the traced targets, ``_traced``) — as JAX's autodiff keeps it as
+    a residual — makes that one all-gather."""
+    kind = ("onehot", nclass, cdim, ndim)
+    onehot = recall(target, kind)
+    if onehot is not None:
+        return onehot
     t = target
     if jnp.dtype(t.dtype).itemsize > 4 and nclass < 2**31:
         # int32 over the (..., nclass) comparison: a TPU emulates every 64-bit integer op, and an
@@ -71,13 +66,7 @@ def _target_mask(target, nclass, cdim, ndim):
         t = jnp.where((t >= 0) & (t < nclass), t, -1).astype(jnp.int32)
     classes = jax.lax.broadcasted_iota(t.dtype, tuple(nclass if i == cdim else 1 for i in range(ndim)), cdim)
     onehot = jnp.expand_dims(t, cdim) == classes
-    trace = getattr(target, "_trace", None)
-    if trace is not None and getattr(onehot, "_trace", None) is trace:  # a tracer: valid while its trace is
-
-        def forget(_ref, k=key, memo=_ONEHOTS):
-            memo.pop(k, None)
-
-        _ONEHOTS[key] = (weakref.ref(target, forget), onehot)
+    remember(target, kind, onehot)  # (a tracer's only: valid while its trace is)
     return onehot
 
 
