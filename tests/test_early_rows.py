@@ -197,8 +197,9 @@ def test_what_counts_as_heavy():
     )
     gather = '%custom-call.2 = s32[4]{0} custom-call(s32[4]{0} %i), custom_call_target="AssumeGatherIndicesInBound"'
     kernel = '%custom-call.3 = f32[8,128]{1,0} custom-call(f32[8,128]{1,0} %x), custom_call_target="tpu_custom_call"'
+    split = '%custom-call.4 = u32[2]{0} custom-call(s64[2]{0} %r), custom_call_target="X64SplitHigh"'
     product = "%dot.1 = f32[4,4]{1,0} dot(f32[4,8]{1,0} %a, f32[8,4]{1,0} %b)"
-    assert not early_rows.heavy(concat + "\n" + gather)
+    assert not early_rows.heavy(concat + "\n" + gather + "\n" + split)
     assert early_rows.heavy(concat + "\n" + kernel)
     assert early_rows.heavy(product)
 

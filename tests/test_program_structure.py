@@ -273,6 +273,30 @@ def test_linear_on_tokens_contracts_the_tokens_unflattened(monkeypatch):
     torch.testing.assert_close(mine.bias.grad.cpu(), layer.bias.grad)
 
 
+def test_a_vocabulary_head_keeps_its_rows_flattened(monkeypatch):
+    """A Linear layer whose widths differ more than 8 times (a vocabulary head) keeps torch's 2-D
+    products on a TPU too: there a TPU's XLA computes the logits' gradient inside them instead of
+    writing it (ops/matmul.py _HEAD_RATIO). The values equal eager torch's."""
+    from shardtensor.ops import shape
+
+    monkeypatch.setattr(shape, "_unflattened_products", lambda: True)
+    g = torch.Generator().manual_seed(7)
+    head = torch.nn.Linear(4, 40, bias=False)
+    x = torch.randn(3, 5, 4, generator=g).requires_grad_()
+    F.cross_entropy(head(x).flatten(0, 1), torch.arange(15) % 40).backward()
+    mine = torch.nn.Linear(4, 40, bias=False).to(st.device())
+    mine.load_state_dict(head.state_dict())
+    mx = x.detach().to(st.device()).requires_grad_()
+    out = mine(mx)
+    F.cross_entropy(out.flatten(0, 1), (torch.arange(15) % 40).to(st.device())).backward()
+    text = _stablehlo([out, mx.grad, mine.weight.grad])
+    dots = re.findall(r"stablehlo\.dot_general .*", text)
+    assert len(dots) == 3 and not any("tensor<3x5x" in d.split("->")[0] for d in dots), dots
+    torch.testing.assert_close(out.detach().cpu(), head(x).detach())
+    torch.testing.assert_close(mx.grad.cpu(), x.grad)
+    torch.testing.assert_close(mine.weight.grad.cpu(), head.weight.grad)
+
+
 def test_causal_sdpa_masks_with_32_bit_integers():
     """The causal mask of shardtensor's attention (JAX's, traced inside shardtensor's 64-bit scope)
     compares int32 positions, as under jax.jit: a TPU emulates int64 in the fused softmax."""

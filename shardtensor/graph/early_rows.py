@@ -29,12 +29,14 @@ ENABLED: bool | None = None  # None: off a CPU only
 _LOG = logging.getLogger("shardtensor")
 # what would make the rows' program as costly as the step: products, loops (also inside fused
 # computations) and custom calls but the compiler's own cheap ones (a TPU's XLA writes a concatenation
-# of rows as a "ConcatBitcast" call and marks checked gathers with "AssumeGatherIndicesInBound"; a
-# Pallas kernel is a "tpu_custom_call")
+# of rows as a "ConcatBitcast" call, marks checked gathers with "AssumeGatherIndicesInBound" and
+# splits and joins the 32-bit halves of 64-bit integers with "X64..." calls; a Pallas kernel is a
+# "tpu_custom_call")
 _HEAVY = (" dot(", " convolution(", " while(")
 _CHEAP_CALLS = frozenset(
     {"ConcatBitcast", "AssumeGatherIndicesInBound", "Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape"}
 )
+_CHEAP_PREFIXES = ("X64",)  # X64SplitLow, X64SplitHigh, X64Combine
 _CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _SEEN, _NONE = object(), object()  # an executable's first call; no cheap rows program
 
@@ -110,11 +112,11 @@ def rows_program(fn, donated: list, kept: list, scalars: dict):
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             compiled = maker.lower(donated, kept, scalars).compile()
     except Exception as error:  # noqa: BLE001  (an optimisation: the calls wait for their own rows)
-        _LOG.info("shardtensor: the check rows' own program did not compile (%s); calls wait for their runs", error)
+        _LOG.info("the check rows' own program did not compile (%s); calls wait for their runs", error)
         return None
     reason = heavy(compiled.as_text() or "")
     if reason:
-        _LOG.info("shardtensor: the check rows' own program would run %s: calls wait for their runs", reason)
+        _LOG.info("the check rows' own program would run %s: calls wait for their runs", reason)
         return None
     return compiled
 
@@ -130,5 +132,7 @@ def heavy(hlo_text: str) -> str:
     for token in _HEAVY:
         if token in hlo_text:
             return token.strip()
-    calls = [t for t in _CALL_TARGET.findall(hlo_text) if t not in _CHEAP_CALLS]
+    calls = [
+        t for t in _CALL_TARGET.findall(hlo_text) if t not in _CHEAP_CALLS and not t.startswith(_CHEAP_PREFIXES)
+    ]
     return f"custom call {calls[0]!r}" if calls else ""

@@ -59,7 +59,10 @@ def _rows_product(lhs, lc, rhs, rc, dtype):
     """The 2-D product of ``lhs`` and ``rhs`` over their dims ``lc`` and ``rc`` computed from the values
     their rows were flattened from (``shape.rows_source``), as JAX's dots of a Linear layer on
     (batch, tokens, features): contracting both over their leading dims (a weight's gradient), or
-    keeping the leading dims of ``lhs`` and flattening the result; None where neither applies."""
+    keeping the leading dims of ``lhs`` and flattening the result; None where neither applies, or for
+    a layer whose widths differ more than ``_HEAD_RATIO`` times (``_head_like``)."""
+    if _head_like(lhs.shape[1], rhs.shape[1 - rc]):
+        return None
 
     def dot(x, y, dims):
         return lax.dot_general(x, y, (dims, ((), ())), precision=precision(), preferred_element_type=acc_dtype(dtype))
@@ -75,6 +78,17 @@ def _rows_product(lhs, lc, rhs, rc, dtype):
         return None
     out = dot(ls, rhs, ((ls.ndim - 1,), (rc,)))
     return out.reshape(lhs.shape[0], out.shape[-1])
+
+
+# a vocabulary head (768 -> 50257 features): its 2-D products let a TPU's XLA compute the logits'
+# gradient inside them rather than write it (v5e, float32 GPT step: 25.2 ms with the head in 3-D,
+# 22.4 ms without; bfloat16 95.0 / 95.3 ms). Other layers' widths differ at most 4 times (an MLP).
+_HEAD_RATIO = 8
+
+
+def _head_like(features: int, other: int) -> bool:
+    """Whether a Linear layer's two feature widths differ more than ``_HEAD_RATIO`` times."""
+    return max(features, other) > _HEAD_RATIO * min(features, other)
 
 
 def matmul(a, b, out_dtype=None):
