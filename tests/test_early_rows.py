@@ -188,6 +188,23 @@ def test_lazy_steps_read_the_earlier_run_early(early, monkeypatch):
         torch.testing.assert_close(p.cpu(), q, rtol=1e-5, atol=1e-5)
 
 
+def test_a_program_whose_ops_check_nothing_gets_no_rows_program(early, monkeypatch):
+    """Checks on, but no op checks anything: the program has no rows, so no rows' program (its empty
+    result crashed the copy to the host on a TPU)."""
+    from shardtensor.graph import execute
+
+    seen = []
+    real = early_rows.dispatch
+    monkeypatch.setattr(execute.early_rows, "dispatch", lambda fn, *a: seen.append((fn, real(fn, *a))) or seen[-1][1])
+    x = torch.arange(12.0).reshape(3, 4).to(st.device())
+    for _ in range(4):
+        y = x * 2 + 1
+        st.sync()
+    torch.testing.assert_close(y.cpu(), torch.arange(12.0).reshape(3, 4) * 2 + 1)
+    assert len(seen) == 4 and all(rows is None for _, rows in seen)
+    assert early_rows.used(seen[-1][0]) is False
+
+
 def test_what_counts_as_heavy():
     """The compiler's own cheap calls of a TPU (as its optimized HLO writes them) do not make the rows'
     program heavy; products, loops and kernels do."""
