@@ -134,7 +134,5 @@ def heavy(hlo_text: str) -> str:
     for token in _HEAVY:
         if token in hlo_text:
             return token.strip()
-    calls = [
-        t for t in _CALL_TARGET.findall(hlo_text) if t not in _CHEAP_CALLS and not t.startswith(_CHEAP_PREFIXES)
-    ]
+    calls = [t for t in _CALL_TARGET.findall(hlo_text) if t not in _CHEAP_CALLS and not t.startswith(_CHEAP_PREFIXES)]
     return f"custom call {calls[0]!r}" if calls else ""
