@@ -357,7 +357,7 @@ class Frozen:
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs, early)
+            checks.watch(program, rows, self.sites, cells, outs, early, refs)
         return results
 
     def _give(self, flat, outs) -> tuple[list, list, list, list, list]:
