@@ -263,6 +263,33 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
             handle.remove()
 
 
+def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
+    """The extension reads a tensor's state straight from torch's object where its type takes it
+    from torch (a parameter, a plain tensor, a subclass that overrides none of it): a gradient
+    replaced by another, a hook added or requires_grad flipped on any of them fails the guard."""
+    from shardtensor import replay_guard
+
+    class Tagged(torch.Tensor):  # a subclass of torch's (its attributes still torch's getters)
+        pass
+
+    weight = nn.Parameter(torch.ones(3).to(st.device()))
+    weight.grad = torch.zeros(3).to(st.device())
+    tensors = (weight, torch.ones(2, requires_grad=True), torch.ones(2).as_subclass(Tagged).requires_grad_())
+    guard = replay_guard.Guard(((), (), tensors))
+    assert (guard._fingerprint is not None) == (st.tensor.device.EXT is not None)
+    assert guard.holds()
+    weight.grad = torch.zeros(3).to(st.device())  # (another tensor, equal values)
+    assert not guard.holds()
+    for t in tensors[1:]:
+        guard = replay_guard.Guard(((), (), tensors))
+        handle = t.register_hook(lambda g: g)
+        assert not guard.holds()
+        handle.remove()
+        assert guard.holds()
+        t.requires_grad_(False)
+        assert not guard.holds()
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -340,7 +340,102 @@ void push_module(std::vector<uint64_t>& out, PyObject* module) {
   for (int i = 4; i < 8; ++i) push_hook_ids(out, fields[i]);
 }
 
+// A tensor's requires_grad, hook dicts and .grad are read through torch's attribute getters (~50 ns
+// each, most of a frozen replay's guard for a model's parameters), or, where the tensor's type takes
+// them from torch's TensorBase, straight from the Python object: torch 2.13's THPVariable
+// (torch/csrc/autograd/python_variable.h, whose pybind11 headers would triple the compile time) is
+// mirrored here and its layout checked against the getters on the first tensor read. The two forms
+// are recorded apart (a tag first): equal bytes still mean the same state.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+struct TensorObject {  // THPVariable, as torch 2.13 lays it out
+  PyObject_HEAD
+  at::Tensor cdata;
+  PyObject* backward_hooks;
+  PyObject* post_accumulate_grad_hooks;
+};
+constexpr bool kMirrored = true;
+#else
+struct TensorObject {
+  PyObject_HEAD
+};
+constexpr bool kMirrored = false;
+#endif
+int layout_checked = kMirrored ? 0 : -1;  // 1: the mirror matches torch's getters, -1: not used
+PyObject* base_getters[4] = {};  // TensorBase's descriptors of requires_grad, the 2 hook dicts, grad
+PyTypeObject* plain_types[4] = {};  // types last found to take all four from TensorBase,
+unsigned int plain_tags[4] = {};    // while their attribute version tag is unchanged
+
+void push_cell(std::vector<uint64_t>& out, PyObject* t);
+
+bool layout_matches(PyObject* t) {  // the mirror's fields against the getters, on one tensor
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  auto* object = reinterpret_cast<TensorObject*>(t);
+  if (Py_TYPE(t)->tp_basicsize < static_cast<Py_ssize_t>(sizeof(TensorObject))) return false;
+  OwnedRef address(PyObject_GetAttrString(t, "_cdata"));
+  void* impl = PyLong_AsVoidPtr(address.obj);
+  if (impl == nullptr && PyErr_Occurred()) throw PythonErrorSet();
+  if (impl != object->cdata.unsafeGetTensorImpl()) return false;
+  OwnedRef backward(PyObject_GetAttr(t, guard_names[8]));
+  OwnedRef accumulate(PyObject_GetAttr(t, guard_names[9]));
+  auto same = [](PyObject* field, PyObject* got) { return field == nullptr ? got == Py_None : field == got; };
+  OwnedRef requires_grad(PyObject_GetAttr(t, name_requires_grad));
+  return same(object->backward_hooks, backward.obj) && same(object->post_accumulate_grad_hooks, accumulate.obj) &&
+         (requires_grad.obj == Py_True) == object->cdata.requires_grad();
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+bool plain_type(PyTypeObject* type) {  // whether type's four attributes are TensorBase's getters
+  if (base_getters[0] == nullptr) {
+    PyTypeObject* base = reinterpret_cast<PyTypeObject*>(tensor_type)->tp_base;
+    PyObject* names[4] = {name_requires_grad, guard_names[8], guard_names[9], name_grad};
+    for (int i = 0; i < 4; ++i) {
+      base_getters[i] = base == nullptr ? nullptr : _PyType_Lookup(base, names[i]);  // borrowed
+      if (base_getters[i] == nullptr) return false;
+      Py_INCREF(base_getters[i]);
+    }
+  }
+  bool tagged = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
+  for (int i = 0; i < 4; ++i)
+    if (tagged && plain_types[i] == type && plain_tags[i] == type->tp_version_tag) return true;
+  PyObject* names[4] = {name_requires_grad, guard_names[8], guard_names[9], name_grad};
+  for (int i = 0; i < 4; ++i)
+    if (_PyType_Lookup(type, names[i]) != base_getters[i]) return false;
+  if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) {  // (the lookups above assign one)
+    static int next = 0;
+    plain_types[next] = type;  // (compared by address only, with its tag: never dereferenced)
+    plain_tags[next] = type->tp_version_tag;
+    next = (next + 1) % 4;
+  }
+  return true;
+}
+
+bool reads_directly(PyObject* t) {
+  if (layout_checked < 0 || !PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(tensor_type))) return false;
+  if (!plain_type(Py_TYPE(t))) return false;
+  if (layout_checked == 0) layout_checked = layout_matches(t) ? 1 : -1;
+  return layout_checked > 0;
+}
+
 void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  if (reads_directly(t)) {
+    auto* object = reinterpret_cast<TensorObject*>(t);
+    c10::TensorImpl* impl = object->cdata.unsafeGetTensorImpl();
+    out.push_back(1);  // (the direct form)
+    out.push_back(impl->requires_grad());
+    push_hook_ids(out, object->backward_hooks == nullptr ? Py_None : object->backward_hooks);
+    push_hook_ids(out, object->post_accumulate_grad_hooks == nullptr ? Py_None : object->post_accumulate_grad_hooks);
+    // .grad by its TensorImpl: one Python object per TensorImpl, so the same object (the guard holds
+    // a weak reference to it: neither can be freed and its address reused unseen)
+    out.push_back(reinterpret_cast<uintptr_t>(impl->grad().unsafeGetTensorImpl()));
+    push_cell(out, t);
+    return;
+  }
+#endif
+  out.push_back(2);  // (through the getters)
   OwnedRef requires_grad(PyObject_GetAttr(t, name_requires_grad));
   out.push_back(requires_grad.obj == Py_True);
   for (int i = 8; i < 10; ++i) {
@@ -349,6 +444,10 @@ void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
   }
   OwnedRef grad(PyObject_GetAttr(t, name_grad));
   out.push_back(reinterpret_cast<uintptr_t>(grad.obj));
+  push_cell(out, t);
+}
+
+void push_cell(std::vector<uint64_t>& out, PyObject* t) {
   PyObject* cell = PyObject_GetAttr(t, name_cell);
   if (cell == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw PythonErrorSet();
