@@ -290,6 +290,25 @@ def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
         assert not guard.holds()
 
 
+def test_guard_sees_changes_to_the_call_arguments():
+    """A call's tensor arguments (read in the extension's pass with the watched tensors, or in
+    Python): their requires_grad, hooks and a leaf's .grad; a new argument with the same state holds."""
+    from shardtensor import replay_guard
+
+    weight = nn.Parameter(torch.ones(3).to(st.device()))
+    x = torch.ones(3).to(st.device()).requires_grad_()
+    guard = replay_guard.Guard(((), (), (weight,)), [x])
+    assert (guard._with_args is not None) == (st.tensor.device.EXT is not None)
+    assert guard.holds([x]) and guard.holds([torch.zeros(3).to(st.device()).requires_grad_()])
+    assert not guard.holds([torch.zeros(3).to(st.device())])  # (requires_grad differs)
+    assert not guard.holds([x, x])
+    handle = x.register_hook(lambda g: g)
+    assert not guard.holds([x])
+    handle.remove()
+    x.grad = torch.zeros(3).to(st.device())
+    assert not guard.holds([x])
+
+
 @pytest.mark.parametrize(
     "change",
     [

@@ -459,6 +459,25 @@ void push_cell(std::vector<uint64_t>& out, PyObject* t) {
   }
 }
 
+// A call's tensor argument: as a tensor, less its storage cell (a new array each call is the usual
+// case), and its .grad only if it is a leaf (a non-leaf's .grad warns; the Python reads None). Read
+// directly only (Unusual otherwise: the guard then reads the arguments in Python).
+void push_argument(std::vector<uint64_t>& out, PyObject* t) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  if (reads_directly(t)) {
+    auto* object = reinterpret_cast<TensorObject*>(t);
+    c10::TensorImpl* impl = object->cdata.unsafeGetTensorImpl();
+    out.push_back(impl->requires_grad());
+    push_hook_ids(out, object->backward_hooks == nullptr ? Py_None : object->backward_hooks);
+    push_hook_ids(out, object->post_accumulate_grad_hooks == nullptr ? Py_None : object->post_accumulate_grad_hooks);
+    out.push_back(object->cdata.is_leaf() ? reinterpret_cast<uintptr_t>(impl->grad().unsafeGetTensorImpl()) : 0);
+    return;
+  }
+#endif
+  (void)t;
+  throw Unusual();
+}
+
 PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of a weak reference obj
   if (!PyWeakref_CheckRef(obj)) {
     Py_INCREF(obj);
@@ -472,10 +491,11 @@ PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of 
 }
 
 PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
-  PyObject *modules, *tensors;
-  if (!PyArg_ParseTuple(args, "OO:guard_fingerprint", &modules, &tensors)) return nullptr;
+  PyObject *modules, *tensors, *call_args = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|O!:guard_fingerprint", &modules, &tensors, &PyList_Type, &call_args))
+    return nullptr;
   if (!PyTuple_CheckExact(modules) || !PyTuple_CheckExact(tensors)) {
-    PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors) takes two tuples");
+    PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors[, args]) takes two tuples (and a list)");
     return nullptr;
   }
   std::vector<uint64_t> out;
@@ -489,6 +509,10 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) {
       OwnedRef tensor(live(PyTuple_GET_ITEM(tensors, i)));
       push_tensor(out, tensor.obj);
+    }
+    if (call_args != nullptr) {
+      out.push_back(kNoDict);  // (where the arguments begin)
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(call_args); ++i) push_argument(out, PyList_GET_ITEM(call_args, i));
     }
   } catch (const Unusual&) {
     Py_RETURN_NONE;
@@ -828,7 +852,7 @@ PyMethodDef methods[] = {
     {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
-     "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
+     "guard_fingerprint(modules, tensors[, args]): bytes of their guarded state, or None (see replay_guard)"},
     {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
