@@ -40,6 +40,7 @@
 #include <torch/headeronly/version.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #ifndef TORCH_EXTENSION_NAME
@@ -626,16 +627,39 @@ PyObject* deref(PyObject* ref) {  // a new reference to a weak reference's objec
   return obj;
 }
 
-// replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads)
-//   -> None when a closed-over cell died, else (cells, values, passed_ok, owned_ok):
+// a new list of items's entries at the positions packed in order (int64 each; see replay_gather)
+PyObject* picked(PyObject* items, PyObject* order) {
+  Py_ssize_t n = PyBytes_GET_SIZE(order) / static_cast<Py_ssize_t>(sizeof(int64_t));
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) throw PythonErrorSet();
+  const char* at = PyBytes_AS_STRING(order);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int64_t k;
+    std::memcpy(&k, at + i * sizeof(int64_t), sizeof(int64_t));
+    if (k < 0 || k >= PyList_GET_SIZE(items)) {
+      Py_DECREF(list);
+      PyErr_SetString(PyExc_IndexError, "replay_gather: a call position outside the values read");
+      throw PythonErrorSet();
+    }
+    PyObject* item = PyList_GET_ITEM(items, k);
+    Py_INCREF(item);
+    PyList_SET_ITEM(list, i, item);
+  }
+  return list;
+}
+
+// replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept])
+//   -> None when a closed-over cell died, else (cells, values, passed_ok, owned_ok[, donated, kept]):
 // the cells read (the arguments' at arg_positions of flat, then the live old_refs'), their values then
 // consts, whether every cell's value is the array that passed last (passed[r]: a weak reference to it,
 // or a callable answering None) and whether every donated read (positions into cells) owns its array.
+// With call_donated and call_kept (positions into values, packed as int64 bytes), also the
+// program's donated and kept arguments, picked from values in its order.
 PyObject* py_replay_gather(PyObject*, PyObject* args) {
-  PyObject *flat, *positions, *old_refs, *consts, *passed, *donated;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!:replay_gather", &PyList_Type, &flat, &PyTuple_Type, &positions,
+  PyObject *flat, *positions, *old_refs, *consts, *passed, *donated, *call_donated = nullptr, *call_kept = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!|SS:replay_gather", &PyList_Type, &flat, &PyTuple_Type, &positions,
                         &PyTuple_Type, &old_refs, &PyTuple_Type, &consts, &PyList_Type, &passed, &PyTuple_Type,
-                        &donated))
+                        &donated, &call_donated, &call_kept))
     return nullptr;
   Py_ssize_t n_args = PyTuple_GET_SIZE(positions), n_old = PyTuple_GET_SIZE(old_refs);
   Py_ssize_t n_cells = n_args + n_old, n_consts = PyTuple_GET_SIZE(consts);
@@ -701,7 +725,12 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
       if (truth < 0) throw PythonErrorSet();
       owned_ok = truth == 1;
     }
-    return PyTuple_Pack(4, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False);
+    if (call_kept == nullptr)
+      return PyTuple_Pack(4, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False);
+    OwnedRef donated_values(picked(values.obj, call_donated));
+    OwnedRef kept_values(picked(values.obj, call_kept));
+    return PyTuple_Pack(6, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False,
+                        donated_values.obj, kept_values.obj);
   } catch (const PythonErrorSet&) {
     return nullptr;
   }
@@ -855,7 +884,8 @@ PyMethodDef methods[] = {
      "guard_fingerprint(modules, tensors[, args]): bytes of their guarded state, or None (see replay_guard)"},
     {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
-     "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
+     "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept]): "
+     "a frozen replay's inputs"},
     {"replay_store", py_replay_store, METH_VARARGS,
      "replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): a frozen replay's outputs given to their cells"},
     {nullptr, nullptr, 0, nullptr}};
