@@ -479,6 +479,99 @@ void push_argument(std::vector<uint64_t>& out, PyObject* t) {
   throw Unusual();
 }
 
+// An optimizer's guarded state, as replay_guard.Guard._state reads it: its state dict (by identity,
+// and its size), each parameter group's parameters (by identity) and other entries (plain values by
+// value: None, bools, floats, ints and tuples of them; anything else by identity; a string: Unusual,
+// read in Python), and its step hooks' ids.
+PyObject* name_state = nullptr;
+PyObject* name_param_groups = nullptr;
+PyObject* name_params = nullptr;
+PyObject* name_pre_hooks = nullptr;
+PyObject* name_post_hooks = nullptr;
+
+bool plain_value(PyObject* v) {
+  PyTypeObject* type = Py_TYPE(v);
+  return v == Py_None || type == &PyBool_Type || type == &PyFloat_Type || type == &PyLong_Type;
+}
+
+void push_plain(std::vector<uint64_t>& out, PyObject* v) {  // (tagged: 1 == 1.0 in Python, not here)
+  if (v == Py_None) {
+    out.push_back(1);
+  } else if (Py_TYPE(v) == &PyBool_Type) {
+    out.push_back(2);
+    out.push_back(v == Py_True);
+  } else if (Py_TYPE(v) == &PyFloat_Type) {
+    double d = PyFloat_AS_DOUBLE(v);
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof(bits));
+    out.push_back(3);
+    out.push_back(bits);
+  } else {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) throw PythonErrorSet();
+    if (overflow) throw Unusual();
+    out.push_back(4);
+    out.push_back(static_cast<uint64_t>(x));
+  }
+}
+
+void push_optimizer(std::vector<uint64_t>& out, PyObject* opt) {
+  OwnedRef state(PyObject_GetAttr(opt, name_state));
+  Py_ssize_t size = PyObject_Length(state.obj);
+  if (size < 0) throw PythonErrorSet();
+  out.push_back(reinterpret_cast<uintptr_t>(state.obj));
+  out.push_back(static_cast<uint64_t>(size));
+  OwnedRef groups(PyObject_GetAttr(opt, name_param_groups));
+  if (!PyList_CheckExact(groups.obj)) throw Unusual();
+  out.push_back(static_cast<uint64_t>(PyList_GET_SIZE(groups.obj)));
+  for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups.obj); ++g) {
+    PyObject* group = PyList_GET_ITEM(groups.obj, g);
+    if (!PyDict_CheckExact(group)) throw Unusual();
+    PyObject* params = PyDict_GetItemWithError(group, name_params);  // borrowed
+    if (params == nullptr) {
+      if (PyErr_Occurred()) throw PythonErrorSet();
+      throw Unusual();
+    }
+    if (!PyList_CheckExact(params)) throw Unusual();
+    out.push_back(static_cast<uint64_t>(PyList_GET_SIZE(params)));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); ++i)
+      out.push_back(reinterpret_cast<uintptr_t>(PyList_GET_ITEM(params, i)));
+    out.push_back(static_cast<uint64_t>(PyDict_GET_SIZE(group)));
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(group, &pos, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) throw Unusual();
+      if (key == name_params || PyUnicode_Compare(key, name_params) == 0) continue;
+      if (plain_value(value)) {
+        push_plain(out, value);
+      } else if (PyTuple_CheckExact(value)) {
+        bool plain = true;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value) && plain; ++i) {
+          if (PyUnicode_CheckExact(PyTuple_GET_ITEM(value, i))) throw Unusual();
+          plain = plain_value(PyTuple_GET_ITEM(value, i));
+        }
+        out.push_back(plain ? 5 : 6);
+        if (plain) {
+          out.push_back(static_cast<uint64_t>(PyTuple_GET_SIZE(value)));
+          for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) push_plain(out, PyTuple_GET_ITEM(value, i));
+        } else {
+          out.push_back(reinterpret_cast<uintptr_t>(value));
+        }
+      } else if (PyUnicode_CheckExact(value)) {
+        throw Unusual();
+      } else {
+        out.push_back(6);
+        out.push_back(reinterpret_cast<uintptr_t>(value));
+      }
+    }
+  }
+  OwnedRef pre(PyObject_GetAttr(opt, name_pre_hooks));
+  OwnedRef post(PyObject_GetAttr(opt, name_post_hooks));
+  push_hook_ids(out, pre.obj);
+  push_hook_ids(out, post.obj);
+}
+
 PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of a weak reference obj
   if (!PyWeakref_CheckRef(obj)) {
     Py_INCREF(obj);
@@ -492,8 +585,9 @@ PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of 
 }
 
 PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
-  PyObject *modules, *tensors, *call_args = nullptr;
-  if (!PyArg_ParseTuple(args, "OO|O!:guard_fingerprint", &modules, &tensors, &PyList_Type, &call_args))
+  PyObject *modules, *tensors, *call_args = nullptr, *optimizers = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|O!O!:guard_fingerprint", &modules, &tensors, &PyList_Type, &call_args,
+                        &PyTuple_Type, &optimizers))
     return nullptr;
   if (!PyTuple_CheckExact(modules) || !PyTuple_CheckExact(tensors)) {
     PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors[, args]) takes two tuples (and a list)");
@@ -514,6 +608,13 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
     if (call_args != nullptr) {
       out.push_back(kNoDict);  // (where the arguments begin)
       for (Py_ssize_t i = 0; i < PyList_GET_SIZE(call_args); ++i) push_argument(out, PyList_GET_ITEM(call_args, i));
+    }
+    if (optimizers != nullptr) {
+      out.push_back(kNoDict);  // (where the optimizers begin)
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(optimizers); ++i) {
+        OwnedRef opt(live(PyTuple_GET_ITEM(optimizers, i)));
+        push_optimizer(out, opt.obj);
+      }
     }
   } catch (const Unusual&) {
     Py_RETURN_NONE;
@@ -870,6 +971,14 @@ bool intern_guard_names() {
   name_owned = PyUnicode_InternFromString("owned");
   name_leaf = PyUnicode_InternFromString("_leaf");
   name_version = PyUnicode_InternFromString("version");
+  name_state = PyUnicode_InternFromString("state");
+  name_param_groups = PyUnicode_InternFromString("param_groups");
+  name_params = PyUnicode_InternFromString("params");
+  name_pre_hooks = PyUnicode_InternFromString("_optimizer_step_pre_hooks");
+  name_post_hooks = PyUnicode_InternFromString("_optimizer_step_post_hooks");
+  if (name_state == nullptr || name_param_groups == nullptr || name_params == nullptr || name_pre_hooks == nullptr ||
+      name_post_hooks == nullptr)
+    return false;
   return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr && name_value != nullptr &&
          name_owned != nullptr && name_leaf != nullptr && name_version != nullptr;
 }
@@ -881,7 +990,8 @@ PyMethodDef methods[] = {
     {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
-     "guard_fingerprint(modules, tensors[, args]): bytes of their guarded state, or None (see replay_guard)"},
+     "guard_fingerprint(modules, tensors[, args[, optimizers]]): bytes of their guarded state, or None "
+     "(see replay_guard)"},
     {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept]): "
