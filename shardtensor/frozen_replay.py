@@ -350,13 +350,15 @@ class Frozen:
                 if cell is not None:
                     STATE.pending.pop(weakref.ref(cell), None)
         rows = getattr(outs, "check_rows", None)
+        # the run's outputs, check rows last: ``outs`` itself, no copy of a list as long as the
+        # targets (the entries' columns and the results read only its first len(targets))
+        outputs = outs if isinstance(outs, list) else list(outs)
         if rows is not None:
-            outputs = [*outs, rows]
+            outputs.append(rows)
             # (``inflight.settle`` probes the first computed result not donated since: the check
             # rows, never donated, are that one whenever there are rows)
             computed = [rows]
         else:
-            outputs = list(outs)
             computed = list(self._computed(outs))
         waits = not program.aliasing and entries.keeps()
         inflight.note(self.what, entries, outputs, computed, waits)
