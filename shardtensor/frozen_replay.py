@@ -19,6 +19,7 @@ import hashlib
 import itertools
 import operator
 import weakref
+from array import array
 from typing import Any
 
 import numpy as np
@@ -190,6 +191,8 @@ class Frozen:
         # the program's donated and kept inputs, picked from the read order
         donated, kept = (program.donated, program.kept) if program is not None else ((), ())
         self._call_order = (picker([read_of[i] for i in donated]), picker([read_of[i] for i in kept]))
+        # (the same positions packed for ``replay_gather``, which then picks the two lists itself)
+        self._call_packed = tuple(array("q", [read_of[i] for i in part]).tobytes() for part in (donated, kept))
         # per cell read: a weak reference to the array that passed every check as it was (jax arrays
         # are immutable: the same one passes again); a constant always passes
         self._passed: list = [_NOTHING] * self._cells_read
@@ -246,19 +249,20 @@ class Frozen:
         if native is not None:
             if type(flat) is not list:
                 flat = list(flat)
-            gathered = native.replay_gather(flat, *self._gather_plan, passed, self._donated_read_at)
+            gathered = native.replay_gather(flat, *self._gather_plan, passed, self._donated_read_at, *self._call_packed)
             if gathered is None:  # (a closed-over cell died)
                 return STALE
-            cells, values, unchanged, owned = gathered
+            cells, values, unchanged, owned, donated, kept = gathered
         else:
             cells, values = self._gather(flat)
             if cells is None:
                 return STALE
             unchanged, owned = all(map(operator.is_, values, map(operator.call, passed))), None
+            donated = kept = None
         if not unchanged:
             if not self._check(cells, values, program):
                 return STALE
-            owned = None  # (a check may have moved a value: ownership is read again)
+            owned = donated = kept = None  # (a check may have moved a value: ownership is read again)
         if owned is None:
             owned = all(map(_OWNED, self._donated_reads(cells)))
         if not owned:
@@ -275,9 +279,10 @@ class Frozen:
         scalars = self._scalar_arrays
         if scalars is None:
             scalars = self._scalar_arrays = execute.device_scalars(program, self.scalars)
-        donated_at, kept_at = self._call_order
-        # (lists, as the program was lowered with: a tuple would be another signature for jit)
-        donated, kept = list(donated_at(values)), list(kept_at(values))
+        if donated is None or kept is None:  # (the C++ pass picks them when it read the values as they are)
+            donated_at, kept_at = self._call_order
+            # (lists, as the program was lowered with: a tuple would be another signature for jit)
+            donated, kept = list(donated_at(values)), list(kept_at(values))
         # (its rows' own program runs first: the program donates what it reads)
         early = early_rows.dispatch(self.executable, donated, kept, scalars) if own_checks else None
         with deferred_interrupts():  # from donating the inputs to storing every output
@@ -345,19 +350,21 @@ class Frozen:
                 if cell is not None:
                     STATE.pending.pop(weakref.ref(cell), None)
         rows = getattr(outs, "check_rows", None)
+        # the run's outputs, check rows last: ``outs`` itself, no copy of a list as long as the
+        # targets (the entries' columns and the results read only its first len(targets))
+        outputs = outs if isinstance(outs, list) else list(outs)
         if rows is not None:
-            outputs = [*outs, rows]
+            outputs.append(rows)
             # (``inflight.settle`` probes the first computed result not donated since: the check
             # rows, never donated, are that one whenever there are rows)
             computed = [rows]
         else:
-            outputs = list(outs)
             computed = list(self._computed(outs))
         waits = not program.aliasing and entries.keeps()
         inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs, early)
+            checks.watch(program, rows, self.sites, cells, outs, early, refs)
         return results
 
     def _give(self, flat, outs) -> tuple[list, list, list, list, list]:

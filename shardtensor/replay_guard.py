@@ -184,6 +184,20 @@ class Guard:
         self._weak: tuple | None = None
         if all(type(r) is weakref.ref for r in refs[:m] + refs[m + o :]):
             self._weak = tuple(refs[:m]), tuple(refs[m : m + o]), tuple(refs[m + o :])
+        # the call's tensor arguments (a list: as ``holds`` is given them) and the optimizers read in
+        # the same C pass where it can read them (tensors that take torch's own getters, optimizers
+        # without strings in their groups), grad mode and the global hooks then in Python; None: no
+        self._whole: bytes | None = None
+        if (
+            self._fingerprint is not None
+            and self._weak is not None
+            and not args_guarded
+            and all(type(r) is weakref.ref for r in refs[m : m + o])
+        ):
+            self._whole = _fingerprint(modules, tensors, list(args), optimizers)
+            if self._whole is not None:
+                plain, identities, hooks = self._state((), (), (), ())
+                self._outside = plain, self._ids(identities), hooks
         # the watched tensors passed as arguments: while each is passed again at its position, the
         # argument's check covers it (the others are checked as tensors, ``_rest``)
         position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
@@ -213,15 +227,25 @@ class Guard:
         """Whether everything is as it was when the guard was taken."""
         weak = self._weak
         if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
-            now = _fingerprint(weak[0], weak[2])  # (the modules and tensors read through their references)
+            # (the modules and tensors read through their references, with the arguments and the
+            # optimizers if it can)
+            whole = self._whole is not None and isinstance(args, list)
+            now = _fingerprint(weak[0], weak[2], args, weak[1]) if isinstance(args, list) and whole else None
+            if now is None:
+                whole = False
+                now = _fingerprint(weak[0], weak[2])
             if now is not None:  # (None: one died, or took another form: the full check below says)
-                if now != self._fingerprint:
+                if now != (self._whole if whole else self._fingerprint):
                     return False
-                optimizers = tuple(map(operator.call, weak[1]))
-                if None in optimizers:  # (one died)
-                    return False
-                state = self._other_state
-                plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
+                if whole:
+                    state = self._outside
+                    plain, identities, hooks = self._state((), (), (), ())
+                else:
+                    optimizers = tuple(map(operator.call, weak[1]))
+                    if None in optimizers:  # (one died)
+                        return False
+                    state = self._other_state
+                    plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
                 return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
         objects = self.objects()
         if objects is None:
@@ -308,14 +332,22 @@ class Guard:
         return plain, identities, hooks
 
 
-def _fingerprint(modules: Sequence, tensors: Sequence) -> bytes | None:
+def _fingerprint(
+    modules: Sequence, tensors: Sequence, args: list | None = None, optimizers: Sequence | None = None
+) -> bytes | None:
     """The modules' and tensors' guarded state read by the C++ extension in one pass (equal bytes:
-    the same state), or None without the extension or when a module keeps it in another form."""
+    the same state), or None without the extension or when a module keeps it in another form;
+    with ``args``, a call's tensor arguments' too, and with ``optimizers`` theirs (None where it
+    cannot read them: a tensor with getters of its own, a string in a parameter group)."""
     read = getattr(torch_device.EXT, "guard_fingerprint", None)
     if read is None:
         return None
     with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-        return read(tuple(modules), tuple(tensors))
+        if args is None:
+            return read(tuple(modules), tuple(tensors))
+        if optimizers is None:
+            return read(tuple(modules), tuple(tensors), args)
+        return read(tuple(modules), tuple(tensors), args, tuple(optimizers))
 
 
 def picker(indices: list[int]) -> Callable[[Sequence], tuple]:

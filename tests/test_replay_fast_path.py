@@ -263,6 +263,52 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
             handle.remove()
 
 
+def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
+    """The extension reads a tensor's state straight from torch's object where its type takes it
+    from torch (a parameter, a plain tensor, a subclass that overrides none of it): a gradient
+    replaced by another, a hook added or requires_grad flipped on any of them fails the guard."""
+    from shardtensor import replay_guard
+
+    class Tagged(torch.Tensor):  # a subclass of torch's (its attributes still torch's getters)
+        pass
+
+    weight = nn.Parameter(torch.ones(3).to(st.device()))
+    weight.grad = torch.zeros(3).to(st.device())
+    tensors = (weight, torch.ones(2, requires_grad=True), torch.ones(2).as_subclass(Tagged).requires_grad_())
+    guard = replay_guard.Guard(((), (), tensors))
+    assert (guard._fingerprint is not None) == (st.tensor.device.EXT is not None)
+    assert guard.holds()
+    weight.grad = torch.zeros(3).to(st.device())  # (another tensor, equal values)
+    assert not guard.holds()
+    for t in tensors[1:]:
+        guard = replay_guard.Guard(((), (), tensors))
+        handle = t.register_hook(lambda g: g)
+        assert not guard.holds()
+        handle.remove()
+        assert guard.holds()
+        t.requires_grad_(False)
+        assert not guard.holds()
+
+
+def test_guard_sees_changes_to_the_call_arguments():
+    """A call's tensor arguments (read in the extension's pass with the watched tensors, or in
+    Python): their requires_grad, hooks and a leaf's .grad; a new argument with the same state holds."""
+    from shardtensor import replay_guard
+
+    weight = nn.Parameter(torch.ones(3).to(st.device()))
+    x = torch.ones(3).to(st.device()).requires_grad_()
+    guard = replay_guard.Guard(((), (), (weight,)), [x])
+    assert (guard._whole is not None) == (st.tensor.device.EXT is not None)
+    assert guard.holds([x]) and guard.holds([torch.zeros(3).to(st.device()).requires_grad_()])
+    assert not guard.holds([torch.zeros(3).to(st.device())])  # (requires_grad differs)
+    assert not guard.holds([x, x])
+    handle = x.register_hook(lambda g: g)
+    assert not guard.holds([x])
+    handle.remove()
+    x.grad = torch.zeros(3).to(st.device())
+    assert not guard.holds([x])
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -270,20 +316,28 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
         lambda opt, model: opt.param_groups[0]["params"].reverse(),
         lambda opt, model: opt.param_groups[0]["params"].append(nn.Parameter(torch.zeros(2).to(st.device()))),
         lambda opt, model: opt.register_step_pre_hook(lambda *a: None),
+        lambda opt, model: opt.param_groups[0].update(betas=(0.9, 0.999)),
+        lambda opt, model: opt.param_groups[0].update(lr_tensor=torch.tensor(0.1)),  # (equal, another tensor)
+        lambda opt, model: opt.param_groups[0].update(nesterov_extra=False),
     ],
-    ids=["lr", "order", "new parameter", "step hook"],
+    ids=["lr", "order", "new parameter", "step hook", "betas", "tensor lr", "new entry"],
 )
-def test_guard_sees_optimizer_changes_and_a_dropped_module(change):
+@pytest.mark.parametrize("args", [(), []], ids=["python", "one pass"])
+def test_guard_sees_optimizer_changes_and_a_dropped_module(change, args):
     """The optimizers' state (compared by value and identity, ``addresses``) and the watched objects'
-    lives, through the guard's weak references."""
+    lives, through the guard's weak references; read in Python, or (arguments given as a list, as
+    a frozen call gives them) in the extension's one pass."""
     from shardtensor import replay_guard
 
     model = nn.Sequential(nn.Linear(4, 4)).to(st.device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    guard = replay_guard.Guard((tuple(model.modules()), (opt,), tuple(model.parameters())))
-    assert guard.holds()
+    opt.param_groups[0]["betas"] = (0.9, 0.99)
+    opt.param_groups[0]["lr_tensor"] = torch.tensor(0.1)
+    guard = replay_guard.Guard((tuple(model.modules()), (opt,), tuple(model.parameters())), args)
+    assert (guard._whole is not None) == (st.tensor.device.EXT is not None)
+    assert guard.holds(args)
     change(opt, model)
-    assert not guard.holds()
+    assert not guard.holds(args)
     other = nn.Linear(2, 2).to(st.device())
     guard = replay_guard.Guard(((other,), (), ()))
     assert guard.holds()

@@ -72,20 +72,33 @@ class _Rows:
         self.late, self.partner = late, partner
 
 
-def watch(program, rows, sites, cells, results, early=None) -> None:
+def watch(program, rows, sites, cells, results, early=None, refs=None) -> None:
     """Keep the check ``rows`` of a run of ``program`` until ``verify`` reads them; ``early``: the
-    same checks' rows from a program dispatched before this run (module doc), read first."""
+    same checks' rows from a program dispatched before this run (module doc), read first; ``refs``:
+    weak references to ``cells`` where the caller has them (a frozen replay's store makes them)."""
     suspects = []
-    for i in program.tainted:
+    for i in _suspect_outputs(program):
         cell = cells[i]
-        if cell is not None and i not in program.restored:
-            suspects.append((weakref.ref(cell), results[i]))
+        if cell is not None:
+            suspects.append((weakref.ref(cell) if refs is None else refs[i], results[i]))
     if early is None:
         _UNREAD.append(_Rows(rows, program, sites, suspects))
         return
     own = _Rows(rows, program, sites, suspects, late=True)
     _UNREAD.append(own)
     _UNREAD.append(_Rows(early, program, sites, suspects, partner=own))
+
+
+def _suspect_outputs(program) -> tuple[int, ...]:
+    """The outputs of ``program`` a failed check poisons: tainted and not restored on the device.
+    Read per run of a frozen step (a training step taints and restores every output): computed
+    once per program, again if its sets are replaced."""
+    memo = getattr(program, "_suspects", None)
+    if memo is not None and memo[0] is program.tainted and memo[1] is program.restored:
+        return memo[2]
+    suspects = tuple(sorted(i for i in program.tainted if i not in program.restored))
+    program._suspects = (program.tainted, program.restored, suspects)
+    return suspects
 
 
 def deferring() -> bool:

@@ -61,10 +61,16 @@ def enabled() -> bool:
     """
     if ENABLED is not None:
         return ENABLED
-    setting = os.environ.get("SHARDTENSOR_EARLY_ROWS", "").strip().lower()
-    if setting:
-        return setting not in ("0", "false", "no", "off")
-    return runtime.platform() != "cpu"
+    stored = _READ_SETTING()  # (asked before every checked run: the answer is kept while it stays)
+    if stored != _SETTING[0]:
+        setting = os.environ.get("SHARDTENSOR_EARLY_ROWS", "").strip().lower()
+        on = setting not in ("0", "false", "no", "off") if setting else runtime.platform() != "cpu"
+        _SETTING[:] = [stored, on]
+    return _SETTING[1]
+
+
+_READ_SETTING = runtime.environ_reader("SHARDTENSOR_EARLY_ROWS")
+_SETTING: list = [object(), False]  # (the variable as last read, the answer then): the platform is fixed
 
 
 def dispatch(fn, donated: list, kept: list, scalars: dict):

@@ -40,6 +40,7 @@
 #include <torch/headeronly/version.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #ifndef TORCH_EXTENSION_NAME
@@ -340,7 +341,102 @@ void push_module(std::vector<uint64_t>& out, PyObject* module) {
   for (int i = 4; i < 8; ++i) push_hook_ids(out, fields[i]);
 }
 
+// A tensor's requires_grad, hook dicts and .grad are read through torch's attribute getters (~50 ns
+// each, most of a frozen replay's guard for a model's parameters), or, where the tensor's type takes
+// them from torch's TensorBase, straight from the Python object: torch 2.13's THPVariable
+// (torch/csrc/autograd/python_variable.h, whose pybind11 headers would triple the compile time) is
+// mirrored here and its layout checked against the getters on the first tensor read. The two forms
+// are recorded apart (a tag first): equal bytes still mean the same state.
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+struct TensorObject {  // THPVariable, as torch 2.13 lays it out
+  PyObject_HEAD
+  at::Tensor cdata;
+  PyObject* backward_hooks;
+  PyObject* post_accumulate_grad_hooks;
+};
+constexpr bool kMirrored = true;
+#else
+struct TensorObject {
+  PyObject_HEAD
+};
+constexpr bool kMirrored = false;
+#endif
+int layout_checked = kMirrored ? 0 : -1;  // 1: the mirror matches torch's getters, -1: not used
+PyObject* base_getters[4] = {};  // TensorBase's descriptors of requires_grad, the 2 hook dicts, grad
+PyTypeObject* plain_types[4] = {};  // types last found to take all four from TensorBase,
+unsigned int plain_tags[4] = {};    // while their attribute version tag is unchanged
+
+void push_cell(std::vector<uint64_t>& out, PyObject* t);
+
+bool layout_matches(PyObject* t) {  // the mirror's fields against the getters, on one tensor
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  auto* object = reinterpret_cast<TensorObject*>(t);
+  if (Py_TYPE(t)->tp_basicsize < static_cast<Py_ssize_t>(sizeof(TensorObject))) return false;
+  OwnedRef address(PyObject_GetAttrString(t, "_cdata"));
+  void* impl = PyLong_AsVoidPtr(address.obj);
+  if (impl == nullptr && PyErr_Occurred()) throw PythonErrorSet();
+  if (impl != object->cdata.unsafeGetTensorImpl()) return false;
+  OwnedRef backward(PyObject_GetAttr(t, guard_names[8]));
+  OwnedRef accumulate(PyObject_GetAttr(t, guard_names[9]));
+  auto same = [](PyObject* field, PyObject* got) { return field == nullptr ? got == Py_None : field == got; };
+  OwnedRef requires_grad(PyObject_GetAttr(t, name_requires_grad));
+  return same(object->backward_hooks, backward.obj) && same(object->post_accumulate_grad_hooks, accumulate.obj) &&
+         (requires_grad.obj == Py_True) == object->cdata.requires_grad();
+#else
+  (void)t;
+  return false;
+#endif
+}
+
+bool plain_type(PyTypeObject* type) {  // whether type's four attributes are TensorBase's getters
+  if (base_getters[0] == nullptr) {
+    PyTypeObject* base = reinterpret_cast<PyTypeObject*>(tensor_type)->tp_base;
+    PyObject* names[4] = {name_requires_grad, guard_names[8], guard_names[9], name_grad};
+    for (int i = 0; i < 4; ++i) {
+      base_getters[i] = base == nullptr ? nullptr : _PyType_Lookup(base, names[i]);  // borrowed
+      if (base_getters[i] == nullptr) return false;
+      Py_INCREF(base_getters[i]);
+    }
+  }
+  bool tagged = PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG);
+  for (int i = 0; i < 4; ++i)
+    if (tagged && plain_types[i] == type && plain_tags[i] == type->tp_version_tag) return true;
+  PyObject* names[4] = {name_requires_grad, guard_names[8], guard_names[9], name_grad};
+  for (int i = 0; i < 4; ++i)
+    if (_PyType_Lookup(type, names[i]) != base_getters[i]) return false;
+  if (PyType_HasFeature(type, Py_TPFLAGS_VALID_VERSION_TAG)) {  // (the lookups above assign one)
+    static int next = 0;
+    plain_types[next] = type;  // (compared by address only, with its tag: never dereferenced)
+    plain_tags[next] = type->tp_version_tag;
+    next = (next + 1) % 4;
+  }
+  return true;
+}
+
+bool reads_directly(PyObject* t) {
+  if (layout_checked < 0 || !PyObject_TypeCheck(t, reinterpret_cast<PyTypeObject*>(tensor_type))) return false;
+  if (!plain_type(Py_TYPE(t))) return false;
+  if (layout_checked == 0) layout_checked = layout_matches(t) ? 1 : -1;
+  return layout_checked > 0;
+}
+
 void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  if (reads_directly(t)) {
+    auto* object = reinterpret_cast<TensorObject*>(t);
+    c10::TensorImpl* impl = object->cdata.unsafeGetTensorImpl();
+    out.push_back(1);  // (the direct form)
+    out.push_back(impl->requires_grad());
+    push_hook_ids(out, object->backward_hooks == nullptr ? Py_None : object->backward_hooks);
+    push_hook_ids(out, object->post_accumulate_grad_hooks == nullptr ? Py_None : object->post_accumulate_grad_hooks);
+    // .grad by its TensorImpl: one Python object per TensorImpl, so the same object (the guard holds
+    // a weak reference to it: neither can be freed and its address reused unseen)
+    out.push_back(reinterpret_cast<uintptr_t>(impl->grad().unsafeGetTensorImpl()));
+    push_cell(out, t);
+    return;
+  }
+#endif
+  out.push_back(2);  // (through the getters)
   OwnedRef requires_grad(PyObject_GetAttr(t, name_requires_grad));
   out.push_back(requires_grad.obj == Py_True);
   for (int i = 8; i < 10; ++i) {
@@ -349,6 +445,10 @@ void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
   }
   OwnedRef grad(PyObject_GetAttr(t, name_grad));
   out.push_back(reinterpret_cast<uintptr_t>(grad.obj));
+  push_cell(out, t);
+}
+
+void push_cell(std::vector<uint64_t>& out, PyObject* t) {
   PyObject* cell = PyObject_GetAttr(t, name_cell);
   if (cell == nullptr) {
     if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw PythonErrorSet();
@@ -358,6 +458,118 @@ void push_tensor(std::vector<uint64_t>& out, PyObject* t) {
     out.push_back(reinterpret_cast<uintptr_t>(cell));
     Py_DECREF(cell);
   }
+}
+
+// A call's tensor argument: as a tensor, less its storage cell (a new array each call is the usual
+// case), and its .grad only if it is a leaf (a non-leaf's .grad warns; the Python reads None). Read
+// directly only (Unusual otherwise: the guard then reads the arguments in Python).
+void push_argument(std::vector<uint64_t>& out, PyObject* t) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR == 13
+  if (reads_directly(t)) {
+    auto* object = reinterpret_cast<TensorObject*>(t);
+    c10::TensorImpl* impl = object->cdata.unsafeGetTensorImpl();
+    out.push_back(impl->requires_grad());
+    push_hook_ids(out, object->backward_hooks == nullptr ? Py_None : object->backward_hooks);
+    push_hook_ids(out, object->post_accumulate_grad_hooks == nullptr ? Py_None : object->post_accumulate_grad_hooks);
+    out.push_back(object->cdata.is_leaf() ? reinterpret_cast<uintptr_t>(impl->grad().unsafeGetTensorImpl()) : 0);
+    return;
+  }
+#endif
+  (void)t;
+  throw Unusual();
+}
+
+// An optimizer's guarded state, as replay_guard.Guard._state reads it: its state dict (by identity,
+// and its size), each parameter group's parameters (by identity) and other entries (plain values by
+// value: None, bools, floats, ints and tuples of them; anything else by identity; a string: Unusual,
+// read in Python), and its step hooks' ids.
+PyObject* name_state = nullptr;
+PyObject* name_param_groups = nullptr;
+PyObject* name_params = nullptr;
+PyObject* name_pre_hooks = nullptr;
+PyObject* name_post_hooks = nullptr;
+
+bool plain_value(PyObject* v) {
+  PyTypeObject* type = Py_TYPE(v);
+  return v == Py_None || type == &PyBool_Type || type == &PyFloat_Type || type == &PyLong_Type;
+}
+
+void push_plain(std::vector<uint64_t>& out, PyObject* v) {  // (tagged: 1 == 1.0 in Python, not here)
+  if (v == Py_None) {
+    out.push_back(1);
+  } else if (Py_TYPE(v) == &PyBool_Type) {
+    out.push_back(2);
+    out.push_back(v == Py_True);
+  } else if (Py_TYPE(v) == &PyFloat_Type) {
+    double d = PyFloat_AS_DOUBLE(v);
+    uint64_t bits;
+    std::memcpy(&bits, &d, sizeof(bits));
+    out.push_back(3);
+    out.push_back(bits);
+  } else {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (x == -1 && PyErr_Occurred()) throw PythonErrorSet();
+    if (overflow) throw Unusual();
+    out.push_back(4);
+    out.push_back(static_cast<uint64_t>(x));
+  }
+}
+
+void push_optimizer(std::vector<uint64_t>& out, PyObject* opt) {
+  OwnedRef state(PyObject_GetAttr(opt, name_state));
+  Py_ssize_t size = PyObject_Length(state.obj);
+  if (size < 0) throw PythonErrorSet();
+  out.push_back(reinterpret_cast<uintptr_t>(state.obj));
+  out.push_back(static_cast<uint64_t>(size));
+  OwnedRef groups(PyObject_GetAttr(opt, name_param_groups));
+  if (!PyList_CheckExact(groups.obj)) throw Unusual();
+  out.push_back(static_cast<uint64_t>(PyList_GET_SIZE(groups.obj)));
+  for (Py_ssize_t g = 0; g < PyList_GET_SIZE(groups.obj); ++g) {
+    PyObject* group = PyList_GET_ITEM(groups.obj, g);
+    if (!PyDict_CheckExact(group)) throw Unusual();
+    PyObject* params = PyDict_GetItemWithError(group, name_params);  // borrowed
+    if (params == nullptr) {
+      if (PyErr_Occurred()) throw PythonErrorSet();
+      throw Unusual();
+    }
+    if (!PyList_CheckExact(params)) throw Unusual();
+    out.push_back(static_cast<uint64_t>(PyList_GET_SIZE(params)));
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(params); ++i)
+      out.push_back(reinterpret_cast<uintptr_t>(PyList_GET_ITEM(params, i)));
+    out.push_back(static_cast<uint64_t>(PyDict_GET_SIZE(group)));
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(group, &pos, &key, &value)) {
+      if (!PyUnicode_CheckExact(key)) throw Unusual();
+      if (key == name_params || PyUnicode_Compare(key, name_params) == 0) continue;
+      if (plain_value(value)) {
+        push_plain(out, value);
+      } else if (PyTuple_CheckExact(value)) {
+        bool plain = true;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value) && plain; ++i) {
+          if (PyUnicode_CheckExact(PyTuple_GET_ITEM(value, i))) throw Unusual();
+          plain = plain_value(PyTuple_GET_ITEM(value, i));
+        }
+        out.push_back(plain ? 5 : 6);
+        if (plain) {
+          out.push_back(static_cast<uint64_t>(PyTuple_GET_SIZE(value)));
+          for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); ++i) push_plain(out, PyTuple_GET_ITEM(value, i));
+        } else {
+          out.push_back(reinterpret_cast<uintptr_t>(value));
+        }
+      } else if (PyUnicode_CheckExact(value)) {
+        throw Unusual();
+      } else {
+        out.push_back(6);
+        out.push_back(reinterpret_cast<uintptr_t>(value));
+      }
+    }
+  }
+  OwnedRef pre(PyObject_GetAttr(opt, name_pre_hooks));
+  OwnedRef post(PyObject_GetAttr(opt, name_post_hooks));
+  push_hook_ids(out, pre.obj);
+  push_hook_ids(out, post.obj);
 }
 
 PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of a weak reference obj
@@ -373,10 +585,12 @@ PyObject* live(PyObject* obj) {  // a new reference to obj, or to the object of 
 }
 
 PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
-  PyObject *modules, *tensors;
-  if (!PyArg_ParseTuple(args, "OO:guard_fingerprint", &modules, &tensors)) return nullptr;
+  PyObject *modules, *tensors, *call_args = nullptr, *optimizers = nullptr;
+  if (!PyArg_ParseTuple(args, "OO|O!O!:guard_fingerprint", &modules, &tensors, &PyList_Type, &call_args,
+                        &PyTuple_Type, &optimizers))
+    return nullptr;
   if (!PyTuple_CheckExact(modules) || !PyTuple_CheckExact(tensors)) {
-    PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors) takes two tuples");
+    PyErr_SetString(PyExc_TypeError, "guard_fingerprint(modules, tensors[, args]) takes two tuples (and a list)");
     return nullptr;
   }
   std::vector<uint64_t> out;
@@ -390,6 +604,17 @@ PyObject* py_guard_fingerprint(PyObject*, PyObject* args) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tensors); ++i) {
       OwnedRef tensor(live(PyTuple_GET_ITEM(tensors, i)));
       push_tensor(out, tensor.obj);
+    }
+    if (call_args != nullptr) {
+      out.push_back(kNoDict);  // (where the arguments begin)
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(call_args); ++i) push_argument(out, PyList_GET_ITEM(call_args, i));
+    }
+    if (optimizers != nullptr) {
+      out.push_back(kNoDict);  // (where the optimizers begin)
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(optimizers); ++i) {
+        OwnedRef opt(live(PyTuple_GET_ITEM(optimizers, i)));
+        push_optimizer(out, opt.obj);
+      }
     }
   } catch (const Unusual&) {
     Py_RETURN_NONE;
@@ -503,16 +728,39 @@ PyObject* deref(PyObject* ref) {  // a new reference to a weak reference's objec
   return obj;
 }
 
-// replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads)
-//   -> None when a closed-over cell died, else (cells, values, passed_ok, owned_ok):
+// a new list of items's entries at the positions packed in order (int64 each; see replay_gather)
+PyObject* picked(PyObject* items, PyObject* order) {
+  Py_ssize_t n = PyBytes_GET_SIZE(order) / static_cast<Py_ssize_t>(sizeof(int64_t));
+  PyObject* list = PyList_New(n);
+  if (list == nullptr) throw PythonErrorSet();
+  const char* at = PyBytes_AS_STRING(order);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    int64_t k;
+    std::memcpy(&k, at + i * sizeof(int64_t), sizeof(int64_t));
+    if (k < 0 || k >= PyList_GET_SIZE(items)) {
+      Py_DECREF(list);
+      PyErr_SetString(PyExc_IndexError, "replay_gather: a call position outside the values read");
+      throw PythonErrorSet();
+    }
+    PyObject* item = PyList_GET_ITEM(items, k);
+    Py_INCREF(item);
+    PyList_SET_ITEM(list, i, item);
+  }
+  return list;
+}
+
+// replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept])
+//   -> None when a closed-over cell died, else (cells, values, passed_ok, owned_ok[, donated, kept]):
 // the cells read (the arguments' at arg_positions of flat, then the live old_refs'), their values then
 // consts, whether every cell's value is the array that passed last (passed[r]: a weak reference to it,
 // or a callable answering None) and whether every donated read (positions into cells) owns its array.
+// With call_donated and call_kept (positions into values, packed as int64 bytes), also the
+// program's donated and kept arguments, picked from values in its order.
 PyObject* py_replay_gather(PyObject*, PyObject* args) {
-  PyObject *flat, *positions, *old_refs, *consts, *passed, *donated;
-  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!:replay_gather", &PyList_Type, &flat, &PyTuple_Type, &positions,
+  PyObject *flat, *positions, *old_refs, *consts, *passed, *donated, *call_donated = nullptr, *call_kept = nullptr;
+  if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!|SS:replay_gather", &PyList_Type, &flat, &PyTuple_Type, &positions,
                         &PyTuple_Type, &old_refs, &PyTuple_Type, &consts, &PyList_Type, &passed, &PyTuple_Type,
-                        &donated))
+                        &donated, &call_donated, &call_kept))
     return nullptr;
   Py_ssize_t n_args = PyTuple_GET_SIZE(positions), n_old = PyTuple_GET_SIZE(old_refs);
   Py_ssize_t n_cells = n_args + n_old, n_consts = PyTuple_GET_SIZE(consts);
@@ -578,7 +826,12 @@ PyObject* py_replay_gather(PyObject*, PyObject* args) {
       if (truth < 0) throw PythonErrorSet();
       owned_ok = truth == 1;
     }
-    return PyTuple_Pack(4, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False);
+    if (call_kept == nullptr)
+      return PyTuple_Pack(4, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False);
+    OwnedRef donated_values(picked(values.obj, call_donated));
+    OwnedRef kept_values(picked(values.obj, call_kept));
+    return PyTuple_Pack(6, cells.obj, values.obj, passed_ok ? Py_True : Py_False, owned_ok ? Py_True : Py_False,
+                        donated_values.obj, kept_values.obj);
   } catch (const PythonErrorSet&) {
     return nullptr;
   }
@@ -718,6 +971,14 @@ bool intern_guard_names() {
   name_owned = PyUnicode_InternFromString("owned");
   name_leaf = PyUnicode_InternFromString("_leaf");
   name_version = PyUnicode_InternFromString("version");
+  name_state = PyUnicode_InternFromString("state");
+  name_param_groups = PyUnicode_InternFromString("param_groups");
+  name_params = PyUnicode_InternFromString("params");
+  name_pre_hooks = PyUnicode_InternFromString("_optimizer_step_pre_hooks");
+  name_post_hooks = PyUnicode_InternFromString("_optimizer_step_post_hooks");
+  if (name_state == nullptr || name_param_groups == nullptr || name_params == nullptr || name_pre_hooks == nullptr ||
+      name_post_hooks == nullptr)
+    return false;
   return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr && name_value != nullptr &&
          name_owned != nullptr && name_leaf != nullptr && name_version != nullptr;
 }
@@ -729,10 +990,12 @@ PyMethodDef methods[] = {
     {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
     {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
-     "guard_fingerprint(modules, tensors): bytes of their guarded state, or None (see replay_guard)"},
+     "guard_fingerprint(modules, tensors[, args[, optimizers]]): bytes of their guarded state, or None "
+     "(see replay_guard)"},
     {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
-     "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads): a frozen replay's inputs"},
+     "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept]): "
+     "a frozen replay's inputs"},
     {"replay_store", py_replay_store, METH_VARARGS,
      "replay_store(plan, flat, outs, made[, passed]) -> (cells, refs, befores, owned): a frozen replay's outputs given to their cells"},
     {nullptr, nullptr, 0, nullptr}};
