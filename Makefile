@@ -44,8 +44,8 @@ $(PY):
 # The package is built against the venv's own torch (--no-build-isolation, so its build setup needs
 # that torch and pyproject's setuptools installed first): pip does not set up a second torch in a
 # throw-away build environment, and setup.py compiles the C++ device guard into the source tree,
-# where the editable install finds it. A changed device_guard.cpp is recompiled here.
-$(STAMP): pyproject.toml setup.py shardtensor/tensor/device_guard.cpp | $(PY)
+# where the editable install finds it. A changed device_guard.cpp (or a part it includes) is recompiled here.
+$(STAMP): pyproject.toml setup.py shardtensor/tensor/device_guard.cpp shardtensor/tensor/replay_*.h | $(PY)
 	@echo "==> installing $(TORCH) into $(VENV) (the first time takes a few minutes)"
 	$(PY) -m pip install $(PIP_FLAGS) '$(TORCH)' 'setuptools>=77'
 	@echo "==> installing shardtensor (editable, compiling its C++ device guard) with its test extra"

@@ -15,9 +15,12 @@ import sys
 from setuptools import setup
 
 SOURCE = "shardtensor/tensor/device_guard.cpp"
-# compiled into the module: import uses it only if device_guard.cpp is still this file
-# (shardtensor.tensor.device._source_id computes the same)
-SOURCE_ID = int(hashlib.sha256(pathlib.Path(SOURCE).read_bytes()).hexdigest()[:16], 16)
+INCLUDED = ["shardtensor/tensor/replay_guard.h", "shardtensor/tensor/replay_passes.h"]  # (one unit)
+# compiled into the module: import uses it only if its sources are still these files
+# (shardtensor.tensor.device._source_bytes and _source_id compute the same)
+SOURCE_ID = int(
+    hashlib.sha256(b"".join(pathlib.Path(f).read_bytes() for f in [SOURCE, *INCLUDED])).hexdigest()[:16], 16
+)
 
 
 def _extension_build():
@@ -50,6 +53,7 @@ def _extension_build():
     extension = CppExtension(
         "shardtensor.tensor._device_ext",
         [SOURCE],
+        depends=INCLUDED,
         # -g0: no debug info (a smaller wheel and a faster build); the module is a few trivial functions
         extra_compile_args=["-g0", f"-DSHARDTENSOR_SOURCE_ID={SOURCE_ID:#x}ULL"],
     )

@@ -114,7 +114,7 @@ def test_a_prebuilt_module_for_another_torch_or_an_older_source_is_not_used(monk
 
     stale = types.ModuleType("shardtensor.tensor._device_ext")
     stale.TORCH_VERSION = "2.12.0"
-    stale.SOURCE_ID = device._source_id(device._SOURCE.read_bytes())
+    stale.SOURCE_ID = device._source_id(device._source_bytes())
     monkeypatch.setitem(sys.modules, "shardtensor.tensor._device_ext", stale)
     ext, why_not = device._prebuilt_extension()
     assert ext is None and "2.12.0" in why_not and torch.__version__.split("+")[0] in why_not

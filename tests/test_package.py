@@ -110,4 +110,4 @@ def test_the_package_carries_its_compiled_device_guard():
     assert pathlib.Path(device.EXT.__file__).parent == pathlib.Path(device.__file__).parent
     built_for, built_from = device.EXT.TORCH_VERSION, device.EXT.SOURCE_ID
     assert built_for == torch.__version__.split("+")[0]
-    assert built_from == device._source_id(device._SOURCE.read_bytes())
+    assert built_from == device._source_id(device._source_bytes())

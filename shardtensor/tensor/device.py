@@ -170,6 +170,13 @@ class Stream:
 
 
 _SOURCE = pathlib.Path(__file__).parent / "device_guard.cpp"
+# what it includes (one unit): a change to any of them is a new module
+_SOURCES = (_SOURCE, _SOURCE.with_name("replay_guard.h"), _SOURCE.with_name("replay_passes.h"))
+
+
+def _source_bytes() -> bytes:
+    """The module's sources, device_guard.cpp and what it includes, as one (setup.py reads the same)."""
+    return b"".join(path.read_bytes() for path in _SOURCES)
 
 
 def _source_id(source: bytes) -> int:
@@ -231,7 +238,7 @@ def _prebuilt_extension():
     built_for, running = _device_ext.TORCH_VERSION, torch.__version__.split("+")[0]
     if built_for != running:
         return None, f"the prebuilt module is for torch {built_for}, this is torch {running}"
-    built_from, source = _device_ext.SOURCE_ID, _source_id(_SOURCE.read_bytes())
+    built_from, source = _device_ext.SOURCE_ID, _source_id(_source_bytes())
     if built_from != source:  # an editable install, then a new device_guard.cpp
         return None, "the prebuilt module is older than device_guard.cpp"
     return _device_ext, None
@@ -251,7 +258,7 @@ def _build_cpp_extension(why_not_prebuilt: str):
     """Build (or load from torch's extension cache) the module from ``device_guard.cpp``."""
     from torch.utils import cpp_extension
 
-    name = _extension_name(_SOURCE.read_text())
+    name = _extension_name(_source_bytes().decode())
     try:
         build_dir = cpp_extension._get_build_directory(name, verbose=False)
         building = not os.path.exists(os.path.join(build_dir, f"{name}.so"))
@@ -267,7 +274,7 @@ def _build_cpp_extension(why_not_prebuilt: str):
             ext = cpp_extension.load(
                 name,
                 sources=[str(_SOURCE)],
-                extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_SOURCE.read_bytes()):#x}ULL"],
+                extra_cflags=[f"-DSHARDTENSOR_SOURCE_ID={_source_id(_source_bytes()):#x}ULL"],
             )
         if building:
             print(
