@@ -551,6 +551,7 @@ def main():
     ap.add_argument("--startup", action="store_true", help="issue 37: the warm-cache first step, fresh processes")
     ap.add_argument("--llama", action="store_true", help="issue 37: HF Llama training and st.generate")
     ap.add_argument("--llama-generate-only", action="store_true", help="with --llama: st.generate rows only")
+    ap.add_argument("--llama-training-only", action="store_true", help="with --llama: the training rows only")
     ap.add_argument(
         "--modes",
         nargs="*",

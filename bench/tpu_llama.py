@@ -127,7 +127,8 @@ def section(args, row, time_calls):
     print(f"\n== HF LlamaForCausalLM, {n / 1e6:.0f}M parameters (hidden {c['hidden']}, {c['layers']} layers), bf16")
     if not getattr(args, "llama_generate_only", False):
         _training(row, time_calls, model, c, n)
-    _generation(args, row, model, cfg, state, c)
+    if not getattr(args, "llama_training_only", False):
+        _generation(args, row, model, cfg, state, c)
 
 
 def _training(row, time_calls, model, c, n):
