@@ -132,14 +132,22 @@ def verify(wait_late: bool = True) -> None:
     """
     if not _UNREAD:  # (the usual case, on every read and sync: nothing else to look at)
         return
-    older = len(_UNREAD) - getattr(_DEFERRING, "newest", 0)
-    if older <= 0:
-        return
-    runs = _UNREAD[:older]
-    if not wait_late:
-        runs = [r for r in runs if not r.late or _ready(r.rows)]
-    taken = {id(r) for r in runs}
-    _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
+    newest = getattr(_DEFERRING, "newest", 0)
+    if len(_UNREAD) == 1 and not newest:  # (a compiled call reading its own run's rows: no lists made)
+        entry = _UNREAD[0]
+        if not wait_late and entry.late and not _ready(entry.rows):
+            return
+        del _UNREAD[0]
+        runs = [entry]
+    else:
+        older = len(_UNREAD) - newest
+        if older <= 0:
+            return
+        runs = _UNREAD[:older]
+        if not wait_late:
+            runs = [r for r in runs if not r.late or _ready(r.rows)]
+        taken = {id(r) for r in runs}
+        _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
     first = None
     for entry in runs:
         try:
