@@ -210,7 +210,8 @@ def forget() -> None:
 
 
 def done(run: Run) -> None:
-    """``run`` is known to have finished without error (its caller waited for it)."""
+    """``run`` is known to have finished without error (its caller waited for it, or read one of its
+    computed results: ``checks.verify`` reads a one-device run's check rows)."""
     if run in _RUNS:
         _RUNS.remove(run)
 
