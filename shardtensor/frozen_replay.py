@@ -361,10 +361,10 @@ class Frozen:
         else:
             computed = list(self._computed(outs))
         waits = not program.aliasing and entries.keeps()
-        inflight.note(self.what, entries, outputs, computed, waits)
+        run = inflight.note(self.what, entries, outputs, computed, waits)
         STATE.epoch += 1
         if rows is not None:
-            checks.watch(program, rows, self.sites, cells, outs, early, refs)
+            checks.watch(program, rows, self.sites, cells, outs, early, refs, run)
         return results
 
     def _give(self, flat, outs) -> tuple[list, list, list, list, list]:

@@ -214,6 +214,16 @@ class Guard:
             plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
             self._rest_state = plain, self._ids(identities), hooks
             self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
+        # no optimizers, the arguments vouched for (a Dynamo graph's guard): a replay compares the
+        # C pass, grad mode and the global hooks only (``_other_state`` then has no identities)
+        self._modules_only = (
+            self._weak is not None
+            and self._shared is None
+            and self._fingerprint is not None
+            and self._whole is None
+            and not optimizers
+            and args_guarded
+        )
 
     def objects(self) -> tuple[tuple, tuple, tuple] | None:
         """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
@@ -226,6 +236,13 @@ class Guard:
     def holds(self, args: Sequence = ()) -> bool:
         """Whether everything is as it was when the guard was taken."""
         weak = self._weak
+        if self._modules_only and self.alive and weak is not None:
+            now = _fingerprint(weak[0], weak[2])
+            if now is not None:  # (None: one died, or took another form: the full check below says)
+                state = self._other_state
+                if now != self._fingerprint or [torch.is_grad_enabled(), torch.is_inference_mode_enabled()] != state[0]:
+                    return False
+                return [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS] == state[2]
         if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
             # (the modules and tensors read through their references, with the arguments and the
             # optimizers if it can)
@@ -342,6 +359,8 @@ def _fingerprint(
     read = getattr(torch_device.EXT, "guard_fingerprint", None)
     if read is None:
         return None
+    if not tensors and args is None and optimizers is None:  # (modules only: their dicts, no tensor getter)
+        return read(tuple(modules), ())
     with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
         if args is None:
             return read(tuple(modules), tuple(tensors))

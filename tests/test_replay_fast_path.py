@@ -263,6 +263,39 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
             handle.remove()
 
 
+@pytest.mark.parametrize("reader", ["extension", "python"])
+def test_guard_of_a_graph_sees_its_modules_grad_mode_and_global_hooks(reader, monkeypatch):
+    """A Dynamo graph's guard (its arguments vouched for, no optimizer: the modules' pass, grad mode
+    and the global hooks only) sees each change of those, with either reader."""
+    from shardtensor import replay_guard
+
+    if reader == "python":
+        monkeypatch.setattr(replay_guard, "_fingerprint", lambda modules, tensors: None)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(st.device())
+    x = torch.ones(2, 4).to(st.device())
+    guard = replay_guard.Guard((tuple(model.modules()), (), ()), [x], args_guarded=True)
+    assert guard._modules_only == (reader == "extension" and st.tensor.device.EXT is not None)
+    assert guard.holds([x])
+    with torch.no_grad():
+        assert not guard.holds([x])
+    with torch.inference_mode():
+        assert not guard.holds([x])
+    changes = dict(_changes())
+    for name in ("forward hook", "forward pre-hook", "backward hook", "global hook"):  # (each removed after)
+        handle = changes[name](model)
+        assert not guard.holds([x]), name
+        handle.remove()
+        assert guard.holds([x]), name
+    model.eval()
+    assert not guard.holds([x])
+    model.train()
+    assert guard.holds([x])
+    changes["submodule"](model)
+    assert not guard.holds([x])
+    del model
+    assert not guard.holds([x])  # (a module gone)
+
+
 def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
     """The extension reads a tensor's state straight from torch's object where its type takes it
     from torch (a parameter, a plain tensor, a subclass that overrides none of it): a gradient

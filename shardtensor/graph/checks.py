@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from shardtensor.graph import inflight
 from shardtensor.graph.ir import Failed, Leaf, Pending
 from shardtensor.graph.program import _topological_order
 from shardtensor.graph.state import pending_cells, set_failed
@@ -63,28 +64,33 @@ def deferred(newest: int) -> Iterator[None]:
 
 class _Rows:
     """One run's unread check rows; ``late``: the run's own rows when early ones were read for it
-    (read when ready, or at a read or sync); ``partner``: the early rows' entry of the same run."""
+    (read when ready, or at a read or sync); ``partner``: the early rows' entry of the same run;
+    ``run``: the run in flight that reading them shows finished (``watch``), or None."""
 
-    __slots__ = ("rows", "program", "sites", "suspects", "late", "partner")
+    __slots__ = ("rows", "program", "sites", "suspects", "late", "partner", "run")
 
-    def __init__(self, rows, program, sites, suspects, late=False, partner=None):
+    def __init__(self, rows, program, sites, suspects, late=False, partner=None, run=None):
         self.rows, self.program, self.sites, self.suspects = rows, program, sites, suspects
-        self.late, self.partner = late, partner
+        self.late, self.partner, self.run = late, partner, run
 
 
-def watch(program, rows, sites, cells, results, early=None, refs=None) -> None:
+def watch(program, rows, sites, cells, results, early=None, refs=None, run=None) -> None:
     """Keep the check ``rows`` of a run of ``program`` until ``verify`` reads them; ``early``: the
     same checks' rows from a program dispatched before this run (module doc), read first; ``refs``:
-    weak references to ``cells`` where the caller has them (a frozen replay's store makes them)."""
+    weak references to ``cells`` where the caller has them (a frozen replay's store makes them);
+    ``run``: the run in flight (``inflight.note``), done once its rows are read if it runs on one
+    device (its rows, a computed result, then show the whole run finished: no later look at it)."""
+    if run is not None and not _one_device(program):
+        run = None  # (one device's copy of the rows is read: the others may still be running)
     suspects = []
     for i in _suspect_outputs(program):
         cell = cells[i]
         if cell is not None:
             suspects.append((weakref.ref(cell) if refs is None else refs[i], results[i]))
     if early is None:
-        _UNREAD.append(_Rows(rows, program, sites, suspects))
+        _UNREAD.append(_Rows(rows, program, sites, suspects, run=run))
         return
-    own = _Rows(rows, program, sites, suspects, late=True)
+    own = _Rows(rows, program, sites, suspects, late=True, run=run)
     _UNREAD.append(own)
     _UNREAD.append(_Rows(early, program, sites, suspects, partner=own))
 
@@ -99,6 +105,15 @@ def _suspect_outputs(program) -> tuple[int, ...]:
     suspects = tuple(sorted(i for i in program.tainted if i not in program.restored))
     program._suspects = (program.tainted, program.restored, suspects)
     return suspects
+
+
+def _one_device(program) -> bool:
+    """Whether ``program`` runs on one device (its rows, replicated on its mesh, then one array)."""
+    one = getattr(program, "_one_device", None)
+    if one is None:
+        mesh = program.mesh
+        one = program._one_device = mesh is not None and mesh.devices.size == 1
+    return one
 
 
 def deferring() -> bool:
@@ -132,20 +147,30 @@ def verify(wait_late: bool = True) -> None:
     """
     if not _UNREAD:  # (the usual case, on every read and sync: nothing else to look at)
         return
-    older = len(_UNREAD) - getattr(_DEFERRING, "newest", 0)
-    if older <= 0:
-        return
-    runs = _UNREAD[:older]
-    if not wait_late:
-        runs = [r for r in runs if not r.late or _ready(r.rows)]
-    taken = {id(r) for r in runs}
-    _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
+    newest = getattr(_DEFERRING, "newest", 0)
+    if len(_UNREAD) == 1 and not newest:  # (a compiled call reading its own run's rows: no lists made)
+        entry = _UNREAD[0]
+        if not wait_late and entry.late and not _ready(entry.rows):
+            return
+        del _UNREAD[0]
+        runs = [entry]
+    else:
+        older = len(_UNREAD) - newest
+        if older <= 0:
+            return
+        runs = _UNREAD[:older]
+        if not wait_late:
+            runs = [r for r in runs if not r.late or _ready(r.rows)]
+        taken = {id(r) for r in runs}
+        _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
     first = None
     for entry in runs:
         try:
             values = host_rows(entry.rows)
         except Exception:  # noqa: BLE001  (jax raises a failed result as several types)
             continue  # the run failed on the devices: graph.inflight raises that, with what it left
+        if entry.run is not None:  # (its one device finished it: nothing left for settle to look at)
+            inflight.done(entry.run)
         error = _error(values, entry.program, entry.sites)
         if error is None:
             continue

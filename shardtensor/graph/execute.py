@@ -465,5 +465,5 @@ def assign_outputs(program, cells, outs, sites=None, before=None, what="a progra
     STATE.epoch += 1
     rows = getattr(outs, "check_rows", None)
     if rows is not None:
-        checks.watch(program, rows, sites, cells, outs, early)
+        checks.watch(program, rows, sites, cells, outs, early, run=record)
     return record

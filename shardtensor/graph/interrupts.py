@@ -15,6 +15,7 @@ import threading
 # the C module: ``signal``'s wrappers turn every handler into an enum (5 us a call, twice a step)
 from _signal import SIGINT, getsignal
 from _signal import signal as set_handler
+from _thread import get_ident
 
 
 class deferred_interrupts:
@@ -35,7 +36,7 @@ class deferred_interrupts:
         self._received = None
 
     def __enter__(self):
-        if deferred_interrupts._active or threading.current_thread() is not threading.main_thread():
+        if deferred_interrupts._active or get_ident() != threading.main_thread().ident:  # (no Thread looked up)
             return self
         handler = getsignal(SIGINT)
         if not callable(handler):  # SIG_IGN / SIG_DFL / set outside Python: the user's semantics stand
