@@ -20,7 +20,8 @@ Sections (each a flag; none given: --gpt --f32 --attention):
 * ``--llama`` (issue 37): a Hugging Face ``LlamaForCausalLM`` of ~168M parameters, lazy against
   ``st.compile`` (MFU), and ``st.generate`` tokens/s at batch 1 and 8 against a plain-JAX greedy
   decode loop of the same weights with a static KV cache (``jax.jit`` step). Needs transformers
-  (``TPU_SETUP_HF=1 source bench/tpu_setup.sh``).
+  (``TPU_SETUP_HF=1 source bench/tpu_setup.sh``); ``--llama-training-only`` or
+  ``--llama-generate-only`` runs one half.
 
 Times are per step: the mean over ``--steps`` steps after warm-up steps, with one read of the result
 at the end (the chip runs ahead of the host as it can), except where a mode reads each step. MFU is
