@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from shardtensor.runtime import environ_reader
+from shardtensor.runtime import environ_setting
 
 ENVS = ("SHARDTENSOR_ENABLE_PARAM_ALIASING", "XLA_ENABLE_PARAM_ALIASING")
 _TRUE = ("1", "true", "yes", "on")
@@ -24,8 +24,6 @@ _FALSE = ("0", "false", "no", "off")
 
 _configured: list[bool | None] = [None]  # set_param_aliasing's value (None: the environment decides)
 _parsed: list = [None, True]  # (the variables' raw values, what they mean): parsed once per change
-_stored: list = [None, True]  # (os.environ's stored values of the variables, what they mean)
-_READ_ENVS = environ_reader(*ENVS)
 
 
 def parse(name: str, text: str) -> bool:
@@ -57,12 +55,7 @@ def enabled_by_environment(environ=os.environ) -> bool:
     Example: ``enabled_by_environment({"XLA_ENABLE_PARAM_ALIASING": "false"}) is False``.
     """
     if environ is os.environ:  # (read before every replay: the cheap way when nothing changed)
-        stored = _READ_ENVS()
-        if stored == _stored[0]:
-            return _stored[1]
-        enabled = enabled_by_environment(dict(zip(ENVS, (os.environ.get(n) for n in ENVS))))
-        _stored[:] = [stored, enabled]
-        return enabled
+        return _FROM_ENV()
     raw = (environ.get(ENVS[0]), environ.get(ENVS[1]))
     if raw == _parsed[0]:
         return _parsed[1]
@@ -73,6 +66,9 @@ def enabled_by_environment(environ=os.environ) -> bool:
             break
     _parsed[:] = [raw, enabled]
     return enabled
+
+
+_FROM_ENV = environ_setting(lambda *texts: enabled_by_environment(dict(zip(ENVS, texts))), *ENVS)
 
 
 def param_aliasing_enabled() -> bool:

@@ -17,7 +17,6 @@ overrides both (tests).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import warnings
 from typing import Any
@@ -61,16 +60,16 @@ def enabled() -> bool:
     """
     if ENABLED is not None:
         return ENABLED
-    stored = _READ_SETTING()  # (asked before every checked run: the answer is kept while it stays)
-    if stored != _SETTING[0]:
-        setting = os.environ.get("SHARDTENSOR_EARLY_ROWS", "").strip().lower()
-        on = setting not in ("0", "false", "no", "off") if setting else runtime.platform() != "cpu"
-        _SETTING[:] = [stored, on]
-    return _SETTING[1]
+    return _FROM_ENV()
 
 
-_READ_SETTING = runtime.environ_reader("SHARDTENSOR_EARLY_ROWS")
-_SETTING: list = [object(), False]  # (the variable as last read, the answer then): the platform is fixed
+def _on(text: str | None) -> bool:
+    setting = (text or "").strip().lower()
+    return setting not in ("0", "false", "no", "off") if setting else runtime.platform() != "cpu"
+
+
+# (asked before every checked run: parsed again only when the variable changed; the platform is fixed)
+_FROM_ENV = runtime.environ_setting(_on, "SHARDTENSOR_EARLY_ROWS")
 
 
 def dispatch(fn, donated: list, kept: list, scalars: dict):

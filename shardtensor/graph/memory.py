@@ -21,7 +21,7 @@ import resource
 
 import torch
 
-from shardtensor.runtime import environ_reader
+from shardtensor.runtime import environ_setting
 
 ENV = "SHARDTENSOR_DEVICE_MEMORY"
 _UNITS = {
@@ -91,8 +91,8 @@ def analyse(compiled, mesh):
 
 
 _configured: list = [None]  # bytes set by set_device_memory_limit (None: the environment decides)
-_from_env: list = [None, None]  # (the variable as os.environ stores it, the limit it gives)
-_READ_ENV = environ_reader(ENV)
+# (read before every run: parsed again only when it changed)
+_FROM_ENV = environ_setting(lambda text: parse_size(text) if text else None, ENV)
 
 
 def set_device_memory_limit(limit: int | str | None) -> None:
@@ -112,11 +112,7 @@ def device_memory_limit() -> int | None:
     """The configured limit per device in bytes, or None when the devices' free memory decides."""
     if _configured[0] is not None:
         return _configured[0]
-    stored = _READ_ENV()  # (read before every run: the cheap way when nothing changed)
-    if stored != _from_env[0]:
-        text = os.environ.get(ENV)
-        _from_env[:] = [stored, parse_size(text) if text else None]
-    return _from_env[1]
+    return _FROM_ENV()
 
 
 def parse_size(value) -> int:

@@ -297,6 +297,28 @@ def environ_reader(*names: str):
     return lambda: tuple(map(data.get, keys))
 
 
+def environ_setting(parse, *names: str):
+    """A function giving ``parse(*values)`` of the environment variables ``names`` (None when unset)
+    as ``os.environ`` has them now, parsed again only when one of them changed (`environ_reader`):
+    for settings read before every run. An error of ``parse`` is raised at each call until fixed.
+
+    Example::
+
+        limit = environ_setting(lambda text: int(text) if text else None, "MY_LIMIT")
+        limit()   # None while MY_LIMIT is unset
+    """
+    read = environ_reader(*names)
+    memo: list = [object(), None]  # (the variables as last read, what they meant)
+
+    def current():
+        stored = read()
+        if stored != memo[0]:
+            memo[:] = [stored, parse(*map(os.environ.get, names))]
+        return memo[1]
+
+    return current
+
+
 # --------------------------------------------------------------------------- SPMD mode
 
 
