@@ -239,10 +239,10 @@ class Guard:
         if self._modules_only and self.alive and weak is not None:
             now = _fingerprint(weak[0], weak[2])
             if now is not None:  # (None: one died, or took another form: the full check below says)
-                state = self._other_state
-                if now != self._fingerprint or [torch.is_grad_enabled(), torch.is_inference_mode_enabled()] != state[0]:
+                if now != self._fingerprint:
                     return False
-                return [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS] == state[2]
+                plain, _, hooks = self._state((), (), (), ())
+                return plain == self._other_state[0] and hooks == self._other_state[2]
         if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
             # (the modules and tensors read through their references, with the arguments and the
             # optimizers if it can)

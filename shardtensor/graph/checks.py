@@ -80,7 +80,7 @@ def watch(program, rows, sites, cells, results, early=None, refs=None, run=None)
     weak references to ``cells`` where the caller has them (a frozen replay's store makes them);
     ``run``: the run in flight (``inflight.note``), done once its rows are read if it runs on one
     device (its rows, a computed result, then show the whole run finished: no later look at it)."""
-    if run is not None and not _one_device(program):
+    if run is not None and not program.single_device:
         run = None  # (one device's copy of the rows is read: the others may still be running)
     suspects = []
     for i in _suspect_outputs(program):
@@ -105,15 +105,6 @@ def _suspect_outputs(program) -> tuple[int, ...]:
     suspects = tuple(sorted(i for i in program.tainted if i not in program.restored))
     program._suspects = (program.tainted, program.restored, suspects)
     return suspects
-
-
-def _one_device(program) -> bool:
-    """Whether ``program`` runs on one device (its rows, replicated on its mesh, then one array)."""
-    one = getattr(program, "_one_device", None)
-    if one is None:
-        mesh = program.mesh
-        one = program._one_device = mesh is not None and mesh.devices.size == 1
-    return one
 
 
 def deferring() -> bool:
@@ -147,20 +138,17 @@ def verify(wait_late: bool = True) -> None:
     """
     if not _UNREAD:  # (the usual case, on every read and sync: nothing else to look at)
         return
-    newest = getattr(_DEFERRING, "newest", 0)
-    if len(_UNREAD) == 1 and not newest:  # (a compiled call reading its own run's rows: no lists made)
-        entry = _UNREAD[0]
-        if not wait_late and entry.late and not _ready(entry.rows):
+    older = len(_UNREAD) - getattr(_DEFERRING, "newest", 0)
+    if older <= 0:
+        return
+    runs = _UNREAD[:older]
+    if not wait_late:
+        runs = [r for r in runs if not r.late or _ready(r.rows)]
+        if not runs:
             return
-        del _UNREAD[0]
-        runs = [entry]
+    if len(runs) == older:  # (the usual case, a compiled call's own run among them: every one is read)
+        del _UNREAD[:older]
     else:
-        older = len(_UNREAD) - newest
-        if older <= 0:
-            return
-        runs = _UNREAD[:older]
-        if not wait_late:
-            runs = [r for r in runs if not r.late or _ready(r.rows)]
         taken = {id(r) for r in runs}
         _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
     first = None

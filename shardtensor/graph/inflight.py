@@ -244,12 +244,9 @@ def settle(wait_for=None) -> None:
         try:
             if wait:
                 wait_until_ready(run.outputs)
-            else:
-                # one result that a later run has not consumed; none: the later runs answer for it
-                probe = next((o for o in run.computed if not o.is_deleted()), None)
-                if probe is not None and not finished_live(probe):
-                    polling = False
-                    continue
+            elif not _finished(run):
+                polling = False
+                continue
         except ExecutionFailedError as error:
             _RUNS.remove(run)
             failure = resolve(run, error, remove=False)
@@ -260,15 +257,17 @@ def settle(wait_for=None) -> None:
         raise first
 
 
+def _finished(run: Run) -> bool:
+    """Whether ``run`` finished, by one result that a later run has not consumed (none: the later
+    runs answer for it); raises ``ExecutionFailedError`` if it failed. Never waits."""
+    probe = next((o for o in run.computed if not o.is_deleted()), None)
+    return probe is None or finished_live(probe)
+
+
 def _look_at(run: Run) -> None:
     """``settle`` for the one run in flight, which it need not wait for (the loop's polling case)."""
-    for probe in run.computed:  # (the first that a later run has not consumed)
-        if not probe.is_deleted():
-            break
-    else:
-        probe = None
     try:
-        if probe is not None and not finished_live(probe):
+        if not _finished(run):
             return
     except ExecutionFailedError as error:
         _RUNS.remove(run)
@@ -276,7 +275,7 @@ def _look_at(run: Run) -> None:
     else:
         _RUNS.remove(run)
         return
-    raise failure
+    raise failure  # (as the loop raises: outside the handler, the failure's own cause kept)
 
 
 def resolve(run: Run, error: BaseException, remove: bool = True) -> ExecutionFailedError:

@@ -141,6 +141,11 @@ class Program:
         self.scratch: frozenset[int] = frozenset()  # outputs to scratch cells (mark_scratch)
         self.restored: frozenset[int] = frozenset()
 
+    @functools.cached_property
+    def single_device(self) -> bool:
+        """Whether the program runs on one device (its check rows, replicated, are then one array)."""
+        return self.mesh is not None and self.mesh.devices.size == 1
+
     @classmethod
     def build(cls, cells, donate=True, checks=None):
         """(program, input arrays, scalar vectors) computing ``cells``; ``checks``: trace the on-device
