@@ -41,7 +41,6 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from shardtensor.graph.state import STATE
-from shardtensor.replay_guard import ignore_hook
 from shardtensor.tensor import ShardedTensor
 
 _INSTALLED: list = []  # the global step pre- and post-hook, once installed
@@ -55,9 +54,7 @@ def install() -> None:
         return
     pre = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
     post = torch_optimizer.register_optimizer_step_post_hook(_after_step)
-    for handle in (pre, post):
-        ignore_hook(handle.id)
-        _INSTALLED.append(handle)
+    _INSTALLED.extend((pre, post))
 
 
 def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
