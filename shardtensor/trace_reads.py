@@ -55,13 +55,15 @@ _GENERATOR_FLAGS = 0x20 | 0x80 | 0x200  # CO_GENERATOR, CO_COROUTINE, CO_ASYNC_G
 
 @functools.cache
 def file_kind(filename: str) -> int:
-    """``INTERNAL`` (shardtensor's), ``LIBRARY`` (torch's, jax's, numpy's, the standard
-    library's) or ``USER`` (everything else: the user's code, transformers' models)."""
+    """``INTERNAL`` (shardtensor's, and jax's: its engine), ``LIBRARY`` (torch's, numpy's, the
+    standard library's) or ``USER`` (everything else: the user's code, transformers' models)."""
     if filename.startswith(_PACKAGE):
         return INTERNAL
-    if filename.startswith("<frozen") or filename.startswith(_LIBRARY_ROOTS):
-        return LIBRARY
     if "/site-packages/jax/" in filename or "/site-packages/jaxlib/" in filename:
+        # (jax runs as shardtensor's engine, and its garbage-collector callback at any moment: what
+        # it reads is not the step's)
+        return INTERNAL
+    if filename.startswith("<frozen") or filename.startswith(_LIBRARY_ROOTS):
         return LIBRARY
     return USER
 

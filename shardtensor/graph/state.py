@@ -63,6 +63,10 @@ class _PendingCells(dict):
         return [c for c in (r() for r in self.copy()) if c is not None]
 
 
+# why a trace that reads a device value on the host cannot be replayed without its Python
+HOST_READ = "it reads a device value on the host (.item(), .tolist(), .cpu(), bool(), printing, a data-dependent shape)"
+
+
 class _State(threading.local):
     """The calling thread's engine state (class attributes are each new thread's defaults)."""
 
