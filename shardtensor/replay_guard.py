@@ -137,9 +137,7 @@ class Roots:
         if not all(id(o) in mine for o in other.objects()):
             return False
         names = {id(g): set(n) for g, n in self.globals}
-        return all(
-            library_namespace(g) or (id(g) in names and names[id(g)].issuperset(n)) for g, n in other.globals
-        )
+        return all(library_namespace(g) or (id(g) in names and names[id(g)].issuperset(n)) for g, n in other.globals)
 
 
 def _ref(obj):
