@@ -58,7 +58,7 @@ from shardtensor.graph.state import (
 from shardtensor.ops import precision as matmul_precision
 from shardtensor.replay_guard import Roots, Snapshot, Touched, touched
 from shardtensor.tensor import ShardedTensor
-from shardtensor.trace_reads import global_reads, recording
+from shardtensor.trace_reads import global_reads, reads_attribute, recording
 
 aten = torch.ops.aten
 
@@ -202,16 +202,16 @@ class CompiledFunction:
         broken = seen.broken or monitor.reason or ran.reason
         cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
-        positions = {id(x): i for i, x in enumerate(flat) if type(x) is torch.Tensor}
-        hosts = {id(cell): (positions[id(src)], how) for src, how, cell in seen.uploads if id(src) in positions}
-        trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken, hosts)
+        trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken, _uploads(flat, seen))
         before = roots
         roots = self._roots[signature] = Roots(self.fn, noted.objects(), global_reads(ran.code_globals))
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
         exit_ = None
         if trace.broken is None and entry is not None and before is not None:
-            exit_, trace.broken = _unchanged(entry, before, roots, objects, trace.made_cells())
+            # (an optimizer's learning rate a replay reads anew, unless the user's code reads the groups)
+            live_keys = frozenset() if reads_attribute(ran.code_globals, "param_groups") else _live_keys(seen.uploads)
+            exit_, trace.broken = _unchanged(entry, before, roots, objects, trace.made_cells(), live_keys)
         if trace.broken is None and exit_ is not None:
             replay_guard = exit_.guard(None if self.guarded_state else tensor_args, exit_.produced_grads, debug)
             self._frozen[signature] = trace.freeze(replay_guard, self.name)
@@ -235,18 +235,37 @@ class CompiledFunction:
             )
 
 
-def _unchanged(entry: Snapshot, before: Roots, roots: Roots, objects: list, made: frozenset):
+def _uploads(flat, seen) -> dict:
+    """id of a cell a replay uploads anew -> (a CPU tensor argument's position, or an optimizer's
+    ``LiveValue``; its ``Upload``): what the trace uploaded from them (``Trace``'s ``hosts``)."""
+    positions = {id(x): i for i, x in enumerate(flat) if type(x) is torch.Tensor}
+    hosts: dict = {}
+    for src, how, cell in seen.uploads:
+        if isinstance(src, optim_steps.LiveValue):
+            hosts[id(cell)] = (src, how)
+        elif id(src) in positions:
+            hosts[id(cell)] = (positions[id(src)], how)
+    return hosts
+
+
+def _live_keys(uploads) -> frozenset:
+    """(id of an optimizer's group, key) for each ``LiveValue`` the trace uploaded."""
+    found = [(src.group(), src.key) for src, _, _ in uploads if isinstance(src, optim_steps.LiveValue)]
+    return frozenset((id(group), key) for group, key in found if group is not None)
+
+
+def _unchanged(entry: Snapshot, before: Roots, roots: Roots, objects: list, made: frozenset, live: frozenset):
     """(the state on exit, None) if the call left what it could read as it found it on entry, else
     (None, why not). ``entry`` was reached from ``before``, the last call's roots; this call's
     ``roots`` must be among them (a first call reads more: an optimizer's state made), and what
     ``before`` reaches now must equal ``entry`` (``made``: the cells the program made, a gradient
-    among them counting as the one it replaced)."""
+    among them counting as the one it replaced; ``live``: values a replay reads anew)."""
     if not before.covers(roots):
         return None, "it read state the last call did not (it is traced again before it freezes)"
-    again = Snapshot(before, objects, made)
+    again = Snapshot(before, objects, made, live)
     if not again.same_as(entry):
         return None, f"the state it can read changed during the call: {again.difference(entry)}"
-    exit_ = again if roots.covers(before) else Snapshot(roots, objects, made)
+    exit_ = again if roots.covers(before) else Snapshot(roots, objects, made, live)
     return exit_, exit_.reason
 
 

@@ -47,7 +47,8 @@ class Trace:
     """What one traced call read, wrote and returned, and whether that can be replayed."""
 
     def __init__(self, execution, flat_args, out, first_serial, broken, hosts=None):
-        """``hosts``: id of a cell uploaded from a CPU tensor argument -> (its position, ``Upload``)."""
+        """``hosts``: id of a cell a replay uploads anew -> (what from: a CPU tensor argument's
+        position, or an optimizer's ``LiveValue``; how: ``Upload``)."""
         self.execution, self.broken = execution, broken
         hosts = hosts or {}
         arg_cells = {id(x._cell): i for i, x in enumerate(flat_args) if isinstance(x, ShardedTensor)}
@@ -331,8 +332,9 @@ class Frozen:
         return self._result(results)
 
     def _refresh_uploads(self, flat) -> None:
-        for k, position, how in self._hosts:
-            self._consts[k] = how.array(flat[position])
+        for k, source, how in self._hosts:
+            # (an argument by its position, or an optimizer's live hyperparameter: optim_steps.LiveValue)
+            self._consts[k] = how.array(flat[source]) if type(source) is int else source.array(how)
         self._gather_plan = (*self._gather_plan[:2], tuple(self._consts))
 
     def _find_written_fit(self, outs, program) -> list:

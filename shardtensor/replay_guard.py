@@ -71,6 +71,7 @@ class Kind(enum.IntEnum):  # the C++ check's entry kinds (replay_state.h)
     SET = 9
     BYTES = 10
     FAST_TENSOR = 11
+    LIVE_DICT = 12
 
 
 _ATOMS = (
@@ -149,12 +150,16 @@ def _ref(obj):
 
 class Snapshot:
     """The state reachable from ``roots``, now: comparison keys (``same_as``) and, for a guard, the
-    C++ check's plan. ``produced``: ids of the cells the traced program made; a parameter whose
+    C++ check's plan. ``live``: (id of a dict, key) pairs whose float values a replay reads anew (an
+    optimizer's learning rate: ``optim_steps.LiveValue``), which the guard lets change. ``produced``:
+    ids of the cells the traced program made; a parameter whose
     ``.grad`` holds one (its gradient made anew by this call) has that gradient left out of the
     comparison (a replay writes the new gradient into the one it finds, ``Guard``). ``reason``: why
     this state cannot be guarded, or None."""
 
-    def __init__(self, roots: Roots, args: Sequence = (), produced: frozenset = frozenset()):
+    def __init__(
+        self, roots: Roots, args: Sequence = (), produced: frozenset = frozenset(), live: frozenset = frozenset()
+    ):
         self.roots = roots
         self.reason: str | None = None
         self.keys: list = []
@@ -167,6 +172,7 @@ class Snapshot:
         self._entry_owner: list = []  # the object whose visit made each entry
         self._current = None
         self._produced = produced
+        self._live = live  # (id of a dict, key): a value a replay reads anew (optim_steps.LiveValue)
         self.produced_grads: list = []  # (parameter, its gradient) made by the program
         if not available():
             self.reason = "shardtensor's C++ extension is not built (frozen replays need it)"
@@ -260,7 +266,14 @@ class Snapshot:
         t = type(o)
         if isinstance(o, dict):
             extra = self._object(o) if t is not dict and hasattr(o, "__dict__") and vars(o) else []
-            self._entry(Kind.DICT, o, ext.dict_version(o))
+            live = tuple(k for k in o if (id(o), k) in self._live)
+            if live:  # (a float a replay reads anew: the rest of the dict as it is)
+                others = tuple(k for k in o if k not in live)
+                addresses = b"".join(id(o[k]).to_bytes(8, sys.byteorder) for k in others)
+                self._entry(Kind.LIVE_DICT, o, ext.dict_version(o), live, others, addresses)
+                self._hold([o[k] for k in others])
+            else:
+                self._entry(Kind.DICT, o, ext.dict_version(o))
             self.keys.append(("d", id(o), tuple((_key_of(k), _key_of(v)) for k, v in o.items())))
             return [*extra, *(k for k in o if not _is_atom(k)), *o.values()]
         if isinstance(o, list):

@@ -236,3 +236,11 @@ def global_reads(code_globals) -> list[tuple[dict, tuple[str, ...]]]:
     # the same objects in the same order)
     found.sort(key=lambda item: (str(item[0].get("__name__")), item[1]))
     return found
+
+
+def reads_attribute(code_globals, name: str) -> bool:
+    """Whether the user's code a trace ran reads an attribute called ``name`` (or names it at all).
+
+    Example: ``reads_attribute(ran.code_globals, "param_groups")``
+    """
+    return any(name in code.co_names for code, _ in code_globals if file_kind(code.co_filename) == USER)

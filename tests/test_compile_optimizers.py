@@ -57,6 +57,8 @@ def _configs():
         ("AdamW(fused)", optim.AdamW, dict(fused=True, weight_decay=0.1)),
         ("SGD(fused)", optim.SGD, dict(fused=True, momentum=0.9)),
         ("Adagrad(fused)", optim.Adagrad, dict(fused=True, lr_decay=0.01, weight_decay=0.1)),
+        ("Adagrad", optim.Adagrad, dict(lr_decay=0.01, weight_decay=0.1, maximize=True)),  # (fused in a trace)
+        ("Adagrad(foreach=False)", optim.Adagrad, dict(foreach=False, initial_accumulator_value=0.1)),
     ]
     return out
 
@@ -127,21 +129,12 @@ def test_every_optimizer_freezes_and_equals_eager():
         hook.remove()
 
 
-@pytest.mark.parametrize(
-    ("cls", "kwargs", "reason"),
-    [
-        (optim.Adagrad, {}, "Adagrad counts its steps on the host"),
-        (optim.Adagrad, {"foreach": False, "lr_decay": 0.01}, "Adagrad counts its steps on the host"),
-        (optim.Adafactor, {}, "it reads a device value on the host"),
-    ],
-    ids=["Adagrad", "Adagrad(foreach=False)", "Adafactor"],
-)
-def test_optimizers_counting_on_the_host_run_their_python_and_say_why(cls, kwargs, reason, monkeypatch, capsys):
-    """torch's Adagrad and Adafactor read their step count on the host (no capturable path): each
-    call runs its Python (one cached program), equal to eager, and the debug output says why."""
+def test_an_optimizer_counting_on_the_host_runs_its_python_and_says_why(monkeypatch, capsys):
+    """torch's Adafactor reads its step count on the host (no capturable nor fused path): each call
+    runs its Python (one cached program), equal to eager, and the debug output says why."""
     reset_state()
     monkeypatch.setenv("SHARDTENSOR_DEBUG", "1")
-    configs = [(cls.__name__, cls, kwargs)]
+    configs = [("Adafactor", optim.Adafactor, {})]
     ref_layers, ref_opts = _world(configs, "cpu")
     layers, opts = _world(configs, st.device())
     ref_step, step = _step(ref_layers, ref_opts), st.compile(_step(layers, opts))
@@ -151,7 +144,34 @@ def test_optimizers_counting_on_the_host_run_their_python_and_say_why(cls, kwarg
         ref_step(x, y)
     for p_ref, p in zip(ref_layers.parameters(), layers.parameters()):
         assert_close(p.cpu(), p_ref, rtol=1e-4, atol=1e-5)
-    assert reason in capsys.readouterr().err
+    assert "it reads a device value on the host" in capsys.readouterr().err
+
+
+def test_state_dict_keeps_torchs_own_form():
+    """A state dict of optimizers whose steps ran on the devices inside a trace says what torch's
+    own would (capturable / fused as the user set them, counters on the CPU): it loads into plain
+    CPU optimizers, which then step as the device ones do."""
+    reset_state()
+    configs = [("Adam", optim.Adam, {}), ("Adagrad", optim.Adagrad, {})]
+    layers, opts = _world(configs, st.device())
+    step = st.compile(_step(layers, opts))
+    for i in range(3):
+        x, y = _batch(i)
+        step(x.to(st.device()), y.to(st.device()))
+    cpu_layers, _ = _world(configs, "cpu")
+    cpu_layers.load_state_dict({k: v.cpu() for k, v in layers.state_dict().items()})
+    cpu_opts = [cls(layer.parameters(), lr=0.01, **kw) for layer, (_, cls, kw) in zip(cpu_layers, configs)]
+    for opt, cpu_opt in zip(opts, cpu_opts):
+        state = opt.state_dict()
+        group = state["param_groups"][0]
+        assert group.get("capturable") == opt.defaults.get("capturable") and group["fused"] == opt.defaults["fused"]
+        assert all(type(s["step"]) is torch.Tensor for s in state["state"].values())  # (CPU tensors)
+        cpu_opt.load_state_dict(state)
+    x, y = _batch(9)
+    step(x.to(st.device()), y.to(st.device()))
+    _step(cpu_layers, cpu_opts)(x, y)
+    for p_cpu, p in zip(cpu_layers.parameters(), layers.parameters()):
+        assert_close(p.cpu(), p_cpu, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("cls", [optim.Adam, optim.SGD])

@@ -739,3 +739,79 @@ def test_seed_inside_repeats_the_mask(mode):
 def test_full_graph_raises_on_host_read():
     got, _, _ = run(case_full_graph_item_raises, "compile")
     assert all(o is st.UnexpectedExecutionError for o in got), got
+
+
+# --- the loops users write freeze ------------------------------------------------------------------
+def _loop(style):
+    """A training loop in ``style`` (issue 48 §2): (step factory, after-call hook factory)."""
+
+    def make(W):
+        model = W.module(mlp)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+
+        def forward_backward(x, y, scale=1.0):
+            loss = F.mse_loss(model(x), y) * scale
+            loss.backward()
+            return loss.detach()
+
+        def step(x, y):
+            if style == "zero_grad_first":
+                opt.zero_grad()
+                loss = forward_backward(x, y)
+                opt.step()
+            elif style == "set_to_none_false":
+                opt.zero_grad(set_to_none=False)
+                loss = forward_backward(x, y)
+                opt.step()
+            elif style == "micro_batches":
+                opt.zero_grad()
+                loss = sum(forward_backward(x[k::3], y[k::3], 1 / 3) for k in range(3))
+                opt.step()
+            elif style == "optimizer_step":
+                loss = forward_backward(x, y)
+                st.optimizer_step(opt) if W.mode != "eager" else opt.step()
+                opt.zero_grad()
+            elif style == "clip_inside":
+                loss = forward_backward(x, y)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                opt.zero_grad()
+            else:  # "zero_grad_at_end", "scheduler_after"
+                loss = forward_backward(x, y)
+                opt.step()
+                opt.zero_grad()
+            return loss
+
+        def change(i):
+            if style == "scheduler_after" and i > 0:
+                sched.step()  # (after the previous call)
+
+        return Case(
+            step, lambda i: (W.put(batch(i, rows=12)), W.put(batch(50 + i, rows=12, cols=2))), change, params(model)
+        )
+
+    return make
+
+
+LOOPS = [
+    "zero_grad_first",
+    "zero_grad_at_end",
+    "set_to_none_false",
+    "micro_batches",
+    "optimizer_step",
+    "clip_inside",
+    "scheduler_after",
+]
+
+
+@pytest.mark.parametrize("mode", ["compile", "lazy"])
+@pytest.mark.parametrize("style", LOOPS)
+def test_the_loops_users_write_freeze_and_match_eager(style, mode):
+    """Each loop replays from its third call (compile), and every call equals eager torch (a lazy
+    step too). ``zero_grad()`` first makes new gradients each call: a replay writes them into the
+    tensors that hold them (nothing else does). The bug this would have caught: the zero_grad-first
+    loop never froze (its gradients were new objects each call)."""
+    replayed = check(_loop(style), mode)
+    if mode == "compile":
+        assert all(replayed[2:]), f"{style}: not frozen by its third call: {replayed}"

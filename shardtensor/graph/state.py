@@ -18,8 +18,11 @@ the user's JAX keeps its own setting.
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
+import types
 import weakref
 
 from shardtensor.graph.ir import Cell, Pending
@@ -65,6 +68,21 @@ class _PendingCells(dict):
 
 # why a trace that reads a device value on the host cannot be replayed without its Python
 HOST_READ = "it reads a device value on the host (.item(), .tolist(), .cpu(), bool(), printing, a data-dependent shape)"
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def note_host_read() -> None:
+    """An st.compile trace read a device value on the host: it cannot be replayed without its
+    Python. The reason names the line outside shardtensor that read it."""
+    STATE.host_reads += 1
+    if STATE.trace_broken is None:
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and (
+            frame.f_code.co_filename.startswith(_PACKAGE_DIR) or frame.f_code.co_filename.endswith("torch/_ops.py")
+        ):
+            frame = frame.f_back
+        where = f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}" if frame is not None else ""
+        STATE.trace_broken = HOST_READ + where
 
 
 class _State(threading.local):
@@ -76,6 +94,7 @@ class _State(threading.local):
     # the current compile() trace's uploads of CPU tensors: (the CPU tensor, how it was uploaded, the
     # new cell), so that a replay can upload an argument's current value the same way
     trace_uploads: list | None = None
+    host_reads = 0  # device values read on the host by this thread's traces (note_host_read)
     execution_guard: str | None = None  # set by compile(full_graph=True): a message to raise on any execution
     trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
 

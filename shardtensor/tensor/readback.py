@@ -89,7 +89,7 @@ def to_cpu(t) -> torch.Tensor:
     """
     if state.STATE.tracing:  # (an st.compile trace: a replay could not repeat what this value decides)
         state.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was read on the host")
-        state.STATE.trace_broken = state.STATE.trace_broken or state.HOST_READ
+        state.note_host_read()
     if t._chain and _view_read_on_host(t):
         checks.verify()  # as materialize(): a failed on-device check raises before a value is read
         base = _host_copy(t._cell.value, t._cell.shape)

@@ -272,6 +272,8 @@ enum EntryKind {
   kSet = 9,       // (9, set, tuple of its items): the same items
   kBytes = 10,    // (10, obj, bytes): a buffer (bytearray, small numpy array) holding these bytes
   kFastTensor = 11,  // (11, tensor): as kTensor, read straight from torch's object (state_plan reads it now)
+  kLiveDict = 12,    // (12, dict, tag, live keys, other keys, bytes of their values' addresses): unchanged but
+                     // for the live keys, each still holding a float (a replay reads them: a learning rate)
 };
 
 struct Entry {
@@ -281,6 +283,7 @@ struct Entry {
   uint64_t f[6] = {};  // (kFastTensor's fields)
   PyObject* extra = nullptr;  // (strong) bytes, names tuple or items tuple
   PyObject* extra2 = nullptr;
+  PyObject* extra3 = nullptr;
 };
 
 // A tensor's guarded state in six words, read from torch 2.13's object without a call: requires_grad,
@@ -318,6 +321,7 @@ struct Plan {
     for (auto& e : entries) {
       Py_XDECREF(e.extra);
       Py_XDECREF(e.extra2);
+      Py_XDECREF(e.extra3);
     }
   }
 };
@@ -372,6 +376,25 @@ bool entry_holds(Entry& e) {
         if (reinterpret_cast<uint64_t>(now) != expected[i]) return false;
       }
       e.a = dict_tag(e.obj);  // (the names read are as they were: later changes are compared from here)
+      return true;
+    }
+    case kLiveDict: {
+      if (dict_tag(e.obj) == e.a) return true;
+      PyObject* live = e.extra;
+      PyObject* others = e.extra2;
+      if (PyDict_GET_SIZE(e.obj) != PyTuple_GET_SIZE(live) + PyTuple_GET_SIZE(others)) return false;
+      const uint64_t* expected = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(e.extra3));
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(others); ++i) {
+        PyObject* now = PyDict_GetItemWithError(e.obj, PyTuple_GET_ITEM(others, i));  // borrowed
+        if (now == nullptr && PyErr_Occurred()) throw PythonErrorSet();
+        if (reinterpret_cast<uint64_t>(now) != expected[i]) return false;
+      }
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(live); ++i) {
+        PyObject* now = PyDict_GetItemWithError(e.obj, PyTuple_GET_ITEM(live, i));  // borrowed
+        if (now == nullptr && PyErr_Occurred()) throw PythonErrorSet();
+        if (now == nullptr || !PyFloat_CheckExact(now)) return false;
+      }
+      e.a = dict_tag(e.obj);
       return true;
     }
     case kFastTensor: {
@@ -472,6 +495,12 @@ PyObject* py_state_plan(PyObject*, PyObject* entries) {
           e.a = number(2);
           e.extra = object(3, false);
           e.extra2 = object(4, true);
+          break;
+        case kLiveDict:
+          e.a = number(2);
+          e.extra = object(3, false);
+          e.extra2 = object(4, false);
+          e.extra3 = object(5, true);
           break;
         default:
           e.a = number(2);
