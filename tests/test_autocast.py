@@ -18,9 +18,11 @@ differs from another bf16 implementation by rounding (XLA keeps excess precision
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import shardtensor as st
@@ -136,6 +138,61 @@ def test_lists_are_torchs_cpu_lists_with_pytorch_xlas_changes():
         assert (x.bfloat16() + x).dtype == torch.float32 and F.gelu(x.bfloat16()).dtype == torch.bfloat16
 
 
+# --- torch's autocast API on the device -----------------------------------------------------------
+def test_torchs_autocast_state_nesting_and_names_on_the_device():
+    x = torch.randn(4, 4, device=DEV)
+    assert not torch.is_autocast_enabled(DEV.type)
+    with torch.autocast(DEV.type, dtype=torch.bfloat16):
+        assert torch.is_autocast_enabled(DEV.type) and torch.get_autocast_dtype(DEV.type) == torch.bfloat16
+        assert not torch.is_autocast_enabled("cpu")
+        assert (x @ x).dtype == torch.bfloat16
+        with torch.autocast(DEV.type, enabled=False):  # a float32 island
+            assert (x @ x).dtype == torch.float32
+        with torch.amp.autocast("shardtensor", dtype=torch.float16):
+            assert (x @ x).dtype == torch.float16
+        assert (x @ x).dtype == torch.bfloat16
+    assert (x @ x).dtype == torch.float32 and not torch.is_autocast_enabled(DEV.type)
+    with st.autocast():  # PyTorch/XLA's default: bfloat16
+        assert torch.get_autocast_dtype(DEV.type) == torch.bfloat16 and (x @ x).dtype == torch.bfloat16
+
+    @torch.autocast(DEV.type, dtype=torch.float16)
+    def product(a):
+        return a @ a
+
+    assert product(x).dtype == torch.float16
+    with pytest.warns(UserWarning, match="not supported"), torch.autocast(DEV.type, dtype=torch.float64):
+        assert not torch.is_autocast_enabled(DEV.type)  # (as on CPU: the region is disabled)
+
+
+def _casts_in(t):
+    """The autograd nodes that cast (``.to(dtype)``) in ``t``'s graph."""
+    seen, casts, todo = set(), set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__.startswith("ToCopyBackward"):
+            casts.add(node)
+        todo.extend(f for f, _ in node.next_functions)
+    return casts
+
+
+@pytest.mark.parametrize("cache_enabled", [True, False])
+def test_a_weight_used_twice_is_cast_once_while_the_cache_is_on(cache_enabled):
+    """As torch: with the cache one cast of the weight serves both uses (its gradient flows through
+    one cast), without it each use casts; the cache is emptied when the region exits."""
+    counts = {}
+    for device in ("cpu", DEV):
+        w = torch.randn(4, 4, device=device, requires_grad=True)
+        x = torch.randn(3, 4, device=device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, cache_enabled=cache_enabled):
+            y = F.linear(F.linear(x, w), w)
+        counts[str(device)] = len(_casts_in(y))
+    assert counts == {"cpu": 1 if cache_enabled else 2, str(DEV): 1 if cache_enabled else 2}
+    assert not device_autocast._cache
+
+
 # --- one op at a time -----------------------------------------------------------------------------
 def _op_cases(low):
     """name -> (function, inputs): CPU float32 inputs, and ``low`` ones where the op's input is
@@ -203,7 +260,7 @@ def _op_cases(low):
     }
 
 
-@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("dtype", LOW, ids=str)
 def test_each_op_as_torch_autocast_casts_it(dtype):
     """Output dtypes exactly as torch's CPU autocast (with PyTorch/XLA's changes), values at the
     dtype's tolerance; all cases record into one lazy program."""
@@ -227,3 +284,197 @@ def test_a_promoting_op_refuses_the_other_low_dtype_as_torch_does():
             with pytest.raises(RuntimeError):
                 torch.cat([half.to(device), full.to(device)])
             assert torch.cat([full.to(device), half.to(device)]).dtype == torch.float32
+
+
+# --- small models in every mode -------------------------------------------------------------------
+class Mixed(nn.Module):
+    """Conv → BatchNorm → ReLU → max-pool, Linear → LayerNorm → GELU, a matmul chain through a softmax
+    (attention over the batch), a cat of a low and a float32 value, and a cross-entropy head: every
+    policy, and ops off the lists between them. Returns the loss and each stage's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(64, 16)
+        self.ln = nn.LayerNorm(16)
+        self.q = nn.Linear(16, 16)
+        self.k = nn.Linear(16, 16, bias=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x, y):
+        seen = {"conv": self.conv(x)}
+        seen["batch_norm"] = self.bn(seen["conv"])
+        seen["relu"] = F.relu(seen["batch_norm"])
+        seen["pool"] = F.max_pool2d(seen["relu"], 2)
+        seen["linear"] = self.fc(seen["pool"].flatten(1))
+        h = seen["gelu"] = F.gelu(self.ln(seen["linear"]))
+        seen["scores"] = self.q(h) @ self.k(h).t() / 4
+        seen["softmax"] = seen["scores"].softmax(-1)
+        seen["attend"] = seen["softmax"] @ h
+        seen["cat"] = torch.cat([seen["attend"], h.float()], -1)
+        seen["logits"] = self.head(seen["cat"])
+        seen["loss"] = F.cross_entropy(seen["logits"], y)
+        return seen["loss"], seen
+
+
+# calls per mode: a compiled step is called until it runs what it compiled (st.compile freezes at
+# its third call); gradients accumulate and running statistics move in each
+CALLS = {"lazy": 1, "eager": 1, "st.compile": 3, "torch.compile": 2}
+
+
+def _data():
+    g = torch.Generator().manual_seed(2)
+    return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _step(model, device, dtype):
+    def step(x, y):
+        with autocast_on(device, dtype):
+            loss, seen = model(x, y)
+        loss.backward()
+        return {k: v.detach() for k, v in seen.items()}
+
+    return step
+
+
+def assert_close_in_norm(actual, expected, rtol, what=""):
+    """``‖actual − expected‖ ≤ rtol·‖expected‖``: a gradient through low-precision products, whose
+    small elements are sums that cancel (their relative error is not the measure)."""
+    assert actual.dtype == expected.dtype, f"{what}: {actual.dtype} where torch gives {expected.dtype}"
+    error = (actual.cpu().double() - expected.double()).norm()
+    assert error <= rtol * expected.double().norm(), f"{what}: relative error {error / expected.double().norm():.2e}"
+
+
+@pytest.mark.parametrize(
+    "mode, dtype",
+    [(mode, dtype) for mode in ("lazy", "st.compile", "torch.compile") for dtype in LOW]
+    + [("eager", torch.bfloat16)],  # (eager mode compiles each op: float16 adds nothing new there)
+    ids=str,
+)
+def test_a_model_under_autocast_in_each_mode(mode, dtype):
+    torch.manual_seed(0)
+    reference = Mixed()
+    model = copy.deepcopy(reference).to(DEV)
+    x, y = _data()
+    step_on_cpu = _step(reference, "cpu", dtype)
+    expected = [step_on_cpu(x, y) for _ in range(CALLS[mode])]
+
+    step = _step(model, DEV, dtype)
+    if mode == "st.compile":
+        step = st.compile(step)
+    elif mode == "torch.compile":
+        torch._dynamo.reset()
+        step = torch.compile(step, backend="shardtensor")
+    frozen = st.counter_value("CompileFrozen") or 0
+    with st.eager_mode(mode == "eager"):
+        got = [step(x.to(DEV), y.to(DEV)) for _ in range(CALLS[mode])]
+    if mode == "st.compile":  # its last call ran the program frozen with autocast's casts in it
+        assert (st.counter_value("CompileFrozen") or 0) == frozen + 1
+    got, expected = got[-1], expected[-1]
+    for name in expected:
+        assert_like(got[name], expected[name], f"{mode}: {name}")
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_in_norm(p.grad, q.grad, 4 * RTOL[dtype], f"{mode}: {name}.grad")
+    for name, buffer in reference.bn.named_buffers():
+        torch.testing.assert_close(
+            getattr(model.bn, name).cpu(), buffer, msg=lambda m, name=name: f"{mode}: bn.{name}: {m}"
+        )
+
+
+# --- a Hugging Face model trained under autocast --------------------------------------------------
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=128,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config)
+
+
+LLAMA_STEPS = 3
+
+
+def _llama_training(model, device):
+    """``LLAMA_STEPS`` AdamW steps under bfloat16 autocast (forward and loss in the region, backward
+    and update after it, as torch's AMP recipe has it), one lazy program each: each step's loss, and
+    the parameters at the end. (Autocast in st.compile: ``test_a_model_under_autocast_in_each_mode``.)"""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if device != "cpu":
+        st.prime_optimizer(optimizer)  # (step 1 is then the program the others replay)
+
+    def step(ids):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(LLAMA_STEPS):
+        ids = torch.randint(3, 128, (2, 8), generator=g).to(device)
+        with st.step() if device != "cpu" else contextlib.nullcontext():
+            losses.append(step(ids))
+    return torch.stack([loss.cpu() for loss in losses]), [p.detach().cpu() for p in model.parameters()]
+
+
+def test_a_hugging_face_llama_trains_under_bfloat16_autocast_as_on_cpu():
+    """Each step's loss within 1e-3 (relative; 7e-5 here), the final parameters within bf16's
+    tolerance as a norm (7e-3 here; CPU float32 training differs from CPU autocast by as much: bf16
+    rounding. One AdamW step skipped moves them by 6.6e-2). Elementwise, AdamW's first steps are
+    lr·sign(gradient): a near-zero gradient element whose sign a rounding flips moves by 2·lr in
+    any two bf16 implementations."""
+    base = _tiny_llama()
+    ref_losses, ref_params = _llama_training(copy.deepcopy(base), "cpu")
+    model = copy.deepcopy(base).to(DEV)
+    losses, params = _llama_training(model, DEV)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-3, atol=0)
+    for (name, _), p, q in zip(model.named_parameters(), params, ref_params):
+        assert_close_in_norm(p, q, RTOL[torch.bfloat16], name)
+
+
+# --- float16 training with torch's GradScaler ------------------------------------------------------
+def _scaled_training(model, device):
+    """float16 autocast with ``torch.amp.GradScaler`` (unscale, clip, step, update): the scale grows
+    after each good step, and step 1's batch overflows, so that step is skipped and the scale halves."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**14, growth_interval=1)
+    g = torch.Generator().manual_seed(3)
+    losses, scales = [], []
+    for i in range(3):
+        x, y = torch.randn(8, 16, generator=g), torch.randint(0, 5, (8,), generator=g)
+        if i == 1:
+            x[0, 0] = float("inf")
+        with torch.autocast(torch.device(device).type, dtype=torch.float16):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.detach().cpu())
+        scales.append(scaler.get_scale())
+    return torch.stack(losses), scales
+
+
+def test_float16_training_with_torchs_grad_scaler():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 5))
+    model = copy.deepcopy(reference).to(DEV)
+    ref_losses, ref_scales = _scaled_training(reference, "cpu")
+    losses, scales = _scaled_training(model, DEV)
+    assert scales == ref_scales == [2.0**15, 2.0**14, 2.0**15]  # grown, halved at the overflow, grown
+    assert torch.isnan(losses[1]) and torch.isnan(ref_losses[1])
+    torch.testing.assert_close(losses, ref_losses, rtol=RTOL[torch.float16], atol=0, equal_nan=True)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert_close_in_norm(p.detach(), q.detach(), RTOL[torch.float16], name)
