@@ -328,6 +328,14 @@ def _data():
     return torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
 
 
+def _on_device(x, mode):
+    """The batch on the device; in lazy mode sharded over the 8 devices (SPMD: casts are elementwise,
+    the program keeps the layout)."""
+    if mode != "lazy":
+        return x.to(DEV)
+    return st.shard(x, st.Mesh(range(8), (8,), ("data",)), ("data", None, None, None))
+
+
 def _step(model, device, dtype):
     def step(x, y):
         with autocast_on(device, dtype):
@@ -368,7 +376,7 @@ def test_a_model_under_autocast_in_each_mode(mode, dtype):
         step = torch.compile(step, backend="shardtensor")
     frozen = st.counter_value("CompileFrozen") or 0
     with st.eager_mode(mode == "eager"):
-        got = [step(x.to(DEV), y.to(DEV)) for _ in range(CALLS[mode])]
+        got = [step(_on_device(x, mode), y.to(DEV)) for _ in range(CALLS[mode])]
     if mode == "st.compile":  # its last call ran the program frozen with autocast's casts in it
         assert (st.counter_value("CompileFrozen") or 0) == frozen + 1
     got, expected = got[-1], expected[-1]
