@@ -98,7 +98,9 @@ def _eligible(t: Any) -> bool:
 # is on, so a weight used twice in one region is cast once and its gradient flows through one cast;
 # the cache is emptied when the outermost region exits. torch's cache is C++ and holds only its own
 # devices' casts: the device's are kept here the same way, and emptied by the same call
-# (``torch.clear_autocast_cache``, which ``torch.autocast.__exit__`` makes; wrapped below).
+# (``torch.clear_autocast_cache``, which ``torch.autocast.__exit__`` makes; wrapped below). An entry
+# is for one dtype: a float16 region nested in a bfloat16 one casts the weight again (torch's cache
+# would hand it the bfloat16 cast).
 _cache: dict[int, tuple[weakref.ref, torch.dtype, torch.Tensor]] = {}
 
 
