@@ -15,7 +15,11 @@ import sys
 from setuptools import setup
 
 SOURCE = "shardtensor/tensor/device_guard.cpp"
-INCLUDED = ["shardtensor/tensor/replay_guard.h", "shardtensor/tensor/replay_passes.h"]  # (one unit)
+INCLUDED = [
+    "shardtensor/tensor/replay_guard.h",
+    "shardtensor/tensor/replay_passes.h",
+    "shardtensor/tensor/replay_state.h",
+]  # (one unit)
 # compiled into the module: import uses it only if its sources are still these files
 # (shardtensor.tensor.device._source_bytes and _source_id compute the same)
 SOURCE_ID = int(

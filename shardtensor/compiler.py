@@ -56,8 +56,9 @@ from shardtensor.graph.state import (
     pending_cells,
 )
 from shardtensor.ops import precision as matmul_precision
-from shardtensor.replay_guard import Guard, Watched, watch
+from shardtensor.replay_guard import Roots, Snapshot, Touched, touched
 from shardtensor.tensor import ShardedTensor
+from shardtensor.trace_reads import global_reads, recording
 
 aten = torch.ops.aten
 
@@ -134,7 +135,7 @@ class CompiledFunction:
         self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
         self._last_trace: dict = {}
-        self._watched: dict = {}  # signature -> the Guard taken after its last trace
+        self._roots: dict = {}  # signature -> where its last trace's state was found (replay_guard.Roots)
         self._last_summary: dict = {}  # signature -> trace_diff summary of its last trace (debug mode)
         functools.update_wrapper(self, fn)
 
@@ -159,6 +160,8 @@ class CompiledFunction:
                     checks.verify(wait_late=False)  # (its early rows, when it has them: graph.early_rows)
                 return result
             self._frozen.pop(signature, None)
+            if recompile.enabled():
+                recompile.emit(f"{self.name}: runs its Python again: {frozen.stale_reason()}")
         elif not synced:
             run_cells(())  # nothing pending: an earlier run's failed check or failure raises first
         out = self._trace(signature, flat, args, kwargs, frozen)
@@ -167,13 +170,18 @@ class CompiledFunction:
         return out
 
     def _trace(self, signature, flat, args, kwargs, stale=None):
-        """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay."""
+        """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay.
+
+        The call freezes when it could be replayed (``Trace.broken`` is None: no host reads, no CPU
+        state changed, nothing a replay could not repeat) and left the Python state it could read
+        as it found it (``replay_guard.Snapshot``: the state on entry, reached from the roots the
+        last trace found, equals the state on exit)."""
         counters.increment("CompileTrace")
-        last_guard = self._watched.get(signature)
-        previous = last_guard.objects() if last_guard is not None else None  # None: dropped since
+        objects = [x for x in flat if not isinstance(x, torch.Tensor)]
         tensor_args = [x for x in flat if isinstance(x, ShardedTensor)]
-        entry = Guard(previous, tensor_args) if previous is not None else None  # the state before fn runs
-        monitor = _HostStateMonitor()
+        roots = self._roots.get(signature)
+        entry = Snapshot(roots, objects) if roots is not None else None  # the state before fn runs
+        monitor = _HostStateMonitor(flat)
         guard = None
         if self.full_graph:
             guard = (
@@ -184,38 +192,28 @@ class CompiledFunction:
         debug = recompile.enabled()
         sites = noting_sites(inflight.user_site) if debug else contextlib.nullcontext()
         optim_steps.install()  # torch's default optimizers count their steps on the devices: they freeze
-        with capture(tracing=True, guard=guard) as seen, watch() as watched, monitor, sites:
-            monitor.watched = watched
-            try:
-                out = self.fn(*args, **kwargs)
-            finally:
-                optim_steps.restore_groups()
-        broken = seen.broken or monitor.reason
+        with capture(tracing=True, guard=guard) as seen, touched() as noted, monitor, sites:
+            monitor.touched = noted
+            with recording() as ran:
+                try:
+                    out = self.fn(*args, **kwargs)
+                finally:
+                    optim_steps.restore_groups()
+        broken = seen.broken or monitor.reason or ran.reason
         cells = seen.pending()  # nothing else of this thread is pending: the call started with a sync
         arguments = [(i, x._cell) for i, x in enumerate(flat) if isinstance(x, ShardedTensor)]
-        trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken)
-        objects = watched.objects()
-        if (
-            trace.broken is None
-            and entry is not None
-            and not (  # (entry: set when previous is)
-                _same_objects(previous, objects) and entry.holds(tensor_args)
-            )
-        ):
-            trace.broken = (
-                "it changes Python state a replay would not (.grad left set or removed, "
-                "hooks, parameters, requires_grad, optimizer groups)"
-            )
+        positions = {id(x): i for i, x in enumerate(flat) if type(x) is torch.Tensor}
+        hosts = {id(cell): (positions[id(src)], how) for src, how, cell in seen.uploads if id(src) in positions}
+        trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken, hosts)
+        before = roots
+        roots = self._roots[signature] = Roots(self.fn, noted.objects(), global_reads(ran.code_globals))
         last = self._last_trace.get(signature)
         self._last_trace[signature] = trace.fingerprint
-        exit_guard = Guard(objects, tensor_args)
-        self._watched[signature] = exit_guard
-        # a trace equal to the last one freezes; so does one that differs from the frozen trace that
-        # just went stale only in its Python scalars (a new learning rate): one Python run, not two
-        again = stale is not None and _without_scalars(stale.fingerprint) == _without_scalars(trace.fingerprint)
-        # (and only with the state on entry known: a dropped object leaves it unknown for one call)
-        if trace.broken is None and entry is not None and (last == trace.fingerprint or again):
-            replay_guard = Guard(objects, tensor_args, args_guarded=True) if self.guarded_state else exit_guard
+        exit_ = None
+        if trace.broken is None and entry is not None and before is not None:
+            exit_, trace.broken = _unchanged(entry, before, roots, objects, trace.made_cells())
+        if trace.broken is None and exit_ is not None:
+            replay_guard = exit_.guard(None if self.guarded_state else tensor_args, exit_.produced_grads, debug)
             self._frozen[signature] = trace.freeze(replay_guard, self.name)
             counters.increment("CompileFrozen")
         elif trace.broken is not None and debug:
@@ -237,13 +235,29 @@ class CompiledFunction:
             )
 
 
+def _unchanged(entry: Snapshot, before: Roots, roots: Roots, objects: list, made: frozenset):
+    """(the state on exit, None) if the call left what it could read as it found it on entry, else
+    (None, why not). ``entry`` was reached from ``before``, the last call's roots; this call's
+    ``roots`` must be among them (a first call reads more: an optimizer's state made), and what
+    ``before`` reaches now must equal ``entry`` (``made``: the cells the program made, a gradient
+    among them counting as the one it replaced)."""
+    if not before.covers(roots):
+        return None, "it read state the last call did not (it is traced again before it freezes)"
+    again = Snapshot(before, objects, made)
+    if not again.same_as(entry):
+        return None, f"the state it can read changed during the call: {again.difference(entry)}"
+    exit_ = again if roots.covers(before) else Snapshot(roots, objects, made)
+    return exit_, exit_.reason
+
+
 @locked
-def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
-    """Compile and run what a traced call left pending; the ``Trace`` of the call."""
+def _run_trace(cells, arguments, name, flat, out, first_serial, broken, hosts=None):
+    """Compile and run what a traced call left pending; the ``Trace`` of the call (``hosts``: see
+    ``Trace``)."""
     with recompile.naming(arguments, name):
         # another thread's pending graph may read a buffer this one would donate
         execution = Execution.prepare(cells, donate=not others_pending()) if cells else None
-    trace = Trace(execution, flat, out, first_serial, broken)
+    trace = Trace(execution, flat, out, first_serial, broken, hosts)
     if execution is not None:
         execution.what = f"compiled function {name} ({len(execution.program.steps)} ops)"
         try:
@@ -254,14 +268,6 @@ def _run_trace(cells, arguments, name, flat, out, first_serial, broken):
                 raise failure from failure.__cause__
             raise
     return trace
-
-
-def _without_scalars(fingerprint):
-    return fingerprint[:1] + fingerprint[2:]  # (key, scalars, sources, ...): see frozen_replay.Trace
-
-
-def _same_objects(a, b) -> bool:
-    return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
 
 
 def _key(args, kwargs):
@@ -319,28 +325,60 @@ def _signature_parts(flat):
         elif isinstance(x, torch.Tensor):
             parts.append(("C", tuple(x.shape), x.dtype))
         else:
-            parts.append(("V", type(x), x if isinstance(x, (int, float, bool, str, type(None))) else id(x)))
+            # (a float by its bits: -0.0 and 0.0 are other programs' scalars, as NaN is one value)
+            key = x.hex() if type(x) is float else x if isinstance(x, (int, float, bool, str, type(None))) else id(x)
+            parts.append(("V", type(x), key))
     return parts
 
 
 class _HostStateMonitor(TorchDispatchMode):
-    """Notices what a replay could not repeat: reading CPU scalars, updating CPU tensors in place."""
+    """Notices what a replay could not repeat: reading CPU scalars, updating CPU tensors in place,
+    drawing random numbers on the CPU; notes the parameters the ops read (``touched``)."""
 
-    def __init__(self):
+    def __init__(self, flat=()):
         super().__init__()
         self.reason: str | None = None
-        self.watched: Watched | None = None  # notes the parameters the ops read
+        self.touched: Touched | None = None
+        # the CPU tensor arguments' storages: a replay uploads such an argument again when the trace
+        # moved it whole to the devices, but cannot repeat host work done with it (a slice, an op)
+        self._cpu_args = {_storage(x) for x in flat if type(x) is torch.Tensor and x.device.type == "cpu"}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # (backward sees saved parameters as new objects)
-        if self.watched is not None and torch._C._current_autograd_node() is None:
+        if self.touched is not None and torch._C._current_autograd_node() is None:
             for a in args:
                 if isinstance(a, ShardedTensor):
-                    self.watched.note_tensor(a)
+                    self.touched.note_tensor(a)
         if self.reason is None:
-            if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
-                self.reason = "it reads a CPU tensor's value (.item())"
-            elif func._schema.is_mutable and any(type(a) is torch.Tensor and a.device.type == "cpu" for a in args):
-                self.reason = f"it updates a CPU tensor in place ({func})"
+            self.reason = self._why_unrepeatable(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _why_unrepeatable(self, func, args, kwargs) -> str | None:
+        if self._cpu_args and not _moves_to_device(func, kwargs):
+            used = [a for a in (*args, *kwargs.values()) if type(a) is torch.Tensor and a.device.type == "cpu"]
+            if any(_storage(a) in self._cpu_args for a in used):
+                return (
+                    f"it computes with a CPU tensor argument on the host ({func}): a replay could only "
+                    "move such an argument to the devices whole (x.to(device))"
+                )
+        if func is aten._local_scalar_dense.default and not isinstance(args[0], ShardedTensor):
+            return "it reads a CPU tensor's value (.item())"
+        if func._schema.is_mutable and any(type(a) is torch.Tensor and a.device.type == "cpu" for a in args):
+            return f"it updates a CPU tensor in place ({func})"
+        on_device = any(isinstance(a, ShardedTensor) for a in (*args, *kwargs.values()))
+        device = kwargs.get("device")
+        cpu = not on_device and (device is None or torch.device(device).type == "cpu")
+        if cpu and torch.Tag.nondeterministic_seeded in func.tags:
+            return f"it draws random numbers on the CPU ({func})"
+        return None
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr() if t.untyped_storage().nbytes() else id(t)
+
+
+def _moves_to_device(func, kwargs) -> bool:
+    """``x.to(device)`` of a CPU tensor (what a replay can do again with a new argument)."""
+    device = kwargs.get("device")
+    return func is aten._to_copy.default and device is not None and torch.device(device).type != "cpu"

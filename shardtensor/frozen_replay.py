@@ -40,13 +40,16 @@ from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides
 
 STALE = object()  # what a replay returns when the call must run its Python instead
+NATIVE_PASSES = True  # the C++ gather and store passes, when the extension has them (tests turn them off)
 
 
 class Trace:
     """What one traced call read, wrote and returned, and whether that can be replayed."""
 
-    def __init__(self, execution, flat_args, out, first_serial, broken):
+    def __init__(self, execution, flat_args, out, first_serial, broken, hosts=None):
+        """``hosts``: id of a cell uploaded from a CPU tensor argument -> (its position, ``Upload``)."""
         self.execution, self.broken = execution, broken
+        hosts = hosts or {}
         arg_cells = {id(x._cell): i for i, x in enumerate(flat_args) if isinstance(x, ShardedTensor)}
         if any(isinstance(x, ShardedTensor) and x._chain for x in flat_args):
             self.broken = self.broken or "an argument is a view"
@@ -62,11 +65,21 @@ class Trace:
                     returned[id(x._cell)] = i
         program = execution.program if execution else None
         sources, targets = [], []
+        self._made: set = set()  # ids of the cells the program computes that the call made
         if program is not None:
             donated = set(program.donated)
             for leaf_i, cell in enumerate(execution.leaf_cells):
                 array = execution.arrays[leaf_i]
+                if cell is not None and id(cell) in hosts:  # (uploaded anew by each replay)
+                    sources.append(("host", *hosts[id(cell)]))
+                    continue
                 sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
+            if any(s[0] == "const" and type(s[1]) is int for s in sources):
+                self.broken = self.broken or (
+                    "a value it makes on the host (a CPU tensor moved to the device) is larger than "
+                    f"{_CONSTANT_BYTES_COMPARED >> 20} MiB or given up to the program: a replay could not "
+                    "feed it again (pass it as an argument)"
+                )
             new_count = 0
             for cell in execution.cells:
                 if id(cell) in arg_cells:
@@ -77,6 +90,7 @@ class Trace:
                     targets.append(("old", id(cell)))
                 else:
                     targets.append(("new", new_count))
+                    self._made.add(id(cell))
                     new_count += 1
         for x in self.out_flat:
             if (
@@ -100,6 +114,11 @@ class Trace:
 
     def freeze(self, guard, name="compiled"):
         return Frozen(self, guard, name)
+
+    def made_cells(self) -> frozenset:
+        """The ids of the cells made in the call whose values the program computes (not returned):
+        a gradient made anew, say, which a replay computes into the same cell."""
+        return frozenset(self._made)
 
 
 def _hashable(values):
@@ -180,7 +199,10 @@ class Frozen:
         self._read_sources = order
         self._pick_args = picker([sources[i][1] for i in args])
         self._old_refs = [sources[i][2] for i in olds]
-        self._consts = [sources[i][2] for i in consts]
+        self._consts = [sources[i][2] if sources[i][0] == "const" else None for i in consts]
+        # CPU tensor arguments moved to the devices inside: (position among the constants, the
+        # argument's position, how it was uploaded); each replay uploads the argument again
+        self._hosts = [(k, sources[i][1], sources[i][2]) for k, i in enumerate(consts) if sources[i][0] == "host"]
         self._cells_read = len(args) + len(olds)
         # the same, for the C++ pass (``replay_gather``): argument positions, old cells, constants
         self._gather_plan = (tuple(sources[i][1] for i in args), tuple(self._old_refs), tuple(self._consts))
@@ -223,7 +245,11 @@ class Frozen:
         self._store_plan: tuple[tuple, ...] = tuple((codes.get(k, 2), i, r, o, b) for k, i, r, _, o, b in self._stores)
         self._computed = picker([j for j in range(len(self.targets)) if j not in forwarded])
         # the C++ passes when the extension has them (else the Python below, which does the same)
-        self._native = torch_device.EXT if hasattr(torch_device.EXT, "replay_store") else None
+        self._native = torch_device.EXT if NATIVE_PASSES and hasattr(torch_device.EXT, "replay_store") else None
+
+    def stale_reason(self) -> str:
+        """Why the last replay could not run (for SHARDTENSOR_DEBUG)."""
+        return getattr(self, "_stale", None) or f"what it read of the Python state changed: {self.guard.failing()}"
 
     @locked
     def replay(self, flat, name, tensors=None, own_checks=False):
@@ -246,6 +272,8 @@ class Frozen:
         rng.settle()  # a seed given since the last draw: the key's cell is read below
         passed = self._passed
         native = self._native
+        if self._hosts:  # (the arguments' current values, uploaded as the trace uploaded them)
+            self._refresh_uploads(flat)
         if native is not None:
             if type(flat) is not list:
                 flat = list(flat)
@@ -301,6 +329,11 @@ class Frozen:
             for j, r in fitting:  # what it wrote into its inputs passes as those inputs next time
                 passed[r] = weakref.ref(outs[j])
         return self._result(results)
+
+    def _refresh_uploads(self, flat) -> None:
+        for k, position, how in self._hosts:
+            self._consts[k] = how.array(flat[position])
+        self._gather_plan = (*self._gather_plan[:2], tuple(self._consts))
 
     def _find_written_fit(self, outs, program) -> list:
         """The (target, read position) pairs whose output passes as that input (the program's outputs

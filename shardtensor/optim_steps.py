@@ -41,7 +41,6 @@ import torch
 from torch.optim import optimizer as torch_optimizer
 
 from shardtensor.graph.state import STATE
-from shardtensor.replay_guard import ignore_hook
 from shardtensor.tensor import ShardedTensor
 
 _INSTALLED: list = []  # the global step pre- and post-hook, once installed
@@ -55,9 +54,7 @@ def install() -> None:
         return
     pre = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
     post = torch_optimizer.register_optimizer_step_post_hook(_after_step)
-    for handle in (pre, post):
-        ignore_hook(handle.id)
-        _INSTALLED.append(handle)
+    _INSTALLED.extend((pre, post))
 
 
 def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -95,6 +92,11 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore_groups(optimizer)
+    if STATE.tracing and any(_counts_on_host(optimizer, group) for group in optimizer.param_groups):
+        STATE.trace_broken = STATE.trace_broken or (
+            f"torch's {type(optimizer).__name__} counts its steps on the host and reads the count there (it "
+            "has no capturable path): its step runs as Python each call"
+        )
 
 
 def _eligible(group: dict) -> bool:
@@ -106,6 +108,17 @@ def _eligible(group: dict) -> bool:
         and bool(group["params"])
         and all(isinstance(p, ShardedTensor) for p in group["params"])
     )
+
+
+def _counts_on_host(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """A group whose parameters are on the devices but whose step counters are CPU tensors that
+    torch reads with .item() (an optimizer without a capturable option: Adagrad, Adafactor)."""
+    if "capturable" in group or group.get("fused") or not group["params"]:
+        return False
+    if not all(isinstance(p, ShardedTensor) for p in group["params"]):
+        return False
+    states = [optimizer.state.get(p, {}) for p in group["params"]]
+    return any(type(v) is torch.Tensor and v.dim() == 0 for s in states for v in s.values())
 
 
 def _counters_on_host(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

@@ -2,103 +2,692 @@
 that it still holds.
 
 A frozen replay runs the captured program instead of the function's Python. That is exact only
-while everything the Python would look at is as it was when the trace was captured: the gradients
-present on entry (absent, or the same tensors), ``requires_grad``, hooks (module forward / pre /
-backward hooks, tensor hooks, the global ones), which parameters, buffers and submodules a module
-holds and whether it is training, each optimizer's parameter groups and hyperparameters, grad mode.
+while the Python, run again, would record the same program from the same values: while everything
+it could read is as it was. ``Snapshot`` walks the Python objects reachable from the function
+itself (its closure cells and defaults), its object arguments, the optimizers and parameters the
+trace touched (``touched``) and the globals its code loaded (``trace_reads``): module and object
+attributes, dict, list and set contents, class attributes, closure cells, function defaults,
+tensors' ``requires_grad``, hooks and ``.grad`` (and a CPU tensor's version and storage), small
+numpy arrays. What it reaches stands for what the Python could have read. A library's own modules
+and objects are not looked into (what the code reads of a module, it reads by name).
 
-``watch()`` is active while a trace runs and notes the objects that matter: the modules called (a
-global forward pre-hook, registered only for the trace, counting the tracing thread's calls), the
-optimizers stepped (a global optimizer pre-hook, likewise), the parameters an op read.
-``Guard(objects, args)`` takes their state; a replay asks ``guard.holds(args)`` (the modules and
-tensors read in one pass by the C++ extension, ``guard_fingerprint``, else C-level passes over flat
-lists: ~0.4 µs per parameter with its module, ~1.3 µs without the extension). Plain Python
-attributes a function reads besides these (a global ``scale = 0.5``) are not seen: they stay
-captured as they were.
+A call freezes when the state it reached on entry and on exit is the same (``Snapshot.same_as``:
+it read that state and left it as it found it, so, run again from it, it does the same), and a
+replay runs while ``Guard.holds``: every part unchanged, checked by the C++ extension
+(``replay_state.h``) by CPython's version tags (dicts, an object's ``__dict__``, classes), items
+(lists, sets), contents (closure cells), identity and flags (tensors), by name (globals). torch's
+global state (grad mode, autocast, the default dtype, deterministic algorithms, the matmul
+precision: ``GlobalStateGuard``), the mode stacks and SDPA's backend switches are compared too.
+What no Python object holds (another process, a file) a guard cannot see; a step that reads it
+should not be compiled. Without the extension nothing freezes: each call runs its Python.
 
 Example::
 
-    with watch() as seen:
-        train_step(x)
-    guard = Guard(seen.objects(), (x,))
+    with recording() as ran:
+        train_step(x, y)
+    roots = Roots(train_step, (), global_reads(ran.code_globals))
+    guard = Snapshot(roots).guard([x, y])
     ...
-    guard.holds((x,))      # False after p.grad was set, a hook added, ...
+    guard.holds([x, y])      # False after a module attribute, a global, a hook ... changed
 """
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
+import enum
 import functools
-import itertools
 import operator
+import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-import torch.nn.modules.module as torch_module
 import torch.optim.optimizer as torch_optimizer
 
 from shardtensor.tensor import device as torch_device
+from shardtensor.trace_reads import LIBRARY, USER, available, file_kind, library_namespace, library_object
 
-_OURS: set = set()  # ids of the global hooks watch() registered (left out of guards)
-_GLOBAL_HOOK_DICTS = (  # torch's global hook dicts (never rebound, only mutated)
-    torch_module._global_forward_pre_hooks,
-    torch_module._global_forward_hooks,
-    torch_module._global_backward_pre_hooks,
-    torch_module._global_backward_hooks,
-    torch_optimizer._global_optimizer_pre_hooks,
-    torch_optimizer._global_optimizer_post_hooks,
+
+def _ext() -> Any:
+    """The C++ extension (its check's functions: replay_state.h); only called once ``available()``."""
+    return torch_device.EXT
+
+
+class Kind(enum.IntEnum):  # the C++ check's entry kinds (replay_state.h)
+    DICT = 0
+    OBJECT = 1
+    TYPE = 2
+    LIST = 3
+    CELL = 4
+    FUNCTION = 5
+    GLOBALS = 6
+    TENSOR = 7
+    UNIQUE = 8
+    SET = 9
+    BYTES = 10
+    FAST_TENSOR = 11
+
+
+_ATOMS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    type(Ellipsis),
+    type(NotImplemented),
+    range,
+    slice,
+    types.CodeType,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    types.BuiltinFunctionType,  # (a bound C method's object is walked: see _walk)
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+    types.GenericAlias,
+    enum.Enum,
 )
-_PLAIN = (int, float, bool, str, type(None))
+_BYTES_COMPARED = 1 << 16  # numpy arrays and byte buffers up to this size are compared by value
+_MAX_ENTRIES = 200_000  # a guard larger than this would cost more to check than running the Python
+_OUR_TENSOR_FIELDS = ("_vcache", "_sig")  # derived caches shardtensor keeps on a tensor
 
 
-class Watched:
-    """The objects a trace touched: modules called, optimizers stepped, leaf tensors needing grad."""
+def _atom_key(v):
+    """How a plain value compares (1, 1.0 and True apart; -0.0 apart from 0.0)."""
+    if type(v) is float:
+        return (float, v.hex())
+    return (type(v), v)
+
+
+def _is_atom(v) -> bool:
+    return isinstance(v, _ATOMS) or (type(v) is tuple and all(isinstance(x, _ATOMS) for x in v))
+
+
+class Roots:
+    """Where a walk starts: the function, its object arguments, the objects the trace touched
+    (held weakly), and the globals its code read (dict, names)."""
+
+    def __init__(self, fn, objects: Sequence, global_reads_: Sequence):
+        self.fn = fn
+        self._objects = [_ref(o) for o in objects]
+        self.globals = list(global_reads_)
+
+    def objects(self) -> list:
+        return [o for o in (r() for r in self._objects) if o is not None]
+
+    def covers(self, other: Roots) -> bool:
+        """Whether every root of ``other`` is one of these (the state ``other`` reaches is part of
+        what these reach), libraries' globals apart: a library's code run now and then (a
+        finalizer, a lazy import) reads names another call did not, and its globals change only
+        when the user monkeypatches it (the guard compares all of them from the call on)."""
+        if other.fn is not self.fn:
+            return False
+        mine = {id(o) for o in self.objects()}
+        if not all(id(o) in mine for o in other.objects()):
+            return False
+        names = {id(g): set(n) for g, n in self.globals}
+        return all(library_namespace(g) or (id(g) in names and names[id(g)].issuperset(n)) for g, n in other.globals)
+
+
+def _ref(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+class Snapshot:
+    """The state reachable from ``roots``, now: comparison keys (``same_as``) and, for a guard, the
+    C++ check's plan. ``produced``: ids of the cells the traced program made; a parameter whose
+    ``.grad`` holds one (its gradient made anew by this call) has that gradient left out of the
+    comparison (a replay writes the new gradient into the one it finds, ``Guard``). ``reason``: why
+    this state cannot be guarded, or None."""
+
+    def __init__(self, roots: Roots, args: Sequence = (), produced: frozenset = frozenset()):
+        self.roots = roots
+        self.reason: str | None = None
+        self.keys: list = []
+        self._entries: list = []
+        self._objects: list = []  # everything walked, held until the guard is made
+        self._seen: set = set()
+        self._parent: dict = {}  # id -> the object it was reached from (None: a root)
+        self._labels: dict = {}  # id of a root -> its name
+        self._key_objects: list = []  # the object each key is about
+        self._entry_owner: list = []  # the object whose visit made each entry
+        self._current = None
+        self._produced = produced
+        self.produced_grads: list = []  # (parameter, its gradient) made by the program
+        if not available():
+            self.reason = "shardtensor's C++ extension is not built (frozen replays need it)"
+            return
+        self._walk(roots.fn, getattr(roots.fn, "__qualname__", "the function"))
+        for i, obj in enumerate(args):
+            if not isinstance(obj, torch.Tensor):
+                self._walk(obj, f"<argument {i}>")
+        for obj in roots.objects():
+            self._walk(obj, f"<{type(obj).__name__} the call used>")
+        for globs, names in roots.globals:
+            self._globals(globs, names)
+        self.keys.append(("state", _global_state()))
+
+    def same_as(self, before: Snapshot | None) -> bool:
+        """Whether ``before`` (taken on entry) reached the same objects in the same state: the call
+        left what it read as it found it. A gradient the program made anew counts as the same as
+        the tensor that held its place before (a replay writes into that one)."""
+        if before is None or self.reason is not None or before.reason is not None:
+            return False
+        if len(self.keys) != len(before.keys):
+            return False
+        return all(map(_same_key, self.keys, before.keys))
+
+    def difference(self, before: Snapshot | None) -> str:
+        """What differs from ``before`` (for SHARDTENSOR_DEBUG's messages)."""
+        if before is None:
+            return "no state from before the call to compare with"
+        if self.reason or before.reason:
+            return self.reason or before.reason or ""
+        for i, (now, then) in enumerate(zip(self.keys, before.keys)):
+            if not _same_key(now, then):
+                where = self._path(self._key_objects[i]) if i < len(self._key_objects) else "torch's global state"
+                return f"{where}: {_describe(now)} (was {_describe(then)})"
+        return f"it reached {len(self.keys)} objects, {len(before.keys)} before"
+
+    # --- walking
+    def _walk(self, obj, label: str = "", library: bool = False) -> None:
+        """Visit ``obj`` and what it holds. ``library``: a library's global (what torch's own code
+        reads: its global hook dicts, ``sys.modules``): its containers are compared, and what they
+        hold only where it is the user's (a hook function, an object of the user's class), not a
+        library's own objects (a module's table, ``linecache``'s lines)."""
+        if label and not _is_atom(obj):
+            self._labels.setdefault(id(obj), label)
+        stack = [(obj, None, library)]
+        while stack:
+            if self.reason is not None:
+                return
+            o, parent, shallow = stack.pop()
+            if _is_atom(o) or id(o) in self._seen:
+                continue
+            if _opaque(o, shallow):
+                self._seen.add(id(o))
+                self.keys.append(("?", id(o)))
+                self._key_objects.append(o)
+                self._objects.append(o)
+                continue
+            self._seen.add(id(o))
+            self._objects.append(o)
+            self._parent[id(o)] = parent
+            if len(self._entries) > _MAX_ENTRIES:
+                self.reason = f"it can reach more than {_MAX_ENTRIES} Python objects (guarding them would cost more)"
+                return
+            first = len(self.keys)
+            self._current = o
+            children = self._visit(o)
+            self._key_objects += [o] * (len(self.keys) - first)
+            if children:
+                inner = shallow and isinstance(o, _CONTAINERS)
+                stack.extend((c, o, inner) for c in reversed(children))
+
+    def _path(self, o) -> str:
+        """Where ``o`` was found, as a Python expression (for the debug messages)."""
+        parts = []
+        for _ in range(40):
+            parent = self._parent.get(id(o))
+            if parent is None:
+                parts.append(self._labels.get(id(o), f"<{type(o).__name__}>"))
+                break
+            parts.append(_label(parent, o))
+            o = parent
+        return "".join(reversed(parts))
+
+    def _entry(self, kind: Kind, obj, *fields) -> None:
+        self._entries.append((int(kind), id(obj), *fields))
+        self._entry_owner.append(self._current)
+
+    def _visit(self, o) -> list:  # noqa: C901  (one case per kind of object)
+        """Add ``o``'s entry and key; its children to walk."""
+        ext = _ext()
+        t = type(o)
+        if isinstance(o, dict):
+            extra = self._object(o) if t is not dict and hasattr(o, "__dict__") and vars(o) else []
+            self._entry(Kind.DICT, o, ext.dict_version(o))
+            self.keys.append(("d", id(o), tuple((_key_of(k), _key_of(v)) for k, v in o.items())))
+            return [*extra, *(k for k in o if not _is_atom(k)), *o.values()]
+        if isinstance(o, list):
+            self._entry(Kind.LIST, o, b"".join(id(x).to_bytes(8, sys.byteorder) for x in o))
+            self.keys.append(("l", id(o), tuple(map(_key_of, o))))
+            self._hold(o)
+            return list(o)
+        if t is tuple or t is frozenset or (isinstance(o, tuple) and not hasattr(o, "__dict__")):
+            self.keys.append(("tu", id(o), tuple(map(_key_of, o))))
+            return list(o)
+        if isinstance(o, set):
+            self._entry(Kind.SET, o, tuple(o))
+            self.keys.append(("s", id(o), frozenset(map(_key_of, o))))
+            return list(o)
+        if isinstance(o, torch.Tensor):
+            return self._tensor(o)
+        if isinstance(o, types.ModuleType):
+            return self._module(o)
+        if isinstance(o, type):
+            return self._class(o)
+        if t is types.FunctionType:
+            return self._function(o)
+        if t is types.MethodType:
+            return [o.__self__, o.__func__]
+        if t is types.BuiltinMethodType and o.__self__ is not None and not isinstance(o.__self__, types.ModuleType):
+            return [o.__self__]
+        if t is functools.partial:
+            return [o.func, o.args, o.keywords]
+        if t in (staticmethod, classmethod):
+            return [o.__func__]
+        if t is property:
+            return [o.fget, o.fset, o.fdel]
+        if t is weakref.ReferenceType:
+            target = o()
+            self.keys.append(("w", id(o), id(target)))
+            return [] if target is None else [target]
+        if isinstance(o, collections.abc.Iterator) and not hasattr(o, "__dict__"):
+            self.reason = f"it can reach an iterator ({t.__name__}): a replay would not advance it"
+            return []
+        if isinstance(o, np.ndarray) or t in (bytearray, memoryview) or t.__name__ == "array":
+            return self._buffer(o)
+        if hasattr(o, "__dict__") or hasattr(t, "__slots__"):
+            return self._object(o)
+        self.keys.append(("?", id(o), t))  # an opaque object (a lock, a C extension's): by identity
+        return []
+
+    def _object(self, o) -> list:
+        """An object's class, ``__dict__`` and slots."""
+        ext = _ext()
+        t = type(o)
+        children: list = [t]
+        d = vars(o) if hasattr(o, "__dict__") else None
+        if d is not None and type(d) is not dict:  # (a __dict__ of another kind: a typing alias's)
+            self.keys.append(("?", id(o), t))
+            return []
+        if d is not None:
+            self._entry(Kind.OBJECT, o, id(t), id(d), ext.dict_version(d))
+            self.keys.append(("o", id(o), id(t), tuple((k, _key_of(v)) for k, v in d.items())))
+            children += d.values()
+        else:
+            self._entry(Kind.OBJECT, o, id(t), 0, 0)
+            self.keys.append(("o", id(o), id(t)))
+        slots = [s for c in t.__mro__ for s in getattr(c, "__slots__", ()) if s not in ("__dict__", "__weakref__")]
+        if slots:
+            values = tuple(getattr(o, s, _UNSET) for s in slots)
+            self.keys.append(("slots", id(o), tuple(map(_key_of, values))))
+            if not library_object(t):
+                self.reason = self.reason or (
+                    f"it can reach an object with __slots__ ({t.__qualname__}), which a guard cannot watch"
+                )
+        return children
+
+    def _class(self, c: type) -> list:
+        version = _ext().type_version(c)
+        self._entry(Kind.TYPE, c, version)
+        self.keys.append(("c", id(c), version))
+        if version == 0:
+            self.reason = self.reason or f"its class {c.__qualname__} cannot be watched for changes"
+        if library_object(c):
+            return []
+        return [v for k, v in vars(c).items() if k not in ("__dict__", "__weakref__", "__doc__")]
+
+    def _module(self, m: types.ModuleType) -> list:
+        """A library's module: what the code reads of it is guarded by name (``global_reads``), the
+        rest is not watched (its own bookkeeping, such as ``warnings``' filter counter, changes
+        while a step runs). A module of the user's: all of it."""
+        if library_object(m):
+            self.keys.append(("m", id(m)))
+            return []
+        d = vars(m)
+        self._entry(Kind.DICT, d, _ext().dict_version(d))
+        self.keys.append(("m", id(m), tuple((k, _key_of(v)) for k, v in d.items())))
+        return [v for k, v in d.items() if not k.startswith("__")]
+
+    def _function(self, f) -> list:
+        code, defaults, kwdefaults, fdict = f.__code__, f.__defaults__, f.__kwdefaults__, f.__dict__  # (made if none)
+        self._entry(Kind.FUNCTION, f, id(code), _id0(defaults), _id0(kwdefaults), _id0(fdict))
+        self._objects += [code, defaults]  # (compared by address: kept so that it stays theirs)
+        self.keys.append(("F", id(f), id(code), _id0(defaults), _id0(kwdefaults)))
+        if file_kind(code.co_filename) == LIBRARY:
+            return [defaults, kwdefaults]
+        children: list = [defaults, kwdefaults, fdict]
+        for cell in f.__closure__ or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # (empty: not yet assigned)
+                content = None
+                empty = True
+            else:
+                empty = False
+            self._entry(Kind.CELL, cell, 0 if empty else id(content))
+            self.keys.append(("cell", id(cell), None if empty else _key_of(content)))
+            self._objects.append(cell)
+            if not empty:
+                children.append(content)
+                self._hold([content])
+        return children
+
+    def _tensor(self, t: torch.Tensor) -> list:
+        with torch._C.DisableTorchFunctionSubclass():
+            grad = t.grad if t.grad_fn is None else None  # (a non-leaf's .grad warns: torch reads None)
+            requires_grad = t.requires_grad
+            hooks = (tuple(t._backward_hooks or ()), tuple(getattr(t, "_post_accumulate_grad_hooks", None) or ()))
+            d = vars(t) if hasattr(t, "__dict__") else {}
+            cell = d.get("_cell")
+            own = tuple((k, _key_of(v)) for k, v in d.items() if k not in _OUR_TENSOR_FIELDS)
+            cpu = () if t.device.type != "cpu" else (t._version, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            produced = grad is not None and id(getattr(grad, "_cell", None)) in self._produced
+            if produced:
+                self.produced_grads.append((t, grad))
+                grad_key: tuple = ("produced",)
+            elif grad is None:
+                grad_key = ("none",)
+            else:
+                gd = vars(grad) if hasattr(grad, "__dict__") else {}
+                own_grad = tuple((k, _key_of(v)) for k, v in gd.items() if k not in _OUR_TENSOR_FIELDS)
+                grad_key = ("tensor", id(grad), own_grad)
+        self._tensor_entry(t)
+        self.keys.append(("t", id(t), requires_grad, hooks, grad_key, own, cpu, id(cell)))
+        if cell is not None:
+            self._objects.append(cell)  # (compared by identity: kept so its address stays its own)
+        if grad is not None and not produced:
+            # its state (its storage cell) is checked, not walked: a gradient the program makes
+            # anew on each call is a new object, which the keys leave out (``same_as``)
+            self._tensor_entry(grad)
+            self._objects.append(grad)
+        return [v for k, v in d.items() if k not in _OUR_TENSOR_FIELDS and k != "_cell"]
+
+    def _hold(self, items) -> None:
+        """Keep the plain values among ``items`` alive with the guard: an entry compares them by
+        address, and a freed number's address can be another's."""
+        self._objects += [x for x in items if _is_atom(x) and x is not None and type(x) is not bool]
+
+    def _tensor_entry(self, t) -> None:
+        ext = _ext()
+        if ext.tensor_fast(t):
+            self._entry(Kind.FAST_TENSOR, t)
+        else:
+            self._entry(Kind.TENSOR, t, ext.tensor_state(t))
+
+    def _buffer(self, o) -> list:
+        data = o.tobytes() if isinstance(o, np.ndarray) else bytes(o)
+        if len(data) > _BYTES_COMPARED:
+            self.reason = (
+                f"it can reach a {type(o).__name__} of {len(data)} bytes (compared on every call it would cost more)"
+            )
+            return []
+        if isinstance(o, np.ndarray) and not o.flags.c_contiguous:
+            self.reason = "it can reach a numpy array that is not contiguous"
+            return []
+        self._entry(Kind.BYTES, o, data)
+        self.keys.append(("b", id(o), data, getattr(o, "shape", None), str(getattr(o, "dtype", ""))))
+        return [o.base] if isinstance(o, np.ndarray) and o.base is not None else []
+
+    def _globals(self, globs: dict, names: tuple) -> None:
+        builtins = globs.get("__builtins__")
+        builtins = vars(builtins) if isinstance(builtins, types.ModuleType) else builtins
+        values = []
+        absent = []
+        for name in names:
+            if name in globs:
+                values.append(globs[name])
+            else:
+                values.append(None)
+                absent.append(name)
+        expected = b"".join((id(v) if n in globs else 0).to_bytes(8, sys.byteorder) for n, v in zip(names, values))
+        self._entry(Kind.GLOBALS, globs, _ext().dict_version(globs), names, expected)
+        self.keys.append(("g", id(globs), tuple((n, _key_of(v) if n in globs else ()) for n, v in zip(names, values))))
+        self._objects.append(globs)
+        self._hold(values)
+        module = globs.get("__name__", "?") if isinstance(globs.get("__name__"), str) else "?"
+        self._entry_owner[-1] = f"the globals {', '.join(names[:6])}{' ...' if len(names) > 6 else ''} of {module}"
+        library = library_namespace(globs)
+        for v, n in zip(values, names):
+            if n in globs:
+                self._walk(v, f"{module}.{n}", library)
+        if absent and isinstance(builtins, dict):
+            found = [b for b in absent if b in builtins]
+            if found:
+                self._globals(builtins, tuple(found))
+
+    # --- the guard
+    def guard(self, args: Sequence | None, grads_made: Sequence = (), debug: bool = False) -> Guard:
+        """The check that this state still holds (``args``: the call's tensor arguments, whose
+        requires_grad, hooks and gradients are checked at their positions; None: the caller checks
+        them itself, as Dynamo's guards do). ``grads_made``: the (parameter, gradient) pairs whose
+        gradient a replay overwrites in place: it does so only while nothing else holds that
+        gradient or its storage. ``debug``: it can say which part failed (``failing``)."""
+        return Guard(self, args, grads_made, debug)
+
+
+_UNSET = object()
+_KINDS = {
+    "d": "a dict",
+    "l": "a list",
+    "tu": "a tuple",
+    "s": "a set",
+    "t": "a tensor",
+    "m": "a module",
+    "c": "a class",
+    "F": "a function",
+    "cell": "a closure cell",
+    "g": "the globals",
+    "o": "an object",
+    "b": "a buffer",
+    "w": "a weak reference",
+    "slots": "an object's slots",
+    "state": "torch's global state",
+}
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _opaque(o, library: bool) -> bool:
+    """Whether ``o`` is compared by identity only, not looked into: shardtensor's own objects (a
+    compiled function, a mesh: their state is the engine's), a library's modules, and, under a
+    library's global, a library's own objects (not containers, the user's functions or objects)."""
+    if isinstance(o, (torch.Tensor, type)) or _is_atom(o):
+        return False
+    if isinstance(o, types.ModuleType):
+        return library or library_object(o)
+    module = getattr(type(o), "__module__", "") or ""
+    if module == "shardtensor" or module.startswith("shardtensor."):
+        return True
+    if not library or isinstance(o, _CONTAINERS):
+        return False
+    if isinstance(o, types.FunctionType):
+        return file_kind(o.__code__.co_filename) != USER
+    return library_object(type(o))
+
+
+def _label(parent, child) -> str:
+    """How ``child`` is reached from ``parent`` (``.name``, ``[key]``, ``<closure>``)."""
+    items = vars(parent).items() if hasattr(parent, "__dict__") and type(vars(parent)) is dict else ()
+    for k, v in items:
+        if v is child:
+            return f".{k}"
+    if isinstance(parent, dict):
+        for k, v in parent.items():
+            if v is child:
+                return f"[{k!r}]"
+    if isinstance(parent, (list, tuple)):
+        for i, v in enumerate(parent):
+            if v is child:
+                return f"[{i}]"
+    if isinstance(parent, types.FunctionType):
+        for name, cell in zip(parent.__code__.co_freevars, parent.__closure__ or ()):
+            if cell.cell_contents is child:
+                return f"<closure {name}>"
+        return "<default argument>"
+    return f"<{type(child).__name__}>"
+
+
+def _same_key(now, then) -> bool:
+    """Whether two keys say the same state; a gradient the program made anew stands for any tensor
+    that held its place before (``Snapshot.same_as``)."""
+    if now == then:
+        return True
+    return (
+        now[0] == "t" == then[0]
+        and now[4] == ("produced",)
+        and then[4][0] in ("tensor", "produced")
+        and now[:4] == then[:4]
+        and now[5:] == then[5:]
+    )
+
+
+def _describe(key) -> str:
+    text = repr(key[2:] if len(key) > 2 else key[1:])
+    return f"{_KINDS.get(key[0], key[0])}: {text[:300]}"
+
+
+def _id0(x) -> int:
+    return 0 if x is None else id(x)
+
+
+def _key_of(v):
+    return _atom_key(v) if isinstance(v, _ATOMS) and not isinstance(v, enum.Enum) else ("id", id(v))
+
+
+def _global_state() -> tuple:
+    """Torch's process-wide settings an op's recording depends on, beyond those GlobalStateGuard
+    covers: the mode stacks and SDPA's backend switches."""
+    return (
+        torch._C._len_torch_function_stack(),
+        torch._C._len_torch_dispatch_stack(),
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.cuda.mem_efficient_sdp_enabled(),
+        torch.backends.cuda.math_sdp_enabled(),
+        torch._C._get_overrideable_sdp_enabled(),
+        torch.get_default_dtype(),
+        torch.is_inference_mode_enabled(),
+    )
+
+
+class Guard:
+    """Whether the state of a ``Snapshot`` still holds: ``holds(args)`` on each replay.
+
+    The objects the snapshot reached are held weakly (any of them dying fails the guard) where they
+    can be, strongly where they cannot (small values: numbers, strings, tuples, sets); dicts, which
+    the check reads by their version tag, are not held."""
+
+    def __init__(self, snapshot: Snapshot, args: Sequence | None, grads_made: Sequence = (), debug: bool = False):
+        from torch._C._dynamo.guards import GlobalStateGuard  # (C++: no import of torch._dynamo)
+
+        ext = _ext()
+        self.alive = True
+        self.roots = snapshot.roots
+        self._refs: list = []
+        self._keep: list = []
+        died = self._died
+        for o in snapshot._objects:
+            if isinstance(o, dict):
+                continue
+            if type(o).__weakrefoffset__:
+                self._refs.append(weakref.ref(o, died))
+            else:
+                self._keep.append(o)
+        entries = list(snapshot._entries)
+        for _param, grad in grads_made:
+            # the gradient is written in place by a replay: only while it is torch's alone (a
+            # reference from Python elsewhere, or a view of it, would see the change)
+            entries.append((int(Kind.UNIQUE), id(grad), 1, id(grad._cell)))
+            fast = ext.tensor_fast(grad)
+            entries.append(
+                (int(Kind.FAST_TENSOR), id(grad)) if fast else (int(Kind.TENSOR), id(grad), ext.tensor_state(grad))
+            )
+            self._refs.append(weakref.ref(grad, died))
+            self._refs.append(weakref.ref(grad._cell, died))
+        self._plan = ext.state_plan(entries)
+        # (with SHARDTENSOR_DEBUG: what each entry is about, for the message saying why a replay ran
+        # the Python again)
+        self._about = [o if isinstance(o, str) else snapshot._path(o) for o in snapshot._entry_owner] if debug else None
+        self._global_state = GlobalStateGuard()
+        self._state = _global_state()
+        self._args = None if args is None else _arguments_state(args)
+
+    def _died(self, _ref) -> None:
+        self.alive = False
+
+    def holds(self, args: Sequence = ()) -> bool:
+        """Whether everything is as it was when the guard was taken."""
+        return (
+            self.alive
+            and self._global_state.check()
+            and _ext().state_holds(self._plan)
+            and _global_state() == self._state
+            and (self._args is None or _arguments_state(args) == self._args)
+        )
+
+    def failing(self) -> str:
+        """Which part no longer holds (for SHARDTENSOR_DEBUG's messages)."""
+        if not self.alive:
+            return "an object it read was freed"
+        if not self._global_state.check():
+            return f"torch's global state changed ({self._global_state.reason()})"
+        index = _ext().state_failing(self._plan)
+        if index >= 0:
+            about = self._about[index] if self._about is not None and index < len(self._about) else None
+            return f"{about} changed" if about else f"entry {index} of its plan changed"
+        return "the mode stacks, SDPA switches or arguments changed"
+
+
+def _arguments_state(args: Sequence):
+    """The call's tensor arguments' requires_grad, hooks and (a leaf's) gradient, by position."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors:
+        return ()
+    read = getattr(torch_device.EXT, "guard_fingerprint", None)
+    if read is not None and all(type(a) is not torch.Tensor or True for a in tensors):
+        with torch._C.DisableTorchFunctionSubclass():
+            state = read((), (), list(tensors))
+        if state is not None:
+            return state
+    with torch._C.DisableTorchFunctionSubclass():
+        return tuple(
+            (
+                a.requires_grad,
+                tuple(a._backward_hooks or ()),
+                id(a.grad) if a.grad_fn is None else None,
+            )
+            for a in tensors
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# The optimizers and parameters a trace touched (extra roots)
+# ------------------------------------------------------------------------------------------------
+class Touched:
+    """The optimizers a trace stepped and the parameters its ops read."""
 
     def __init__(self):
-        # id -> module, in call order; held weakly: a module made and dropped inside the call (the
-        # CrossEntropyLoss() a Hugging Face model builds in each forward) is gone by the end of the
-        # call, and a replay, which runs none of that Python, does not depend on it
-        self.modules: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self.optimizers: dict = {}
         self.tensors: dict = {}
 
     def note_tensor(self, t) -> None:
-        """An op read ``t``: remember it if it is a parameter (an ``nn.Parameter``, used by a module
-        or not; other tensors made inside the call are new objects each time)."""
+        """An op read ``t``: remember it if it is a parameter."""
         if id(t) not in self.tensors and isinstance(t, torch.nn.Parameter):
             self.tensors[id(t)] = t
 
-    def objects(self) -> tuple:
-        """The objects whose state a replay depends on (the call's arguments apart: see ``Guard``)."""
-        modules = tuple(self.modules.values())  # (the live ones, once)
-        tensors = dict(self.tensors)
-        for m in modules:
-            for p in m._parameters.values():
-                if p is not None:
-                    tensors.setdefault(id(p), p)
-        for opt in self.optimizers.values():
-            for group in opt.param_groups:
-                for p in group["params"]:
-                    tensors.setdefault(id(p), p)
-        return modules, tuple(self.optimizers.values()), tuple(tensors.values())
+    def objects(self) -> list:
+        return [*self.optimizers.values(), *self.tensors.values()]
 
 
-def ignore_hook(handle_id: int) -> None:
-    """A global hook shardtensor installs for itself: the guard does not count it as the user's."""
-    _OURS.add(handle_id)
-
-
-_WATCHING = threading.local()  # .seen: the Watched of the trace running on this thread, or None
-_OPTIMIZER_HOOK: list = []  # the global optimizer pre-hook, once installed
-
-
-def _module_called(module, args):
-    seen = getattr(_WATCHING, "seen", None)
-    if seen is not None:
-        seen.modules.setdefault(id(module), module)
+_WATCHING = threading.local()  # .seen: the Touched of the trace running on this thread, or None
+_OPTIMIZER_HOOK: list = []
 
 
 def _optimizer_stepped(optimizer, args, kwargs):
@@ -108,265 +697,19 @@ def _optimizer_stepped(optimizer, args, kwargs):
 
 
 @contextlib.contextmanager
-def watch():
-    """Note the modules called and the optimizers stepped by this thread inside the block.
-
-    The module hook is registered for the block only (a global forward hook takes every module
-    call off torch's fast path); the optimizer hook stays once installed (``step()`` has no fast
-    path, and removing it could change the dict another thread's ``step()`` is iterating).
-    """
-    seen = Watched()
+def touched():
+    """Note the optimizers stepped by this thread inside the block (a global optimizer pre-hook,
+    installed once: ``step()`` has no fast path, and removing it could change the dict another
+    thread's ``step()`` is iterating)."""
+    seen = Touched()
     if not _OPTIMIZER_HOOK:
         handle = torch_optimizer.register_optimizer_step_pre_hook(_optimizer_stepped)
         _OPTIMIZER_HOOK.append(handle)
-        _OURS.add(handle.id)
-    handle = torch_module.register_module_forward_pre_hook(_module_called)
-    _OURS.add(handle.id)
     outer, _WATCHING.seen = getattr(_WATCHING, "seen", None), seen
     try:
         yield seen
     finally:
         _WATCHING.seen = outer
-        handle.remove()
-        _OURS.discard(handle.id)
-
-
-class Guard:
-    """The state of ``objects`` (from ``Watched.objects``) and of a call's tensor arguments ``args``,
-    taken now; ``holds(args)`` says whether it is still the same.
-
-    The check runs on every frozen call, so it is made of C-level passes over flat lists (``map``
-    with attribute getters, list equality), with torch-function handling off while tensor
-    attributes are read. Objects are compared by
-    identity (a gradient, a parameter, a storage cell), hooks by their handles' ids, flags and
-    hyperparameters by value. The guard keeps nothing alive (a dropped model is freed): it holds
-    weak references, and any of those objects dying makes it fail, so an id cannot be reused.
-
-    A watched tensor that is also one of ``args`` (a parameter passed to a Dynamo graph) is checked
-    once, as an argument, while the same object is passed at that position. With ``args_guarded``
-    the arguments are not checked at all, nor the watched tensors among them: the caller vouches for
-    them (a Dynamo graph, whose function reads only its arguments, whose guards check each input's
-    requires_grad, and whose frozen replays build no autograd graph through which hooks or
-    gradients could act).
-    """
-
-    def __init__(
-        self, objects: tuple[Sequence, Sequence, Sequence], args: Sequence = (), args_guarded: bool = False
-    ) -> None:
-        self.alive = True
-        self._refs: list[Callable[[], Any]] = []  # weak references (their callbacks mark the guard dead), or the object
-        # args_guarded: the caller checks the arguments' state itself (Dynamo's guards do, for a graph,
-        # whose function reads its arguments only: the watched tensors passed as arguments are left out)
-        self._args_guarded = args_guarded
-        if args_guarded:
-            passed = set(map(id, args))
-            objects = (objects[0], objects[1], tuple(t for t in objects[2] if id(t) not in passed))
-        self.counts = tuple(map(len, objects))
-        self._roots = [self._watch(o) for o in itertools.chain(*objects)]
-        modules, optimizers, tensors = objects
-        plain, identities, hooks = self._state(modules, optimizers, tensors, () if args_guarded else args)
-        for o in identities:
-            if o is not None:
-                self._watch(o)
-        # identities as ids, or packed by the C extension when it has them (one form per guard)
-        self._ids = getattr(torch_device.EXT, "addresses", None) or _id_list
-        self.state = plain, self._ids(identities), hooks
-        # the modules' and tensors' part read in one C pass when it can be (``_fingerprint``), the
-        # rest (grad mode, optimizers, arguments, global hooks) in Python
-        self._fingerprint = _fingerprint(modules, tensors)
-        if self._fingerprint is not None:
-            plain, identities, hooks = self._state((), optimizers, (), () if args_guarded else args)
-            self._other_state = plain, self._ids(identities), hooks
-        # the modules' and tensors' weak references, which the C pass reads through (no list of the
-        # objects made first), and the optimizers'; None where one is not a weak reference
-        m, o, _ = self.counts
-        refs = self._roots
-        self._weak: tuple | None = None
-        if all(type(r) is weakref.ref for r in refs[:m] + refs[m + o :]):
-            self._weak = tuple(refs[:m]), tuple(refs[m : m + o]), tuple(refs[m + o :])
-        # the call's tensor arguments (a list: as ``holds`` is given them) and the optimizers read in
-        # the same C pass where it can read them (tensors that take torch's own getters, optimizers
-        # without strings in their groups), grad mode and the global hooks then in Python; None: no
-        self._whole: bytes | None = None
-        if (
-            self._fingerprint is not None
-            and self._weak is not None
-            and not args_guarded
-            and all(type(r) is weakref.ref for r in refs[m : m + o])
-        ):
-            self._whole = _fingerprint(modules, tensors, list(args), optimizers)
-            if self._whole is not None:
-                plain, identities, hooks = self._state((), (), (), ())
-                self._outside = plain, self._ids(identities), hooks
-        # the watched tensors passed as arguments: while each is passed again at its position, the
-        # argument's check covers it (the others are checked as tensors, ``_rest``)
-        position = {id(a): i for i, a in enumerate(args)} if not args_guarded else {}
-        shared = [(i, position[id(t)]) for i, t in enumerate(tensors) if id(t) in position]
-        self._shared = None
-        if shared:
-            self._shared = (
-                picker([a for _, a in shared]),
-                picker([t for t, _ in shared]),
-                picker([i for i in range(len(tensors)) if id(tensors[i]) not in position]),
-                len(args),
-            )
-            rest = self._shared[2](tensors)
-            plain, identities, hooks = self._state(modules, optimizers, rest, () if args_guarded else args)
-            self._rest_state = plain, self._ids(identities), hooks
-            self._rest_fingerprint = _fingerprint(modules, rest) if self._fingerprint is not None else None
-        # no optimizers, the arguments vouched for (a Dynamo graph's guard): a replay compares the
-        # C pass, grad mode and the global hooks only (``_other_state`` then has no identities)
-        self._modules_only = (
-            self._weak is not None
-            and self._shared is None
-            and self._fingerprint is not None
-            and self._whole is None
-            and not optimizers
-            and args_guarded
-        )
-
-    def objects(self) -> tuple[tuple, tuple, tuple] | None:
-        """(modules, optimizers, tensors) as given, or None if one of them no longer exists."""
-        if not self.alive:
-            return None
-        roots = list(map(operator.call, self._roots))  # all alive: a death marks the guard dead
-        m, o, _ = self.counts
-        return tuple(roots[:m]), tuple(roots[m : m + o]), tuple(roots[m + o :])
-
-    def holds(self, args: Sequence = ()) -> bool:
-        """Whether everything is as it was when the guard was taken."""
-        weak = self._weak
-        if self._modules_only and self.alive and weak is not None:
-            now = _fingerprint(weak[0], weak[2])
-            if now is not None:  # (None: one died, or took another form: the full check below says)
-                if now != self._fingerprint:
-                    return False
-                plain, _, hooks = self._state((), (), (), ())
-                return plain == self._other_state[0] and hooks == self._other_state[2]
-        if weak is not None and self._shared is None and self._fingerprint is not None and self.alive:
-            # (the modules and tensors read through their references, with the arguments and the
-            # optimizers if it can)
-            whole = self._whole is not None and isinstance(args, list)
-            now = _fingerprint(weak[0], weak[2], args, weak[1]) if isinstance(args, list) and whole else None
-            if now is None:
-                whole = False
-                now = _fingerprint(weak[0], weak[2])
-            if now is not None:  # (None: one died, or took another form: the full check below says)
-                if now != (self._whole if whole else self._fingerprint):
-                    return False
-                if whole:
-                    state = self._outside
-                    plain, identities, hooks = self._state((), (), (), ())
-                else:
-                    optimizers = tuple(map(operator.call, weak[1]))
-                    if None in optimizers:  # (one died)
-                        return False
-                    state = self._other_state
-                    plain, identities, hooks = self._state((), optimizers, (), () if self._args_guarded else args)
-                return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
-        objects = self.objects()
-        if objects is None:
-            return False
-        modules, optimizers, tensors = objects
-        state, fingerprint = self.state, self._fingerprint
-        shared = self._shared
-        if shared is not None and len(args) == shared[3]:
-            passed_again = all(map(operator.is_, shared[0](args), shared[1](tensors)))
-            if passed_again:  # (the arguments' check covers them)
-                tensors, state, fingerprint = shared[2](tensors), self._rest_state, self._rest_fingerprint
-        args = () if self._args_guarded else args
-        if fingerprint is not None:
-            now = _fingerprint(modules, tensors)
-            if now is not None:  # (None: a module's state took another form: compared in Python below)
-                if now != fingerprint:
-                    return False
-                modules, tensors, state = (), (), self._other_state
-        plain, identities, hooks = self._state(modules, optimizers, tensors, args)
-        return plain == state[0] and self._ids(identities) == state[1] and hooks == state[2]
-
-    def _watch(self, obj):
-        ref: Callable[[], Any]
-        try:
-            ref = weakref.ref(obj, self._died)
-        except TypeError:  # not weakly referenceable (a dict, say): keep it
-            ref = functools.partial(_same_object, obj)
-        self._refs.append(ref)
-        return ref
-
-    def _died(self, _ref):
-        self.alive = False
-
-    @staticmethod
-    def _state(modules, optimizers, tensors, args):
-        """(plain values, objects to compare by identity, hook ids); an empty group of objects
-        costs nothing (the groups' sizes are fixed for a guard: an absent part compares as absent)."""
-        plain: list = [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
-        identities: list = []
-        if tensors or args:
-            with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-                flags = list(map(_FLAGS, tensors))  # (requires_grad, hook dict, hook dict) each
-                grads = list(map(_GRAD, tensors))
-                arg_flags = list(map(_FLAGS, args))
-                grad_fns = list(map(_GRAD_FN, args))
-                if grad_fns.count(None) == len(grad_fns):  # all leaves (a non-leaf's .grad warns)
-                    arg_grads = list(map(_GRAD, args))
-                else:
-                    arg_grads = [a.grad if fn is None else None for a, fn in zip(args, grad_fns)]  # only a leaf's
-            # hooks by their handles' ids (the dict keys): every hook registered anywhere gets a new id,
-            # so the ids of all hooks together say whether one was added or removed; a tensor without
-            # hooks has None for both dicts, and those tuples compare as they are
-            if flags.count(_NO_HOOKS) + flags.count(_NO_HOOKS_GRAD) != len(flags):
-                flags = list(map(_hook_ids, flags))
-            if arg_flags.count(_NO_HOOKS) + arg_flags.count(_NO_HOOKS_GRAD) != len(arg_flags):
-                arg_flags = list(map(_hook_ids, arg_flags))
-            plain += (flags, arg_flags)
-            identities = grads + arg_grads + [getattr(t, "_cell", None) for t in tensors]
-        hooks = [k for d in _GLOBAL_HOOK_DICTS for k in d if k not in _OURS]
-        if modules:
-            # each module's attributes from its __dict__, one C-level pass (attribute lookups would walk
-            # the class's MRO first); a module that keeps one elsewhere (a property) takes getattr
-            try:
-                fields = list(map(_MODULE_FIELDS, map(vars, modules)))
-            except KeyError:
-                fields = list(map(_MODULE_ATTRS, modules))
-            containers = list(itertools.chain.from_iterable(map(_CONTAINERS_OF, fields)))
-            identities += itertools.chain.from_iterable(map(dict.values, containers))
-            plain += (list(map(_TRAINING_OF, fields)), list(map(len, containers)))
-            hooks += itertools.chain.from_iterable(filter(None, itertools.chain.from_iterable(map(_HOOKS_OF, fields))))
-        for opt in optimizers:
-            plain.append(id(opt.state))  # the optimizer holds it
-            plain.append(len(opt.state))
-            for group in opt.param_groups:
-                identities += group["params"]
-                plain.append(len(group["params"]))
-                for k, v in group.items():  # hyperparameters: values; a tensor (lr=tensor): itself
-                    if k != "params":
-                        if type(v) in _PLAIN or (type(v) is tuple and all(type(x) in _PLAIN for x in v)):
-                            plain.append(v)
-                        else:
-                            identities.append(v)
-            hooks += (*opt._optimizer_step_pre_hooks, *opt._optimizer_step_post_hooks)
-        return plain, identities, hooks
-
-
-def _fingerprint(
-    modules: Sequence, tensors: Sequence, args: list | None = None, optimizers: Sequence | None = None
-) -> bytes | None:
-    """The modules' and tensors' guarded state read by the C++ extension in one pass (equal bytes:
-    the same state), or None without the extension or when a module keeps it in another form;
-    with ``args``, a call's tensor arguments' too, and with ``optimizers`` theirs (None where it
-    cannot read them: a tensor with getters of its own, a string in a parameter group)."""
-    read = getattr(torch_device.EXT, "guard_fingerprint", None)
-    if read is None:
-        return None
-    if not tensors and args is None and optimizers is None:  # (modules only: their dicts, no tensor getter)
-        return read(tuple(modules), ())
-    with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
-        if args is None:
-            return read(tuple(modules), tuple(tensors))
-        if optimizers is None:
-            return read(tuple(modules), tuple(tensors), args)
-        return read(tuple(modules), tuple(tensors), args, tuple(optimizers))
 
 
 def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
@@ -380,39 +723,3 @@ def picker(indices: list[int]) -> Callable[[Sequence], tuple]:
         (i,) = indices
         return lambda items: (items[i],)
     return lambda items: ()
-
-
-def _id_list(objects: Sequence) -> list[int]:
-    """The ids of ``objects``, in order (the extension's ``addresses`` packs the same into bytes)."""
-    return list(map(id, objects))
-
-
-def _hook_ids(flags: tuple) -> tuple:
-    """(requires_grad, ids of the backward hooks, ids of the post-accumulate-grad hooks)."""
-    requires_grad, backward, accumulate = flags
-    return requires_grad, tuple(backward or ()), tuple(accumulate or ())
-
-
-def _same_object(obj):
-    return obj
-
-
-_GRAD = operator.attrgetter("grad")
-_GRAD_FN = operator.attrgetter("grad_fn")
-_FLAGS = operator.attrgetter("requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
-_NO_HOOKS, _NO_HOOKS_GRAD = (False, None, None), (True, None, None)
-_FIELDS = (  # what the guard reads of a module: its mode, containers and hook dicts
-    "training",
-    "_parameters",
-    "_buffers",
-    "_modules",
-    "_forward_pre_hooks",
-    "_forward_hooks",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-_MODULE_FIELDS = operator.itemgetter(*_FIELDS)  # (from the module's __dict__)
-_MODULE_ATTRS = operator.attrgetter(*_FIELDS)
-_TRAINING_OF = operator.itemgetter(0)
-_CONTAINERS_OF = operator.itemgetter(1, 2, 3)
-_HOOKS_OF = operator.itemgetter(4, 5, 6, 7)

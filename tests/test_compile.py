@@ -36,6 +36,17 @@ def _clean():
     reset_state()
 
 
+class Traces:
+    """How many times compiled bodies ran their Python since it was made (``CompileTrace``): a body
+    that counted its runs in a list it can reach would change Python state, and never freeze."""
+
+    def __init__(self):
+        self._start = n("CompileTrace")
+
+    def __len__(self):
+        return n("CompileTrace") - self._start
+
+
 def n(name):
     return st.counter_value(name) or 0
 
@@ -65,10 +76,9 @@ def _two_outputs(x, y):
 
 @pytest.mark.parametrize("form", ["bare", "called", "full_graph", "named"])
 def test_compile_as_decorator_equals_torch(form):
-    calls = []
+    calls = Traces()
 
     def body(x, y):
-        calls.append(1)
         return _two_outputs(x, y)
 
     if form == "bare":
@@ -108,11 +118,10 @@ def test_compile_decorator_syntax_and_name():
 
 
 def test_compile_freezes_after_two_identical_calls():
-    calls = []
+    calls = Traces()
 
     @st.compile
     def g(x, w):
-        calls.append(1)
         return _f(x, w)
 
     mesh = mesh_4x2()
@@ -130,11 +139,10 @@ def test_compile_freezes_after_two_identical_calls():
 
 
 def test_compile_new_input_signature_traces_again():
-    calls = []
+    calls = Traces()
 
     @st.compile
     def g(x):
-        calls.append(1)
         return x.softmax(-1)
 
     for shape in [(4, 8), (4, 8), (4, 8), (2, 8), (2, 8), (2, 8), (4, 8)]:
@@ -147,11 +155,10 @@ def test_compile_new_input_signature_traces_again():
 def test_compile_tensors_alone_and_nested_arguments_are_apart():
     """Tensors passed alone (keyed without pytree), by keyword, or in a tuple: each its own
     signature, each result right, and the same call again replays."""
-    calls = []
+    calls = Traces()
 
     @st.compile
     def g(x, w=None):
-        calls.append(1)
         if isinstance(x, tuple):
             x, w = x
         return _f(x, w)
@@ -206,11 +213,10 @@ def test_compile_python_scalar_argument():
 def test_compile_reads_current_value_of_captured_tensors():
     """Tensors the body reads from its closure (not arguments) are read afresh on every replay."""
     w = _data((4, 4), 1).to(st.device())
-    calls = []
+    calls = Traces()
 
     @st.compile
     def g(x):
-        calls.append(1)
         return x @ w
 
     a = _data((4, 4), 0)
@@ -252,11 +258,10 @@ def test_a_frozen_call_follows_a_captured_tensor_resharded_or_replaced():
 # --- in-place updates are visible after the call ---------------------------------------------------
 def test_compile_inplace_update_of_argument_and_captured_state():
     state = torch.zeros(4).to(st.device())
-    calls = []
+    calls = Traces()
 
     @st.compile
     def accumulate(x, buf):
-        calls.append(1)
         buf.add_(x)
         state.add_(1)
         return buf.sum()
@@ -297,11 +302,9 @@ def test_compile_batchnorm_buffers_updated():
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     dev = copy.deepcopy(ref).to(st.device())
-    calls = []
 
     @st.compile
     def fwd(x):
-        calls.append(1)
         return dev(x).detach().mean()
 
     for k in range(4):
@@ -326,11 +329,10 @@ def _compiled_training(make_opt, steps, mesh=None, model=MLP, specs=MLP_SPECS, m
     shard_params(dev, mesh, specs)
     ref_opt, dev_opt = (make_ref_opt or make_opt)(ref.parameters()), make_opt(dev.parameters())
     batches = mlp_batches(steps, torch.Generator().manual_seed(11))
-    calls = []
+    calls = Traces()
 
     @st.compile
     def train_step(x, y):
-        calls.append(1)
         loss = F.cross_entropy(dev(x), y)
         loss.backward()
         dev_opt.step()
@@ -507,11 +509,10 @@ def test_unexpected_execution_error_is_public():
 
 
 def test_full_graph_without_value_reads_freezes():
-    calls = []
+    calls = Traces()
 
     @st.compile(full_graph=True)
     def g(x):
-        calls.append(1)
         return torch.where(x.sum() > 0, x + 1, x - 1)
 
     for k in range(4):

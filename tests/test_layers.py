@@ -28,6 +28,7 @@ LAYERS = [
             "compiler",
             "frozen_replay",
             "replay_guard",
+            "trace_reads",
             "trace_diff",
             "exporter",
             "explain",

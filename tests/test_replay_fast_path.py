@@ -242,18 +242,29 @@ def _changes():
     ]
 
 
-@pytest.mark.parametrize("reader", ["extension", "python"])
-@pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
-def test_guard_sees_each_change(name, change, reader, monkeypatch):
-    """The guard's one-pass read (the C++ extension's ``guard_fingerprint``) and its Python
-    fallback both see every change."""
-    from shardtensor import replay_guard
+def _guard_of(fn, *objects, args=None):
+    """The guard a trace of ``fn`` would take: the objects it reaches from ``fn``, ``objects`` and
+    the globals its code reads (``args``: tensor arguments checked by position; None: not checked)."""
+    from shardtensor import replay_guard, trace_reads
 
-    if reader == "python":
-        monkeypatch.setattr(replay_guard, "_fingerprint", lambda modules, tensors: None)
+    with trace_reads.recording() as ran:
+        fn()
+    snap = replay_guard.Snapshot(replay_guard.Roots(fn, objects, trace_reads.global_reads(ran.code_globals)))
+    assert snap.reason is None, snap.reason
+    return snap.guard(args)
+
+
+def _model_and_forward():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(st.device())
-    guard = replay_guard.Guard((tuple(model.modules()), (), tuple(model.parameters())))
-    assert (guard._fingerprint is not None) == (reader == "extension" and st.tensor.device.EXT is not None)
+    x = torch.ones(2, 4).to(st.device())
+    return model, x, lambda: model(x)
+
+
+@pytest.mark.parametrize(("name", "change"), _changes(), ids=[n for n, _ in _changes()])
+def test_guard_sees_each_change(name, change):
+    """The guard (dict version tags, tensor states, the globals torch's code reads) sees every change."""
+    model, x, forward = _model_and_forward()
+    guard = _guard_of(forward)
     assert guard.holds()
     handle = change(model)
     try:
@@ -263,18 +274,11 @@ def test_guard_sees_each_change(name, change, reader, monkeypatch):
             handle.remove()
 
 
-@pytest.mark.parametrize("reader", ["extension", "python"])
-def test_guard_of_a_graph_sees_its_modules_grad_mode_and_global_hooks(reader, monkeypatch):
-    """A Dynamo graph's guard (its arguments vouched for, no optimizer: the modules' pass, grad mode
-    and the global hooks only) sees each change of those, with either reader."""
-    from shardtensor import replay_guard
-
-    if reader == "python":
-        monkeypatch.setattr(replay_guard, "_fingerprint", lambda modules, tensors: None)
-    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(st.device())
-    x = torch.ones(2, 4).to(st.device())
-    guard = replay_guard.Guard((tuple(model.modules()), (), ()), [x], args_guarded=True)
-    assert guard._modules_only == (reader == "extension" and st.tensor.device.EXT is not None)
+def test_guard_of_a_graph_sees_its_modules_grad_mode_and_global_hooks():
+    """A guard whose arguments the caller vouches for (a Dynamo graph's) still sees its modules,
+    grad mode, inference mode and the global hooks."""
+    model, x, forward = _model_and_forward()
+    guard = _guard_of(forward)
     assert guard.holds([x])
     with torch.no_grad():
         assert not guard.holds([x])
@@ -284,23 +288,23 @@ def test_guard_of_a_graph_sees_its_modules_grad_mode_and_global_hooks(reader, mo
     for name in ("forward hook", "forward pre-hook", "backward hook", "global hook"):  # (each removed after)
         handle = changes[name](model)
         assert not guard.holds([x]), name
-        handle.remove()
-        assert guard.holds([x]), name
+        handle.remove()  # (a dict changed and changed back: seen as changed, the call traces again)
+        guard = _guard_of(forward)
     model.eval()
     assert not guard.holds([x])
     model.train()
-    assert guard.holds([x])
+    guard = _guard_of(forward)
     changes["submodule"](model)
     assert not guard.holds([x])
-    del model
+    del model, forward
+    gc.collect()
     assert not guard.holds([x])  # (a module gone)
 
 
 def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
-    """The extension reads a tensor's state straight from torch's object where its type takes it
-    from torch (a parameter, a plain tensor, a subclass that overrides none of it): a gradient
-    replaced by another, a hook added or requires_grad flipped on any of them fails the guard."""
-    from shardtensor import replay_guard
+    """A tensor's state is read straight from torch's object where its type takes it from torch (a
+    parameter, a plain tensor, a subclass that overrides none of it): a gradient replaced by
+    another, a hook added or requires_grad flipped on any of them fails the guard."""
 
     class Tagged(torch.Tensor):  # a subclass of torch's (its attributes still torch's getters)
         pass
@@ -308,13 +312,12 @@ def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
     weight = nn.Parameter(torch.ones(3).to(st.device()))
     weight.grad = torch.zeros(3).to(st.device())
     tensors = (weight, torch.ones(2, requires_grad=True), torch.ones(2).as_subclass(Tagged).requires_grad_())
-    guard = replay_guard.Guard(((), (), tensors))
-    assert (guard._fingerprint is not None) == (st.tensor.device.EXT is not None)
+    guard = _guard_of(lambda: None, *tensors)
     assert guard.holds()
     weight.grad = torch.zeros(3).to(st.device())  # (another tensor, equal values)
     assert not guard.holds()
     for t in tensors[1:]:
-        guard = replay_guard.Guard(((), (), tensors))
+        guard = _guard_of(lambda: None, *tensors)
         handle = t.register_hook(lambda g: g)
         assert not guard.holds()
         handle.remove()
@@ -324,14 +327,11 @@ def test_guard_sees_a_gradient_replaced_and_a_plain_tensor_or_subclass():
 
 
 def test_guard_sees_changes_to_the_call_arguments():
-    """A call's tensor arguments (read in the extension's pass with the watched tensors, or in
-    Python): their requires_grad, hooks and a leaf's .grad; a new argument with the same state holds."""
-    from shardtensor import replay_guard
-
+    """A call's tensor arguments: their requires_grad, hooks and a leaf's .grad; a new argument
+    with the same state holds."""
     weight = nn.Parameter(torch.ones(3).to(st.device()))
     x = torch.ones(3).to(st.device()).requires_grad_()
-    guard = replay_guard.Guard(((), (), (weight,)), [x])
-    assert (guard._whole is not None) == (st.tensor.device.EXT is not None)
+    guard = _guard_of(lambda: None, weight, args=[x])
     assert guard.holds([x]) and guard.holds([torch.zeros(3).to(st.device()).requires_grad_()])
     assert not guard.holds([torch.zeros(3).to(st.device())])  # (requires_grad differs)
     assert not guard.holds([x, x])
@@ -352,27 +352,24 @@ def test_guard_sees_changes_to_the_call_arguments():
         lambda opt, model: opt.param_groups[0].update(betas=(0.9, 0.999)),
         lambda opt, model: opt.param_groups[0].update(lr_tensor=torch.tensor(0.1)),  # (equal, another tensor)
         lambda opt, model: opt.param_groups[0].update(nesterov_extra=False),
+        lambda opt, model: opt.state[model[0].weight].update(momentum_buffer=torch.zeros(4, 4).to(st.device())),
     ],
-    ids=["lr", "order", "new parameter", "step hook", "betas", "tensor lr", "new entry"],
+    ids=["lr", "order", "new parameter", "step hook", "betas", "tensor lr", "new entry", "state replaced"],
 )
-@pytest.mark.parametrize("args", [(), []], ids=["python", "one pass"])
-def test_guard_sees_optimizer_changes_and_a_dropped_module(change, args):
-    """The optimizers' state (compared by value and identity, ``addresses``) and the watched objects'
-    lives, through the guard's weak references; read in Python, or (arguments given as a list, as
-    a frozen call gives them) in the extension's one pass."""
-    from shardtensor import replay_guard
-
+def test_guard_sees_optimizer_changes_and_a_dropped_module(change):
+    """An optimizer's groups, hyperparameters, hooks and state, and the objects' lives (the guard
+    holds them weakly)."""
     model = nn.Sequential(nn.Linear(4, 4)).to(st.device())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt.param_groups[0]["betas"] = (0.9, 0.99)
     opt.param_groups[0]["lr_tensor"] = torch.tensor(0.1)
-    guard = replay_guard.Guard((tuple(model.modules()), (opt,), tuple(model.parameters())), args)
-    assert (guard._whole is not None) == (st.tensor.device.EXT is not None)
-    assert guard.holds(args)
+    opt.state[model[0].weight]["momentum_buffer"] = torch.ones(4, 4).to(st.device())
+    guard = _guard_of(lambda: None, model, opt)
+    assert guard.holds()
     change(opt, model)
-    assert not guard.holds(args)
+    assert not guard.holds()
     other = nn.Linear(2, 2).to(st.device())
-    guard = replay_guard.Guard(((other,), (), ()))
+    guard = _guard_of(lambda: None, other)
     assert guard.holds()
     del other
     gc.collect()

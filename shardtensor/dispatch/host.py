@@ -21,7 +21,7 @@ from shardtensor.ops.schema import facts
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.readback import to_cpu
-from shardtensor.tensor.upload import upload_as, upload_like, upload_replicated
+from shardtensor.tensor.upload import Upload, upload_as, upload_like, upload_replicated
 from shardtensor.trees import map_leaves
 
 aten = torch.ops.aten
@@ -58,7 +58,11 @@ def _copy_(func, args, kwargs):
             # (``cpu_tensor.to(st.device())`` is an empty tensor, then this copy): the upload, in the
             # layout dst's value has, becomes that value; no program to compile and run for the copy
             return _take_upload(dst, host_src)
-        src = upload_like(host_src, dst)
+        how = Upload.like(dst, dst.dtype, tuple(dst.shape))
+        uploaded = how.tensor(src)
+        if STATE.trace_uploads is not None:  # (an st.compile trace: a replay uploads an argument again)
+            STATE.trace_uploads.append((src, how, uploaded._cell))
+        src = uploaded
     if isinstance(src, ShardedTensor) and not dst._chain and isinstance(dst._cell.value, Failed):
         return _replace_lost_value(dst, src)
     return mutating_op(func, facts(func), (dst, src), {})

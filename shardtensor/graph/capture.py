@@ -38,6 +38,7 @@ class Capture:
         self.first_serial = Cell.serial_mark()  # cells made inside the block have this serial or more
         self._before = {c.serial: c.version for c in pending_cells()}
         self.broken = None  # with tracing=True: why the block cannot be replayed without its Python
+        self.uploads: list = []  # with tracing=True: (CPU tensor, Upload, cell) for each upload in the block
 
     def is_new(self, cell: Cell) -> bool:
         """Whether ``cell`` was created inside the block."""
@@ -67,18 +68,19 @@ def capture(*, tracing: bool = False, guard: str | None = None):
         seen.pending()   # the cells to compute
     """
     seen = Capture()
-    previous = (STATE.eager, STATE.tracing, STATE.execution_guard, STATE.trace_broken)
+    previous = (STATE.eager, STATE.tracing, STATE.execution_guard, STATE.trace_broken, STATE.trace_uploads)
     STATE.eager = False
     if tracing:
-        STATE.tracing, STATE.trace_broken = True, None
+        STATE.tracing, STATE.trace_broken, STATE.trace_uploads = True, None, []
     if guard is not None:
         STATE.execution_guard = guard
     try:
         yield seen
         if tracing:
             seen.broken = STATE.trace_broken
+            seen.uploads = STATE.trace_uploads or []
     finally:
-        STATE.eager, STATE.tracing, STATE.execution_guard, STATE.trace_broken = previous
+        STATE.eager, STATE.tracing, STATE.execution_guard, STATE.trace_broken, STATE.trace_uploads = previous
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.graph.ir import Failed, Leaf, ScalarLeaf
 from shardtensor.graph.program import SCALAR_DTYPES, Program, mesh_of, scalar_kind
 from shardtensor.graph.state import (
+    HOST_READ,
     STATE,
     has_only_pending,
     locked,
@@ -81,7 +82,7 @@ def _run_cells(cells, wait):
         _settle_earlier_runs()
         return None
     if STATE.tracing:
-        STATE.trace_broken = "a value was computed in the middle of the function"
+        STATE.trace_broken = STATE.trace_broken or HOST_READ
     execution = None
     try:
         # Donating is safe only when no other pending value still needs an input of this graph.

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as JaxSpec
 
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.ir import Cell
-from shardtensor.graph.state import locked, set_concrete, set_pending
+from shardtensor.graph.state import STATE, locked, set_concrete, set_pending
 from shardtensor.mesh import default_mesh
 from shardtensor.runtime import check_not_forked
 
@@ -45,7 +45,15 @@ def manual_seed(seed: int) -> None:
         st.manual_seed(1234)
     """
     global _REQUESTED
+    _seeded_in_trace()
     _REQUESTED = (next(_NUMBERS), int(seed) % (2**63))  # one assignment: safe without the engine lock
+
+
+def _seeded_in_trace() -> None:
+    """A seed set inside an st.compile trace: each call must start its draws from it again, which a
+    replay (reading the key as the last call left it) would not."""
+    if STATE.tracing:
+        STATE.trace_broken = STATE.trace_broken or "it seeds the random number generator"
 
 
 @locked
@@ -97,6 +105,7 @@ def pending_cells() -> list:
 @locked
 def set_state(state: np.ndarray) -> None:
     """Restore a key saved by ``get_state`` (keeping the current layout)."""
+    _seeded_in_trace()
     cell = _cell()
     layout = cell.layout if cell.is_pending() else getattr(cell.value, "sharding", None)
     if not isinstance(layout, NamedSharding):

@@ -63,12 +63,19 @@ class _PendingCells(dict):
         return [c for c in (r() for r in self.copy()) if c is not None]
 
 
+# why a trace that reads a device value on the host cannot be replayed without its Python
+HOST_READ = "it reads a device value on the host (.item(), .tolist(), .cpu(), bool(), printing, a data-dependent shape)"
+
+
 class _State(threading.local):
     """The calling thread's engine state (class attributes are each new thread's defaults)."""
 
     eager = False
     tracing = False  # inside compile(): record everything, run nothing until the end
     trace_broken: str | None = None  # why the current compile() trace cannot be replayed without Python
+    # the current compile() trace's uploads of CPU tensors: (the CPU tensor, how it was uploaded, the
+    # new cell), so that a replay can upload an argument's current value the same way
+    trace_uploads: list | None = None
     execution_guard: str | None = None  # set by compile(full_graph=True): a message to raise on any execution
     trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
 

@@ -1,7 +1,8 @@
-"""Fused optimizer steps, what ``torch.optim.Adam / AdamW / SGD(fused=True)`` call: ``_fused_adam``,
-``_fused_adamw`` and ``_fused_sgd``. These are the functional twins of the in-place ops torch.optim
-calls; the dispatcher writes their results back into the parameters, gradients and state, so the
-whole update is one op of the step's program and every tensor keeps its sharding.
+"""Fused optimizer steps, what ``torch.optim.Adam / AdamW / SGD / Adagrad(fused=True)`` call:
+``_fused_adam``, ``_fused_adamw``, ``_fused_sgd`` and ``_fused_adagrad``. These are the functional
+twins of the in-place ops torch.optim calls; the dispatcher writes their results back into the
+parameters, gradients and state, so the whole update is one op of the step's program and every
+tensor keeps its sharding.
 
 Each is torch's CPU kernel, elementwise per tensor: computed in float32 for float32 / bfloat16 /
 float16 tensors (float64 for float64), with the step-dependent factors (bias corrections, step
@@ -246,6 +247,54 @@ def fused_sgd(
 
 
 # ----------------------------------------------------------------------------------------------
+# Adagrad
+# ----------------------------------------------------------------------------------------------
+def _adagrad_one(p, g, state_sum, step, *, lr, lr_decay, weight_decay, eps, maximize, grad_scale):
+    """One tensor's Adagrad update: (param, grad, state_sum), as torch's CPU kernel (the learning
+    rate decayed in float64 from the step count)."""
+    ct = opmath(p.dtype)
+    clr = cast(lr, FLOAT64) / (1 + (cast(step, FLOAT64) - 1) * lr_decay)
+    gc, g_out = _unscale(g, grad_scale, ct)
+    if maximize:
+        gc = -gc
+    pc = cast(p, ct)
+    if weight_decay != 0:
+        gc = gc + pc * cast(weight_decay, ct)
+    sc = cast(state_sum, ct) + gc * gc
+    pc = pc - cast(clr, ct) * gc / (jnp.sqrt(sc) + cast(eps, ct))
+    return cast(pc, p.dtype), g_out, cast(sc, state_sum.dtype)
+
+
+@register(aten._fused_adagrad.default, aten._fused_adagrad.tensor_lr, runtime_floats=("lr",))
+def fused_adagrad(
+    self, grads, state_sums, state_steps, *, lr, lr_decay, weight_decay, eps, maximize, grad_scale=None, found_inf=None
+):
+    """``torch.optim.Adagrad(fused=True)``'s update (the step counters, which torch.optim advances
+    before the call, are read on the devices: nothing goes back to the host)."""
+    n = len(self)
+    _check_lengths("_fused_adagrad", n, grads=grads, state_sums=state_sums, state_steps=state_steps)
+    out: list[list] = [[], [], [], []]
+    for i in range(n):
+        results = _adagrad_one(
+            self[i],
+            grads[i],
+            state_sums[i],
+            state_steps[i],
+            lr=lr,
+            lr_decay=lr_decay,
+            weight_decay=weight_decay,
+            eps=eps,
+            maximize=maximize,
+            grad_scale=grad_scale,
+        )
+        new = _skip_if_found_inf(found_inf, [self[i], grads[i], state_sums[i]], list(results))
+        for k, value in enumerate(new):
+            out[k].append(value)
+        out[3].append(fresh(state_steps[i]))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
 # the grad scaler's kernels (torch.amp.GradScaler): with a fused optimizer it never reads a value back
 # ----------------------------------------------------------------------------------------------
 @register(aten._amp_foreach_non_finite_check_and_unscale.default)
@@ -285,6 +334,13 @@ def _meta_in_place(*args, **kwargs):
 
 
 _META_LIB = torch.library.Library("aten", "IMPL")
-for _name in ("_fused_adam_.tensor_lr", "_fused_adamw_.tensor_lr", "_fused_sgd_", "_fused_sgd_.tensor_lr"):
+for _name in (
+    "_fused_adam_.tensor_lr",
+    "_fused_adamw_.tensor_lr",
+    "_fused_sgd_",
+    "_fused_sgd_.tensor_lr",
+    "_fused_adagrad_",
+    "_fused_adagrad_.tensor_lr",
+):
     if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{_name}", "Meta"):  # a later torch may have one
         _META_LIB.impl(_name, _meta_in_place, "Meta")

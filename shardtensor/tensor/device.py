@@ -171,7 +171,12 @@ class Stream:
 
 _SOURCE = pathlib.Path(__file__).parent / "device_guard.cpp"
 # what it includes (one unit): a change to any of them is a new module
-_SOURCES = (_SOURCE, _SOURCE.with_name("replay_guard.h"), _SOURCE.with_name("replay_passes.h"))
+_SOURCES = (
+    _SOURCE,
+    _SOURCE.with_name("replay_guard.h"),
+    _SOURCE.with_name("replay_passes.h"),
+    _SOURCE.with_name("replay_state.h"),
+)
 
 
 def _source_bytes() -> bytes:

@@ -277,6 +277,7 @@ PyObject* py_register_backend(PyObject*, PyObject*) {
 // (the frozen replay's parts: its guard's reads, then its gather and store passes)
 #include "replay_guard.h"
 #include "replay_passes.h"
+#include "replay_state.h"
 
 bool intern_guard_names() {
   const char* names[10] = {"training",           "_parameters",     "_buffers",           "_modules",
@@ -315,6 +316,16 @@ PyMethodDef methods[] = {
      "guard_fingerprint(modules, tensors[, args[, optimizers]]): bytes of their guarded state, or None "
      "(see replay_guard)"},
     {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
+    {"dict_version", py_dict_version, METH_O, "dict_version(d): its version tag (None: not kept by this Python)"},
+    {"type_version", py_type_version, METH_O, "type_version(cls): its version tag (0: none)"},
+    {"reads_begin", py_reads_begin, METH_VARARGS,
+     "reads_begin(owner, classify, classify_c): record the code a trace runs (see replay_guard)"},
+    {"reads_end", py_reads_end, METH_NOARGS, "reads_end() -> (codes, reason, resumed): what reads_begin recorded"},
+    {"state_plan", py_state_plan, METH_O, "state_plan(entries) -> a plan for state_holds (see replay_guard)"},
+    {"state_holds", py_state_holds, METH_O, "state_holds(plan) -> whether every entry holds"},
+    {"state_failing", py_state_failing, METH_O, "state_failing(plan) -> the first entry that fails, or -1"},
+    {"tensor_state", py_tensor_state, METH_O, "tensor_state(t) -> bytes a plan's tensor entry compares"},
+    {"tensor_fast", py_tensor_fast, METH_O, "tensor_fast(t) -> whether a plan's fast tensor entry can watch t"},
     {"replay_gather", py_replay_gather, METH_VARARGS,
      "replay_gather(flat, arg_positions, old_refs, consts, passed, donated_reads[, call_donated, call_kept]): "
      "a frozen replay's inputs"},

@@ -87,6 +87,9 @@ def to_cpu(t) -> torch.Tensor:
 
     Example: ``to_cpu(st.shard(torch.ones(2), mesh, (None,)))`` is ``tensor([1., 1.])``.
     """
+    if state.STATE.tracing:  # (an st.compile trace: a replay could not repeat what this value decides)
+        state.check_execution_allowed(f"a value of a {tuple(t.shape)} tensor was read on the host")
+        state.STATE.trace_broken = state.STATE.trace_broken or state.HOST_READ
     if t._chain and _view_read_on_host(t):
         checks.verify()  # as materialize(): a failed on-device check raises before a value is read
         base = _host_copy(t._cell.value, t._cell.shape)

@@ -81,12 +81,37 @@ def upload_replicated(t: torch.Tensor) -> ShardedTensor:
 
 def upload_like(t: torch.Tensor, like: ShardedTensor) -> ShardedTensor:
     """The CPU tensor ``t`` uploaded with the layout of ``like`` (for ``dst.copy_(cpu_tensor)``)."""
-    cell = like._cell
-    if cell.spec is not None and not like._chain:
-        mesh, spec = cell.mesh, cell.spec
-    else:
-        mesh, spec = default_mesh(), None
-    return ShardedTensor(cell_from_host(torch_to_numpy(t.contiguous()), mesh, spec, t.dtype))
+    return Upload.like(like, t.dtype, tuple(t.shape)).tensor(t)
+
+
+class Upload:
+    """How a CPU tensor is uploaded for ``dst.copy_(src)``: converted to ``dtype``, broadcast to
+    ``shape``, laid out as (mesh, spec) (replicated: spec None). An ``st.compile`` replay uploads
+    an argument's new value the way its trace did.
+
+    Example: ``Upload.like(dst, dst.dtype, tuple(dst.shape)).array(cpu_tensor)``
+    """
+
+    def __init__(self, dtype: torch.dtype, shape: tuple, mesh, spec):
+        self.dtype, self.shape, self.mesh, self.spec = dtype, shape, mesh, spec
+
+    @classmethod
+    def like(cls, like: ShardedTensor, dtype: torch.dtype, shape: tuple) -> Upload:
+        cell = like._cell
+        if cell.spec is not None and not like._chain:
+            return cls(dtype, shape, cell.mesh, cell.spec)
+        return cls(dtype, shape, default_mesh(), None)
+
+    def host(self, t: torch.Tensor) -> np.ndarray:
+        return torch_to_numpy(t.to(self.dtype).expand(self.shape).contiguous())
+
+    def array(self, t: torch.Tensor):
+        """The jax array ``t`` uploads to."""
+        host = self.host(t)
+        return upload(host, self.mesh, self.spec if self.spec is not None else (None,) * host.ndim)
+
+    def tensor(self, t: torch.Tensor) -> ShardedTensor:
+        return ShardedTensor(cell_from_host(self.host(t), self.mesh, self.spec, self.dtype))
 
 
 def wrap_upload(array, shape, dtype, mesh=None, spec=None) -> ShardedTensor:
