@@ -392,18 +392,11 @@ def test_a_model_under_autocast_in_each_mode(mode, dtype):
         )
 
 
-_NOT_GUARDED_YET = pytest.mark.xfail(
-    strict=True,
-    reason="issue 48 §1 (the lead's frozen-replay guard): a frozen st.compile replay does not yet check "
-    "the autocast state around the call (torch.is_autocast_enabled / get_autocast_dtype / "
-    "is_autocast_cache_enabled for st.device().type, all in Dynamo's GlobalStateGuard)",
-)
-
-
-@pytest.mark.parametrize("compiler", [pytest.param("st.compile", marks=_NOT_GUARDED_YET), "torch.compile"])
+@pytest.mark.parametrize("compiler", ["st.compile", "torch.compile"])
 def test_a_region_around_a_compiled_call_is_part_of_what_it_runs(compiler):
     """A compiled call made under bfloat16 autocast, then outside the region and under float16: the
-    bfloat16 program must not run again (torch.compile: Dynamo's global-state guard recompiles)."""
+    bfloat16 program must not run again (both check torch's global state, autocast's included, with
+    Dynamo's GlobalStateGuard: st.compile's frozen replay re-runs the Python, torch.compile recompiles)."""
     torch.manual_seed(0)
     layer = nn.Linear(8, 4).to(DEV)
     x = torch.randn(6, 8, device=DEV)
@@ -413,10 +406,13 @@ def test_a_region_around_a_compiled_call_is_part_of_what_it_runs(compiler):
     else:
         step = st.compile(lambda x: layer(x).detach())
     regions = [torch.bfloat16] * 3 + [None, torch.float16]  # frozen at the third call, then other regions
+    frozen = st.counter_value("CompileFrozen") or 0
     dtypes = []
     for dtype in regions:
         with torch.autocast(DEV.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             dtypes.append(step(x).dtype)
+        if compiler == "st.compile" and len(dtypes) == 3:  # (the bfloat16 program did freeze)
+            assert (st.counter_value("CompileFrozen") or 0) > frozen
     assert dtypes == [torch.bfloat16] * 3 + [torch.float32, torch.float16]
 
 
