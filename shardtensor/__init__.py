@@ -37,6 +37,7 @@ from shardtensor.graph.aliasing import set_param_aliasing, param_aliasing_enable
 from shardtensor.graph.inflight import ConsumedInputError  # noqa: F401
 from shardtensor.tensor import ShardedTensor, LocalShard  # noqa: F401
 from shardtensor.tensor.device import device, devices, xla_devices  # noqa: F401
+from shardtensor.tensor.autocast import autocast  # noqa: F401  (torch.autocast on the device: its op lists)
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
@@ -148,6 +149,7 @@ __all__ = [
     "ShardedTensor",
     "LocalShard",
     "device",
+    "autocast",
     "devices",
     "xla_devices",
     "shard",

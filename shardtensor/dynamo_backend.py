@@ -30,7 +30,12 @@ or the same compiled forward called again, which first syncs what its last call 
 re-runs the graphs' Python each call (one cached executable: no recompile); unlike ``st.compile``,
 it is never frozen, because ``backward()`` between the graphs always runs. Dynamo does not trace
 shardtensor itself: the functions torch calls back from C++ (``__torch_dispatch__``, the device's
-factory kernels, the wrapper around autograd's engine) run untraced even between graphs.
+factory kernels, its ``torch.autocast`` kernels, the wrapper around autograd's engine) run untraced
+even between graphs.
+
+**Autocast.** ``torch.autocast(st.device().type, ...)`` inside the compiled function is part of the
+graph (Dynamo records entering and leaving it); one around the call is global state Dynamo guards on
+(enabled, dtype and cache per device type): entering or leaving it recompiles, as on CUDA.
 
 A graph break (``print``, ``.item()``, unsupported Python) splits the model into several graphs;
 without grad each runs as its own program, with the code between them run lazily as usual.
@@ -78,6 +83,7 @@ from shardtensor.graph.execute import run_cells
 from shardtensor.graph.state import STATE, check_execution_allowed, has_pending, pending_cells
 from shardtensor.ops import elementwise
 from shardtensor.tensor import ShardedTensor, backward_errors
+from shardtensor.tensor import autocast as device_autocast
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.sharded import set_dynamo_unflatten
 
@@ -374,6 +380,8 @@ def _engine_entries():
     dispatch = ShardedTensor.__dict__["__torch_dispatch__"].__func__
     # (handle's outermost frame is the engine-lock wrapper, which the factory kernels share)
     entries = [dispatch, dispatch_entry.handle, factories._copy_from_kernel]
+    # the device's autocast kernels (one code object for all of them), called by torch's dispatcher
+    entries.extend(device_autocast.KERNELS.values())
     # the wrapper around autograd's engine (tensor/backward_errors.py), which `backward()` calls
     run_backward = torch.autograd.graph._engine_run_backward
     if run_backward.__code__.co_filename == backward_errors.__file__:  # (wraps copied torch's __module__)

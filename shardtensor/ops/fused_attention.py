@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from shardtensor import runtime
 from shardtensor.ops._promote import acc_dtype
 from shardtensor.ops.precision import as_jax_default, precision
 from shardtensor.ops.registry import register
@@ -122,6 +123,8 @@ def _jax_attention_applies(query, key, value, attn_bias) -> bool:
         and query.dtype == key.dtype == value.dtype
         and query.dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
         and value.shape[-1] == query.shape[-1]
+        # (its float16 products ask for an F16_F16_F32 dot algorithm, which XLA:CPU does not have)
+        and not (query.dtype == jnp.float16 and runtime.platform() == "cpu")
     )
 
 

@@ -1,6 +1,6 @@
-"""L4, the torch face of a value: the torch device and its C++ guard (``device``), errors raised in
-backward (``backward_errors``), ``ShardedTensor`` (``sharded``), readback to the host (``readback``),
-uploads (``upload``) and torch geometry (``geometry``)."""
+"""L4, the torch face of a value: the torch device and its C++ guard (``device``), ``torch.autocast`` on
+it (``autocast``), errors raised in backward (``backward_errors``), ``ShardedTensor`` (``sharded``),
+readback to the host (``readback``), uploads (``upload``) and torch geometry (``geometry``)."""
 
 import warnings
 from typing import Any
