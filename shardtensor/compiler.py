@@ -1,27 +1,23 @@
 """``st.compile(fn)``: trace a function into one JAX program and replay it without its Python.
 
-The first calls run ``fn`` in lazy mode and record everything it does: which tensors it reads
-(arguments, parameters, optimizer state, the RNG key), which it writes, and what it returns. When two
-consecutive calls with the same input signature record the same program from the same tensors, with
-the same Python scalars, and touch no host state (no ``.item()`` on CPU tensors, no in-place update of
-CPU tensors; torch's default optimizers count their steps on the devices inside a trace:
-``optim_steps``), the program is frozen: later calls feed the
-current values in, run the executable and write the results back, running no Python of ``fn``.
-Anything else keeps re-running ``fn`` each call — still one cached executable, never a recompile.
+A call either runs ``fn`` in lazy mode, recording what it does (which tensors it reads: arguments,
+parameters, optimizer state, the RNG key; which it writes; what it returns), then runs that as one
+program; or, once frozen, feeds the current values to the program and writes the results back,
+running no Python of ``fn``. A traced call freezes when a replay could repeat it and it left the
+Python state it could read as it found it (``replay_guard.Snapshot`` on entry and on exit:
+``trace_reads`` notes the code it ran and the globals that code loads). A replay runs while that
+state is unchanged (``replay_guard.Guard``); otherwise the call traces again (one cached executable
+per program: no recompile).
 
-Tensors made on the host inside ``fn`` (``torch.tensor(data, device=st.device())``, a CPU tensor
-moved to the device) are inputs of the program, as Python numbers are, and like Python numbers they
-count by value: two traces whose host-made tensors hold the same bytes (up to 1 MiB each) are equal
-and freeze, the replay feeding that value again. One whose value changes from call to call keeps
-the Python running, so each call computes it afresh. As for numbers, a value that stays the same
-for two calls and changes later (``torch.tensor(step > 100)``) is not seen once frozen: pass it as
-an argument. With ``SHARDTENSOR_DEBUG=1``, a trace that differs from the previous one says where:
-the user's file and line of the first op that differs, and what (``trace_diff``).
-
-A frozen replay is exact: it runs only while the Python state the trace depended on is unchanged
-(``replay_guard``: gradients present on entry, ``requires_grad``, hooks, parameters, optimizer
-groups and hyperparameters, training mode, grad mode); otherwise the call runs ``fn`` again. A
-function that changes that state itself (it leaves ``.grad`` set, say) is never frozen.
+A replay could not repeat a call that reads a device value on the host, seeds or draws CPU random
+numbers, calls a clock or a random source, prints, advances an iterator made before it, updates a
+CPU tensor in place or computes with a CPU tensor argument on the host (``Trace.broken``, and
+``full_graph=True`` raises on the reads). What a replay does feed anew: the tensor arguments, a CPU
+tensor argument moved to the devices inside (uploaded again), an optimizer's learning rate
+(``optim_steps.LiveValue``). Tensors made on the host inside ``fn`` from what the guard watches
+(``torch.tensor(data, device=...)``) are constants of the program, fed by value. With
+``SHARDTENSOR_DEBUG=1``, a call that could not freeze, or a frozen call that ran its Python again,
+says why.
 
 Threads: a compiled function may be called from several threads; each call traces in its own
 thread's state (graph/state.py), and a replay runs under the engine lock. The engine's work (runs,
@@ -41,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor import optim_steps, trace_diff
+from shardtensor import optim_steps
 from shardtensor.dispatch.record import signature as record_signature
 from shardtensor.frozen_replay import STALE, Trace
 from shardtensor.graph import checks, inflight, recompile
@@ -134,9 +130,7 @@ class CompiledFunction:
         self.guarded_state, self.guarded_layout = guarded_state, guarded_layout
         self.name: str = name or str(getattr(fn, "__name__", "compiled"))
         self._frozen: dict = {}
-        self._last_trace: dict = {}
         self._roots: dict = {}  # signature -> where its last trace's state was found (replay_guard.Roots)
-        self._last_summary: dict = {}  # signature -> trace_diff summary of its last trace (debug mode)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -205,8 +199,6 @@ class CompiledFunction:
         trace = _run_trace(cells, arguments, self.name, flat, out, seen.first_serial, broken, _uploads(flat, seen))
         before = roots
         roots = self._roots[signature] = Roots(self.fn, noted.objects(), global_reads(ran.code_globals))
-        last = self._last_trace.get(signature)
-        self._last_trace[signature] = trace.fingerprint
         exit_ = None
         if trace.broken is None and entry is not None and before is not None:
             # (an optimizer's learning rate a replay reads anew, unless the user's code reads the groups)
@@ -218,21 +210,7 @@ class CompiledFunction:
             counters.increment("CompileFrozen")
         elif trace.broken is not None and debug:
             recompile.emit(f"{self.name}: re-running Python each call: {trace.broken}")
-        self._report_difference(signature, trace, last, debug)
         return out
-
-    def _report_difference(self, signature, trace, last, debug) -> None:
-        """In debug mode: a trace that differs from the previous one (so nothing freezes) says where."""
-        previous = self._last_summary.pop(signature, None)
-        if not debug:
-            return
-        summary = self._last_summary[signature] = trace_diff.summarize(trace)
-        froze = signature in self._frozen  # (a trace differing only in scalars from a stale one freezes)
-        if previous is not None and trace.broken is None and last != trace.fingerprint and not froze:
-            where = trace_diff.first_difference(previous, summary)
-            recompile.emit(
-                f"st.compile({self.name}): not frozen: this call's trace differs from the previous one {where}"
-            )
 
 
 def _uploads(flat, seen) -> dict:

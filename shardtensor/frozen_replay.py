@@ -1,11 +1,11 @@
-"""A traced ``st.compile`` call (``_Trace``) and its frozen replay (``_Frozen``).
+"""A traced ``st.compile`` call (``Trace``) and its frozen replay (``Frozen``).
 
-``compiler.CompiledFunction`` traces a call in lazy mode and builds a ``_Trace`` of it: which tensors
-the program read (arguments, tensors from before the call, values made during it) and where each
-output goes. Two equal traces freeze into a ``_Frozen``, which later calls run without their
-Python: it feeds the current values in, runs the executable and stores the results back, as long as
-the guarded Python state and the inputs' geometry are what the trace saw (else ``STALE``: the
-caller traces again).
+``compiler.CompiledFunction`` traces a call in lazy mode and builds a ``Trace`` of it: which tensors
+the program read (arguments, tensors from before the call, values made during it, CPU tensors and
+learning rates uploaded anew by each replay) and where each output goes. A trace freezes into a
+``Frozen``, which later calls run without their Python: it feeds the current values in, runs the
+executable and stores the results back, as long as the guarded Python state and the inputs'
+geometry are what the trace saw (else ``STALE``: the caller traces again).
 
 Example::
 
@@ -15,14 +15,11 @@ Example::
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import operator
 import weakref
 from array import array
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
@@ -75,11 +72,10 @@ class Trace:
                     sources.append(("host", *hosts[id(cell)]))
                     continue
                 sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
-            if any(s[0] == "const" and type(s[1]) is int for s in sources):
+            if any(s[0] == "const" and s[1] for s in sources):
                 self.broken = self.broken or (
-                    "a value it makes on the host (a CPU tensor moved to the device) is larger than "
-                    f"{_CONSTANT_BYTES_COMPARED >> 20} MiB or given up to the program: a replay could not "
-                    "feed it again (pass it as an argument)"
+                    "a value it makes on the host (a CPU tensor moved to the device) is updated in place by "
+                    "the program: a replay could not feed it again (pass it as an argument)"
                 )
             new_count = 0
             for cell in execution.cells:
@@ -100,18 +96,7 @@ class Trace:
                 and not (execution and any(c is x._cell for c in execution.cells))
             ):
                 self.broken = self.broken or "it returns a tensor it did not compute"
-        scalars = tuple((k, tuple(v.tolist())) for k, v in sorted(execution.scalars.items())) if execution else ()
-        key = program.key if program else None
-        plain_outputs = tuple(x if not isinstance(x, torch.Tensor) else None for x in self.out_flat)
         self.sources, self.targets = sources, targets
-        self.fingerprint = (
-            key,
-            scalars,
-            tuple(s[:2] for s in sources),
-            tuple(targets),
-            self.out_spec,
-            _hashable(plain_outputs),
-        )
 
     def freeze(self, guard, name="compiled"):
         return Frozen(self, guard, name)
@@ -122,39 +107,16 @@ class Trace:
         return frozenset(self._made)
 
 
-def _hashable(values):
-    try:
-        hash(values)
-        return values
-    except TypeError:
-        return repr(values)
-
-
-_CONSTANT_BYTES_COMPARED = 1 << 20  # host-made inputs up to this size are compared by value
-_UNCOMPARED = itertools.count()
-
-
 def _source(cell, array, arg_cells, first_serial, donated):
-    """Where input ``array`` comes from: ("arg", position, None), ("old", id, weak cell) or
-    ("const", identity, array) for a value made during the call (``torch.tensor(data, device=...)``,
-    a CPU tensor moved to the device).
-
-    A constant's identity is its value (shape, dtype, layout and a digest of its bytes) when it is
-    small and the program does not donate it: the same host data each call then gives equal traces,
-    which freeze and replay that value — exactly what the Python would make again, as for a Python
-    number. A value that changes from call to call makes every trace differ, so the Python keeps
-    running and recomputes it (never a stale replay). Larger constants keep their object's identity:
-    never frozen, nothing hashed.
-    """
+    """Where input ``array`` comes from: ("arg", position, None), ("old", id, weak cell), or
+    ("const", donated, array) for a value made during the call from what the guard watches
+    (``torch.tensor(data, device=...)``): the Python, run again from the same state, would make it
+    again, so a replay feeds it as it is (unless the program gives its buffer up: ``donated``)."""
     if cell is not None and id(cell) in arg_cells:
         return ("arg", arg_cells[id(cell)], None)
     if cell is not None and cell.serial < first_serial:
         return ("old", id(cell), weakref.ref(cell))
-    if donated or array.size * array.dtype.itemsize > _CONSTANT_BYTES_COMPARED:
-        # a number no other trace has (an id could be reused once this array is freed)
-        return ("const", next(_UNCOMPARED), array)
-    digest = hashlib.blake2b(np.ascontiguousarray(np.asarray(array)).tobytes(), digest_size=16).digest()
-    return ("const", (tuple(array.shape), str(array.dtype), array.sharding, digest), array)
+    return ("const", donated, array)
 
 
 class Frozen:
@@ -169,7 +131,6 @@ class Frozen:
 
     def __init__(self, trace: Trace, guard: Guard, name: str = "compiled"):
         self.guard = guard  # the Python state the replay assumes (replay_guard)
-        self.fingerprint = trace.fingerprint
         ex = trace.execution
         self.executable = ex.executable if ex else None
         self.scalars = ex.scalars if ex else {}

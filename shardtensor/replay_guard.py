@@ -663,19 +663,12 @@ def _arguments_state(args: Sequence):
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     if not tensors:
         return ()
-    read = getattr(torch_device.EXT, "guard_fingerprint", None)
-    if read is not None and all(type(a) is not torch.Tensor or True for a in tensors):
-        with torch._C.DisableTorchFunctionSubclass():
-            state = read((), (), list(tensors))
+    with torch._C.DisableTorchFunctionSubclass():  # a subclass's attribute getters, at C speed
+        state = _ext().arguments_state(tensors)
         if state is not None:
             return state
-    with torch._C.DisableTorchFunctionSubclass():
         return tuple(
-            (
-                a.requires_grad,
-                tuple(a._backward_hooks or ()),
-                id(a.grad) if a.grad_fn is None else None,
-            )
+            (a.requires_grad, tuple(a._backward_hooks or ()), id(a.grad) if a.grad_fn is None else None)
             for a in tensors
         )
 

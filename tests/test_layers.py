@@ -29,7 +29,6 @@ LAYERS = [
             "frozen_replay",
             "replay_guard",
             "trace_reads",
-            "trace_diff",
             "exporter",
             "explain",
             "debug",

@@ -154,15 +154,6 @@ def test_store_notes_what_passes_and_takes_any_cell_class():
 
 
 @needs_extension
-def test_addresses_pack_the_ids_in_order():
-    a, b = object(), object()
-    packed = torch_device.EXT.addresses([a, b, a])
-    assert np.frombuffer(packed, np.uint64).tolist() == [id(a), id(b), id(a)]
-    assert torch_device.EXT.addresses((a, b, a)) == packed != torch_device.EXT.addresses([b, a, a])
-    with pytest.raises(TypeError):
-        torch_device.EXT.addresses(3)
-
-
 @needs_extension
 def test_passes_refuse_malformed_plans():
     with pytest.raises(TypeError):

@@ -280,13 +280,8 @@ PyObject* py_register_backend(PyObject*, PyObject*) {
 #include "replay_state.h"
 
 bool intern_guard_names() {
-  const char* names[10] = {"training",           "_parameters",     "_buffers",           "_modules",
-                           "_forward_pre_hooks", "_forward_hooks",  "_backward_pre_hooks", "_backward_hooks",
-                           "_backward_hooks",    "_post_accumulate_grad_hooks"};
-  for (int i = 0; i < 10; ++i) {
-    guard_names[i] = PyUnicode_InternFromString(names[i]);
-    if (guard_names[i] == nullptr) return false;
-  }
+  guard_names[8] = PyUnicode_InternFromString("_backward_hooks");
+  guard_names[9] = PyUnicode_InternFromString("_post_accumulate_grad_hooks");
   name_requires_grad = PyUnicode_InternFromString("requires_grad");
   name_grad = PyUnicode_InternFromString("grad");
   name_cell = PyUnicode_InternFromString("_cell");
@@ -294,28 +289,18 @@ bool intern_guard_names() {
   name_owned = PyUnicode_InternFromString("owned");
   name_leaf = PyUnicode_InternFromString("_leaf");
   name_version = PyUnicode_InternFromString("version");
-  name_state = PyUnicode_InternFromString("state");
-  name_param_groups = PyUnicode_InternFromString("param_groups");
-  name_params = PyUnicode_InternFromString("params");
-  name_pre_hooks = PyUnicode_InternFromString("_optimizer_step_pre_hooks");
-  name_post_hooks = PyUnicode_InternFromString("_optimizer_step_post_hooks");
-  if (name_state == nullptr || name_param_groups == nullptr || name_params == nullptr || name_pre_hooks == nullptr ||
-      name_post_hooks == nullptr)
-    return false;
-  return name_requires_grad != nullptr && name_grad != nullptr && name_cell != nullptr && name_value != nullptr &&
-         name_owned != nullptr && name_leaf != nullptr && name_version != nullptr;
+  return guard_names[8] != nullptr && guard_names[9] != nullptr && name_requires_grad != nullptr &&
+         name_grad != nullptr && name_cell != nullptr && name_value != nullptr && name_owned != nullptr &&
+         name_leaf != nullptr && name_version != nullptr;
 }
-
 PyMethodDef methods[] = {
     {"set_geometry", py_set_geometry, METH_VARARGS, "set_geometry(t, sizes, strides, storage_offset)"},
     {"share_storage", py_share_storage, METH_VARARGS, "share_storage(t, src): t uses src's storage"},
     {"fresh_storage", py_fresh_storage, METH_VARARGS, "fresh_storage(t, nbytes): t gets a storage of its own"},
     {"forget_view_replay", py_forget_view_replay, METH_O, "forget_view_replay(t): autograd rebuilds t with as_strided"},
     {"register_backend", py_register_backend, METH_NOARGS, "register the device guard and hooks (once)"},
-    {"guard_fingerprint", py_guard_fingerprint, METH_VARARGS,
-     "guard_fingerprint(modules, tensors[, args[, optimizers]]): bytes of their guarded state, or None "
-     "(see replay_guard)"},
-    {"addresses", py_addresses, METH_O, "addresses(seq): bytes of the addresses of seq's items (see replay_guard)"},
+    {"arguments_state", py_arguments_state, METH_O,
+     "arguments_state(args): bytes of a call's tensor arguments' guarded state, or None (see replay_guard)"},
     {"dict_version", py_dict_version, METH_O, "dict_version(d): its version tag (None: not kept by this Python)"},
     {"type_version", py_type_version, METH_O, "type_version(cls): its version tag (0: none)"},
     {"reads_begin", py_reads_begin, METH_VARARGS,
