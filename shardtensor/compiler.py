@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardtensor import metrics as counters
-from shardtensor import optim_steps
+from shardtensor import optim_steps, stages
 from shardtensor.dispatch.record import signature as record_signature
 from shardtensor.frozen_replay import STALE, Trace
 from shardtensor.graph import checks, inflight, recompile
@@ -162,6 +162,20 @@ class CompiledFunction:
         if self.raise_on_call:
             checks.verify()
         return out
+
+    def lower(self, *args: Any, **kwargs: Any) -> stages.Lowered:
+        """The program a call with these arguments runs, lowered, without running it: ``.as_text()``
+        (StableHLO), ``.compile()`` (then ``.as_text()``, ``.memory()``, ``.cost_analysis()``,
+        ``.collectives()``), as ``jax.jit(f).lower(*args)``. A frozen call's program needs no Python;
+        else ``fn`` runs once, recording, and what it changed is taken back (``stages``).
+
+        Example::
+
+            compiled = train_step.lower(x, y).compile()
+            compiled.memory().total, compiled.collectives()["all-gather"]
+        """
+        flat, signature = _key(args, kwargs)
+        return stages.lower_call(self.fn, args, kwargs, flat, name=self.name, frozen=self._frozen.get(signature))
 
     def _trace(self, signature, flat, args, kwargs, stale=None):
         """Run ``fn`` and record it; ``stale``: the frozen trace this call could not replay.

@@ -6,11 +6,9 @@ collectives of the compiled program, with the bytes they move. ``explain(fn, *ar
 ``fn`` in lazy mode, then explains what it recorded. Nothing is executed.
 
 What "bytes" means: for each collective instruction of the compiled (per-device, SPMD-partitioned)
-HLO, the size of its result buffer on one device — e.g. an all-gather's gathered array, an
-all-reduce's reduced array, a reduce-scatter's scattered piece — summed over the instructions of
-that kind. It is the data each device ends up receiving, not the wire traffic of the algorithm
-(a ring all-reduce of B bytes over n devices sends about 2B(n-1)/n per device). Each instruction
-counts once, as written in the program: one inside a loop body is not multiplied by the trip count.
+HLO, the size of its result buffer on one device, summed over the instructions of that kind: the
+data each device ends up receiving, not the wire traffic of the algorithm (``hlo_collectives``,
+which reads them from the HLO text, says more).
 
 Example::
 
@@ -26,10 +24,9 @@ from __future__ import annotations
 import html
 import itertools
 import math
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
@@ -39,96 +36,17 @@ from shardtensor import sharding as sh
 from shardtensor.graph import views
 from shardtensor.graph.capture import capture, lower
 from shardtensor.graph.ir import Cell, Pending
+from shardtensor.hlo_collectives import (  # noqa: F401  (result_bytes, COLLECTIVE_KINDS: read from here too)
+    COLLECTIVE_KINDS,
+    Collective,
+    CollectiveOp,
+    collective_ops,
+    collectives_in_hlo,
+    format_bytes,
+    result_bytes,
+)
 from shardtensor.mesh import Mesh, mesh_for_jax_mesh
 from shardtensor.tensor import ShardedTensor
-
-COLLECTIVE_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_EXTRA_KINDS = ("ragged-all-to-all", "collective-broadcast")
-
-
-class Collective(NamedTuple):
-    """How many instructions of one collective kind a program has, and the bytes they move."""
-
-    count: int  # type: ignore[assignment]  # a field named like tuple.count, on purpose (it is the count)
-    bytes: int
-
-
-@dataclass(frozen=True)
-class CollectiveOp:
-    """One collective instruction of a compiled program: its kind, result type and result bytes."""
-
-    kind: str
-    result_type: str
-    bytes: int
-
-
-# --------------------------------------------------------------------------- HLO text
-
-# `%name = <result type> <kind>[-start|-done](` ; the result type may be a tuple
-_INSTRUCTION = re.compile(
-    r"=\s*(?P<type>.+?)\s+(?P<kind>"
-    + "|".join(sorted(COLLECTIVE_KINDS + _EXTRA_KINDS, key=len, reverse=True))
-    + r")(?P<phase>-start|-done)?\("
-)
-_ARRAY = re.compile(r"\b(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[0-9,<=]*)\]")
-
-
-def _bits(dtype: str) -> int:
-    if dtype == "pred":
-        return 8  # stored as one byte
-    m = re.search(r"\d+", dtype)  # f32 -> 32, bf16 -> 16, f8e4m3fn -> 8, c64 -> 64 (both halves)
-    return int(m.group()) if m else 0  # token[] and the like carry no data
-
-
-def result_bytes(result_type: str) -> int:
-    """Bytes of an HLO result type (an array or a tuple of arrays), e.g. ``'f32[8,4]{1,0}'`` -> 128.
-
-    Example::
-
-        result_bytes('(f32[], bf16[2,3]{1,0})')   # 4 + 12
-    """
-    total = 0
-    for m in _ARRAY.finditer(result_type):
-        dims = [int(d.removeprefix("<=")) for d in m.group("dims").split(",") if d]
-        total += -(-_bits(m.group("dtype")) * math.prod(dims) // 8)
-    return total
-
-
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-    """Every collective instruction of a compiled HLO module's text (``compiled.as_text()``).
-
-    An asynchronous pair (``all-gather-start`` / ``-done``) counts once, with the ``-done``'s
-    result (the ``-start`` returns its operands too).
-
-    Example::
-
-        collective_ops(jax.jit(f).lower(x).compile().as_text())
-    """
-    ops = []
-    for line in hlo_text.splitlines():
-        m = _INSTRUCTION.search(line)
-        if not m or m.group("phase") == "-start":
-            continue
-        ops.append(CollectiveOp(m.group("kind"), m.group("type"), result_bytes(m.group("type"))))
-    return ops
-
-
-def collectives_in_hlo(hlo_text: str) -> dict[str, Collective]:
-    """kind -> ``Collective(count, bytes)`` for the five kinds (zeros included, extra kinds if present).
-
-    ``bytes`` is the per-device result buffer of each instruction, summed (see the module docstring).
-
-    Example::
-
-        collectives_in_hlo(compiled.as_text())["all-reduce"]   # Collective(count=1, bytes=128)
-    """
-    counts = {k: [0, 0] for k in COLLECTIVE_KINDS}
-    for op in collective_ops(hlo_text):
-        c = counts.setdefault(op.kind, [0, 0])
-        c[0] += 1
-        c[1] += op.bytes
-    return {k: Collective(n, b) for k, (n, b) in counts.items()}
-
 
 # --------------------------------------------------------------------------- the explanation
 
@@ -143,13 +61,6 @@ class OutputSharding:
     sharding: str  # PyTorch/XLA's sharding string
     partition_spec: sh.PartitionSpec | None  # over the mesh's axes, when a spec expresses it
     pending: bool  # computed by the explained program (False: already computed)
-
-
-def _format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _spec_text(spec) -> str:
@@ -215,8 +126,8 @@ class Explanation:
         lines.append("collectives (bytes: each instruction's result buffer on one device, summed):")
         for kind, c in self.collectives.items():
             if c.count:
-                lines.append(f"  {kind:<20} {c.count:>4}  {_format_bytes(c.bytes):>10}")
-        lines.append(f"  {'total':<20} {self.total_count:>4}  {_format_bytes(self.total_bytes):>10}")
+                lines.append(f"  {kind:<20} {c.count:>4}  {format_bytes(c.bytes):>10}")
+        lines.append(f"  {'total':<20} {self.total_count:>4}  {format_bytes(self.total_bytes):>10}")
         for op in self.ops[:20]:
             lines.append(f"    {op.kind} -> {op.result_type}")
         if len(self.ops) > 20:
@@ -244,13 +155,13 @@ class Explanation:
         ]
         if self.total_count:
             crow = "".join(
-                f"<tr><td {cell}>{e(k)}</td><td {cell}>{c.count}</td><td {cell}>{e(_format_bytes(c.bytes))}</td></tr>"
+                f"<tr><td {cell}>{e(k)}</td><td {cell}>{c.count}</td><td {cell}>{e(format_bytes(c.bytes))}</td></tr>"
                 for k, c in self.collectives.items()
                 if c.count
             )
             crow += (
                 f"<tr><td {cell}><b>total</b></td><td {cell}><b>{self.total_count}</b></td>"
-                f"<td {cell}><b>{e(_format_bytes(self.total_bytes))}</b></td></tr>"
+                f"<td {cell}><b>{e(format_bytes(self.total_bytes))}</b></td></tr>"
             )
             parts.append("<div>collectives (bytes: each instruction's result buffer on one device, summed)</div>")
             parts.append(

@@ -18,6 +18,7 @@ the user's JAX keeps its own setting.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -97,6 +98,9 @@ class _State(threading.local):
     host_reads = 0  # device values read on the host by this thread's traces (note_host_read)
     execution_guard: str | None = None  # set by compile(full_graph=True): a message to raise on any execution
     trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
+    # while set (``undo_journal``): id(cell) -> (cell, value, version, layout, leaf, owned) as each cell
+    # was before this thread first gave it a new value, so the block's updates can be taken back
+    journal: dict | None = None
 
     def __init__(self):
         self.pending = _PendingCells()
@@ -127,6 +131,8 @@ def set_pending(cell: Cell, ref: Pending) -> None:
     if STATE.trace_start is None or not pending:  # the first op of a new graph
         STATE.trace_start = time.perf_counter_ns()
     old = cell.value
+    if STATE.journal is not None:
+        _note_before(cell)
     if _keeps_layout(cell, old):
         # an in-place update keeps the layout the data had (so optimizer state does not drift
         # between layouts and recompile the next step)
@@ -153,7 +159,10 @@ def set_pending_all(cells, refs) -> None:
     if STATE.trace_start is None or not pending:
         STATE.trace_start = time.perf_counter_ns()
     drop = pending.drop
+    journal = STATE.journal
     for cell, ref in zip(cells, refs):
+        if journal is not None:
+            _note_before(cell)
         old = cell.value
         if _keeps_layout(cell, old):
             cell.layout = old.sharding  # (as set_pending)
@@ -161,6 +170,46 @@ def set_pending_all(cells, refs) -> None:
         cell.version += 1
         cell._leaf = None
         pending[weakref.ref(cell, drop)] = cell.serial
+
+
+def _note_before(cell: Cell) -> None:
+    """Keep what ``cell`` holds now in this thread's journal, unless it is there already."""
+    journal = STATE.journal
+    if journal is not None and id(cell) not in journal:
+        journal[id(cell)] = (cell, cell.value, cell.version, cell.layout, cell._leaf, cell.owned)
+
+
+@contextlib.contextmanager
+def undo_journal():
+    """Note what every cell this thread updates inside the block held before; the caller takes the
+    updates back with ``take_back``. (``stages`` records a step without changing any tensor.)
+
+    Example::
+
+        with undo_journal() as journal:
+            model(x).sum().backward()      # recorded, nothing run
+        take_back(journal)                  # every tensor holds its value from before again
+    """
+    outer, STATE.journal = STATE.journal, {}
+    journal = STATE.journal
+    try:
+        yield journal
+    finally:
+        STATE.journal = outer
+        if outer is not None:  # (the outer block takes back what this one changed too)
+            for key, entry in journal.items():
+                outer.setdefault(key, entry)
+
+
+def take_back(journal: dict) -> None:
+    """Give each cell of ``journal`` the value it held before (``undo_journal``); the values the block
+    recorded are no longer pending."""
+    pending = STATE.pending
+    for cell, value, version, layout, leaf, owned in journal.values():
+        cell.value, cell.version, cell.layout, cell._leaf, cell.owned = value, version, layout, leaf, owned
+        if type(value) is not Pending:
+            pending.pop(weakref.ref(cell), None)
+    STATE.epoch += 1  # (views cached a value the block gave)
 
 
 def new_pending_cell(ref: Pending, shape, dtype) -> Cell:
@@ -180,6 +229,8 @@ def new_pending_cell(ref: Pending, shape, dtype) -> Cell:
 
 def set_concrete(cell: Cell, array, owned: bool) -> None:
     """Give ``cell`` a new concrete value."""
+    if STATE.journal is not None:
+        _note_before(cell)
     cell.value = array
     cell.version += 1
     cell._leaf = None
