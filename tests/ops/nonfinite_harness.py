@@ -86,7 +86,7 @@ WHOLE_INPUTS = ("no_nan", "all_nan", "one_nan")  # whole-tensor reductions: one 
 # the (4, 2) mesh over the stack's dims 1 and 2: 8 over 'x', 6 over 'x' (uneven, padded), both. The
 # cases along a dim run where that dim alone is sharded; the whole-tensor reductions on every spec.
 SPECS = [(None, "x", None), (None, None, "x"), (None, "x", "y")]
-ELEMENTWISE_SPEC = (None, None, "x")
+LAST_DIM_SPEC = (None, None, "x")
 
 
 def _q(x):
@@ -189,8 +189,12 @@ WHOLE = {
     "abs.max.isnan": lambda x: x.abs().max().isnan(),
 }
 
-# Elementwise, on the stack (one spec: each element is computed where it lies).
-ELEMENTWISE = {
+# Elementwise, and a few ops of the last dim, on the stack sharded by one spec (each element is
+# computed where it lies; the last dim is the sharded one).
+LAST_DIM = {
+    "cdist_inf": lambda x, y: torch.cdist(x, y, p=INF),
+    "max_pool1d": lambda x, y: torch.nn.functional.max_pool1d(x, 3, 1, 1, return_indices=True),
+    "adaptive_max_pool1d": lambda x, y: torch.nn.functional.adaptive_max_pool1d(x, 2),
     "msort": lambda x, y: torch.msort(x.transpose(0, 1)),
     "isnan": lambda x, y: torch.isnan(x),
     "isinf": lambda x, y: torch.isinf(x),
@@ -273,8 +277,8 @@ def cases(spec) -> list[Case]:
         i = NAMES.index(name)
         for op, fn in WHOLE.items():
             out.append(Case(f"{op}[{name}]", _whole(fn, i), per_input=False))
-    if spec == ELEMENTWISE_SPEC:
-        out += [Case(op, fn) for op, fn in ELEMENTWISE.items()]
+    if spec == LAST_DIM_SPEC:
+        out += [Case(op, fn) for op, fn in LAST_DIM.items()]
     return out
 
 
