@@ -357,10 +357,16 @@ def logsumexp(self, dim, keepdim=False):
     rt = float_type(self)
     x = cast(self, opmath(rt))
     ax = axes(dim, x.ndim)
+    if any(x.shape[a] == 0 for a in ax):  # the log of an empty sum
+        return cast(jnp.full(_reduced_shape(x.shape, ax, keepdim), -np.inf, x.dtype), rt)
     m = jnp.max(x, axis=ax, keepdims=True)
     m = jnp.where(jnp.isinf(m), jnp.zeros_like(m), m)
     out = jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True)) + m
     return cast(out if keepdim else jnp.squeeze(out, axis=ax), rt)
+
+
+def _reduced_shape(shape, ax, keepdim):
+    return tuple(1 if i in ax else n for i, n in enumerate(shape) if keepdim or i not in ax)
 
 
 def _scan(fn, self, dim, rt):
@@ -433,6 +439,8 @@ def _softmax_out_dtype(self, half_to_float):
 def _softmax_compute(x, dim):
     if x.ndim == 0:
         return jnp.ones_like(x)
+    if x.size == 0:
+        return x
     ax = _axis(dim, x.ndim)
     e = jnp.exp(x - jnp.max(x, axis=ax, keepdims=True))
     return e / jnp.sum(e, axis=ax, keepdims=True)
@@ -450,6 +458,8 @@ def _log_softmax(self, dim, half_to_float):
     x = cast(self, opmath(rt))
     if x.ndim == 0:
         return cast(jnp.zeros_like(x), rt)
+    if x.size == 0:
+        return cast(x, rt)
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order
