@@ -3,8 +3,6 @@ meta kernels (or, for the few ops torch has none for, from the lowering itself).
 
 from __future__ import annotations
 
-import warnings
-
 import jax
 import torch
 from torch.utils import _pytree as pytree
@@ -60,9 +58,9 @@ def has_empty_tensor(args, kwargs) -> bool:
 
 
 def torch_cpu_error(func, args, kwargs):
-    """The exception torch's CPU kernel raises for ``func`` on zero tensors shaped and typed like the
-    arguments' ShardedTensors, or None (it raises nothing, has no CPU kernel for them, or they hold
-    more than ``_PROBE_ELEMENTS`` elements).
+    """The exception torch's CPU kernel raises for the aten op ``func`` on zero tensors shaped and
+    typed like the arguments' ShardedTensors, or None (it raises nothing, has no CPU kernel for them,
+    or they hold more than ``_PROBE_ELEMENTS`` elements).
 
     For a mistake that depends on shapes, dtypes and arguments only (not on values), that is the
     exception torch gives the user: torch's meta kernels raise another type for some of them
@@ -72,6 +70,8 @@ def torch_cpu_error(func, args, kwargs):
 
         torch_cpu_error(aten.max.default, (empty_sharded,), {})   # RuntimeError('max(): Expected ...')
     """
+    if func.namespace != "aten":  # (a library's or a collective's kernel may need more than tensors)
+        return None
     leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, ShardedTensor)]
     if sum(v.numel() for v in leaves) > _PROBE_ELEMENTS:
         return None
@@ -84,9 +84,8 @@ def torch_cpu_error(func, args, kwargs):
         return value
 
     cpu_args, cpu_kwargs = map_leaves(on_cpu, (args, kwargs))
-    # (its warnings repeat the op's own; its random draws must not move torch's generator)
-    with torch._C._DisableTorchDispatch(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    # (its random draws must not move torch's generator; its warnings are those torch would give)
+    with torch._C._DisableTorchDispatch(), torch.random.fork_rng(devices=[]):
         try:
             func(*cpu_args, **cpu_kwargs)
         except NotImplementedError:  # no CPU kernel for these: nothing learned
