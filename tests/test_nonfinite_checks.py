@@ -214,6 +214,9 @@ ERRORS = {
     "multinomial too many": lambda c: torch.multinomial(c(torch.ones(8, 2)), 3),
     "multinomial int64": lambda c: torch.multinomial(c(torch.ones(8, 2, dtype=torch.int64)), 1),
     "uniform_ from > to": lambda c: c(torch.empty(8)).uniform_(2, 1),
+    "random_ from >= to": lambda c: c(torch.empty(8)).random_(5, 2),
+    "sub of a bool": lambda c: c(_X > 0) - c(_X),
+    "add with a bool alpha": lambda c: torch.add(c(_X), c(_X), alpha=True),
     "conv2d dilation 0": lambda c: F.conv2d(c(torch.ones(4, 1, 4, 4)), c(torch.ones(1, 1, 2, 2)), dilation=0),
     "conv2d padding -1": lambda c: F.conv2d(c(torch.ones(4, 1, 4, 4)), c(torch.ones(1, 1, 2, 2)), padding=-1),
     # reductions of nothing

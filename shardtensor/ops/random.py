@@ -171,13 +171,24 @@ def random_(key, self, *, generator=None):
     return _randint(key, jnp.shape(self), 0, _default_random_high(dt), dt)
 
 
-@register(aten.random.to, random=True)
+def _random_range(self, from_=0, to=None, *, generator=None, **kw):
+    """``validate`` of random_(from, to) and random_(to): torch's CPU kernel refuses an empty range."""
+    from_ = kw.get("from", from_)
+    if to is not None and from_ >= to:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={from_} >= to={to}")
+
+
+def _random_to_range(self, to, *, generator=None):
+    _random_range(self, 0, to)
+
+
+@register(aten.random.to, random=True, validate=_random_to_range)
 def random_to(key, self, to, *, generator=None):
     dt = dtype_of(self)
     return _randint(key, jnp.shape(self), 0, to, dt)
 
 
-@register(getattr(aten.random, "from"), random=True)
+@register(getattr(aten.random, "from"), random=True, validate=_random_range)
 def random_from(key, self, from_=None, to=None, *, generator=None, **kw):
     from_ = kw.pop("from", from_)
     dt = dtype_of(self)
