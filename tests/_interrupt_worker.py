@@ -35,8 +35,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def ctrl_c_after(fn, delay):
-    """Run ``fn`` with a SIGINT sent to this process ``delay`` seconds after it starts (None: none).
-    Returns (what ended it: "returned" or the exception's type, seconds it ran)."""
+    """Run ``fn`` with a SIGINT sent to this process ``delay`` seconds after it starts (None: none);
+    if ``fn`` returns first, the signal lands just after it. Returns (what ended it: "returned" or the
+    exception's type, seconds ``fn`` ran)."""
     timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)) if delay is not None else None
     start = time.perf_counter()
     outcome = "returned"
@@ -48,9 +49,8 @@ def ctrl_c_after(fn, delay):
         finally:
             took = time.perf_counter() - start
             if timer is not None:
-                timer.cancel()
                 timer.join()
-                for _ in range(1000):  # (a signal sent just as fn returned lands here, inside)
+                for _ in range(1000):  # (the signal lands here at the latest, inside)
                     pass
     except BaseException as error:  # noqa: BLE001  (DCP wraps a KeyboardInterrupt in a BaseException of its own)
         outcome = type(error).__name__
@@ -447,6 +447,9 @@ def main(scenario: str, args: list) -> dict:
 
 
 if __name__ == "__main__":
+    # (Python's own Ctrl-C, as in a terminal: a process started in the background by a non-interactive
+    # shell, as some CI runners do, inherits SIGINT ignored and Python then installs no handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = main(sys.argv[1], sys.argv[2:])
     except BaseException as error:  # noqa: BLE001  (a process an interrupt broke: said in the report)
