@@ -54,6 +54,7 @@ def ctrl_c_after(fn, delay):
                     pass
     except BaseException as error:  # noqa: BLE001  (DCP wraps a KeyboardInterrupt in a BaseException of its own)
         outcome = type(error).__name__
+    torch.set_grad_enabled(True)  # (a Ctrl-C inside torch.no_grad()'s __enter__ leaves it off, as in torch)
     return outcome, took
 
 
@@ -142,7 +143,6 @@ def first_calls(root: str, delays: list, save_kind: str) -> dict:
         loss.item()
 
     report["ended"]["step"], report["took"]["step"] = ctrl_c_after(first_step, delays[1])
-    torch.set_grad_enabled(True)
     opt.zero_grad(set_to_none=True)
     states = classify(on_host(model, opt), before, after)
     report["problems"] += [
