@@ -78,7 +78,7 @@ def test_ctrl_c_in_frozen_and_traced_calls_keeps_each_update_whole():
     """Frozen calls held already (SIGINT waits from the call to the last stored output); before, a
     traced call's foreach update (SGD's one op over every parameter) was split by a Ctrl-C: the first
     parameters updated, the others not, which no eager torch run gives."""
-    report = run_worker("replay", 48, 32)
-    assert report["frozen_trials"] >= 40 and report["trace_trials"] >= 24, report
+    report = run_worker("replay", 32, 32)
+    assert report["frozen_trials"] >= 24 and report["trace_trials"] >= 24, report
     assert report["frozen_mixed"] == [], report
     assert report["trace_split"] == [], report

@@ -172,7 +172,7 @@ def test_loops_that_read_nothing_run_to_the_end():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     worker = pathlib.Path(__file__).with_name("_interrupt_worker.py")
     result = subprocess.run(
-        [sys.executable, str(worker), "no_read_loops", "100"], env=env, capture_output=True, text=True, timeout=400
+        [sys.executable, str(worker), "no_read_loops", "80"], env=env, capture_output=True, text=True, timeout=400
     )
     assert result.returncode == 0, f"the loop ended with {result.returncode}: {result.stderr[-3000:]}"
     report = json.loads(result.stdout.splitlines()[-1])
