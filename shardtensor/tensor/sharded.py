@@ -25,6 +25,7 @@ from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
+from shardtensor.graph.interrupts import import_whole
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import Mesh, default_mesh
 from shardtensor.tensor import backward_errors, readback, storage
@@ -47,6 +48,19 @@ _PLACEMENTS_FROM_SPEC: Callable[[Mesh, Any, int], Any] | None = None
 _REDISTRIBUTE: Callable[[Any, Any, Any], Any] | None = None
 _TO_LOCAL: Callable[[Any], torch.Tensor] | None = None
 _FROM_LOCAL: Callable[..., Any] | None = None
+
+
+# What a process's first step imports lazily, made whole before its first ShardedTensor exists (a
+# Ctrl-C in that step would leave it half imported: graph.interrupts): torch imports DTensor (and
+# sympy, ~0.5 s) at the first op on a tensor subclass, JAX its MLIR dialects at the first compile.
+FIRST_IMPORTS = ("torch.distributed.tensor", "jaxlib.mlir.dialects.builtin")
+_first_made = False
+
+
+def _before_the_first_tensor() -> None:
+    global _first_made
+    import_whole(*FIRST_IMPORTS)
+    _first_made = True
 
 
 def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
@@ -131,6 +145,8 @@ class ShardedTensor(torch.Tensor):
         strides: Sequence[int] | None = None,
         storage_offset: int = 0,
     ) -> ShardedTensor:
+        if not _first_made:
+            _before_the_first_tensor()
         shape = tuple(cell.shape if shape is None else shape)
         dtype = dtype or cell.dtype
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
@@ -169,6 +185,8 @@ class ShardedTensor(torch.Tensor):
 
         Example: ``ShardedTensor._result(cell, ("T", (2, 3), torch.float32, (3, 1), 0)).shape == (2, 3)``.
         """
+        if not _first_made:
+            _before_the_first_tensor()
         r = torch.Tensor._make_wrapper_subclass(cls, sig[1], dtype=sig[2], device=torch_device._DEVICE)
         r._cell = cell
         r._sig = sig
