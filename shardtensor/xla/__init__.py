@@ -68,14 +68,31 @@ def _real_torch_xla() -> str | None:
     return spec.origin or ", ".join(spec.submodule_search_locations or []) or _NAME
 
 
+# modules of PyTorch/XLA the face leaves out on purpose, and what to use instead
+_ABSENT_MODULES = {
+    "torch_xla.experimental.scan": "use a Python loop over the layers (st.compile traces it into one program)",
+    "torch_xla.experimental.scan_layers": "use a Python loop over the layers (st.compile traces it into one program)",
+    "torch_xla.experimental.fori_loop": "use a Python loop (st.compile traces it into one program)",
+    "torch_xla.test": "PyTorch/XLA's test harness; use print and torch.utils.tensorboard directly",
+    "torch_xla.core.xla_builder": "PyTorch/XLA's HLO builder; write the computation with torch ops or st.call_jax",
+    "torch_xla.stablehlo": "use st.export(fn, *args).mlir_text() for StableHLO",
+    "torch_xla.core.dynamo_bridge": "torch.compile(backend='openxla') runs shardtensor's Dynamo backend",
+}
+
+
 class _MissingTorchXlaModules(importlib.abc.MetaPathFinder):
     """``import torch_xla.<name>`` for a module the face does not have: a ModuleNotFoundError that says so."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name == _NAME or name.startswith(_NAME + "."):
+            why = next((w for m, w in _ABSENT_MODULES.items() if name == m or name.startswith(m + ".")), None)
             raise ModuleNotFoundError(
-                f"No module named {name!r}: shardtensor's torch_xla face does not provide it (see docs/xla.md for "
-                "what it has, and shardtensor's own API for the rest).",
+                f"No module named {name!r}: shardtensor's torch_xla face does not provide it"
+                + (
+                    f": {why}."
+                    if why
+                    else " (see docs/xla.md for what it has, and shardtensor's own API for the rest)."
+                ),
                 name=name,
             )
         return None

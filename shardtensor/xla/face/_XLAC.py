@@ -116,6 +116,7 @@ _MANUAL = (
     "manual sharding regions are written as a function under shardtensor: st.shard_map(fn, mesh, in_specs, "
     "out_specs) runs fn on each device's block, with st.manual.all_reduce / reduce_scatter / all_gather inside"
 )
+_PREEMPTION = "preemption is handled by CheckpointManager(chkpt_on_preemption=True): manager.reached_preemption(step)"
 _REASONS = {
     "_spmd_full_to_shard_shape": _MANUAL,
     "_spmd_shard_to_full_shape": _MANUAL,
@@ -127,6 +128,11 @@ _REASONS = {
     "_xla_mark_sharding": "use torch_xla.distributed.spmd.mark_sharding(t, mesh, partition_spec)",
     "_xla_increment_counter": "shardtensor's counters are its own (torch_xla.debug.metrics reads them)",
     "OpSharding": "use mesh.get_op_sharding(partition_spec) of a torch_xla.distributed.spmd.Mesh",
+    "_sync_point_reached": _PREEMPTION,
+    "_activate_preemption_sync_manager": _PREEMPTION,
+    "_deactivate_preemption_sync_manager": _PREEMPTION,
+    "_ensure_xla_coordinator_initialized": "shardtensor's processes meet through "
+    "shardtensor.runtime.initialize_distributed (jax.distributed)",
 }
 __getattr__ = _support.module_getattr(
     "torch_xla._XLAC",
