@@ -40,9 +40,7 @@ def sources(repo: str) -> list[tuple[str, str]]:
     out = []
     for folder in (os.path.join(repo, "examples"), os.path.join(repo, "test", "spmd")):
         for base, _, files in sorted(os.walk(folder)):
-            out += [
-                (os.path.join(base, f), open(os.path.join(base, f)).read()) for f in sorted(files) if f.endswith(".py")
-            ]
+            out += [(os.path.join(base, f), _read(os.path.join(base, f))) for f in sorted(files) if f.endswith(".py")]
     for name in DOCS:
         path = os.path.join(repo, "docs", "source", "perf", name)
         text = _read(path) if os.path.exists(path) else ""
