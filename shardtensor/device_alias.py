@@ -117,14 +117,14 @@ def alias_device(device_type: str) -> DeviceAlias:
         key = torch._C._dispatch_key_for_device(device_type)
     except RuntimeError as e:
         raise ValueError(f"alias_device({device_type!r}): not a torch device type ({e}).") from None
-    if _has_guard(device_type):
-        raise ValueError(
-            f"alias_device({device_type!r}): torch already has a backend for {device_type!r} devices in this "
-            "process (its device guard is installed), so its name cannot mean st.device()."
-        )
     with _LOCK:
         if device_type in _ALIASES:
             raise ValueError(f"alias_device({device_type!r}): already aliased (remove() that alias first).")
+        if _has_guard(device_type):
+            raise ValueError(
+                f"alias_device({device_type!r}): torch already has a backend for {device_type!r} devices in this "
+                "process (its device guard is installed), so its name cannot mean st.device()."
+            )
         library = register_factory_kernels(key)
         originals = []
         for owner, name, position in _CONVERSIONS:
