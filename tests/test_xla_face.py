@@ -358,3 +358,21 @@ def test_torch_xla_is_the_face_only_while_installed():
     import torch_xla
 
     assert torch_xla.__name__ == "shardtensor.xla.face" and sys.modules["torch_xla.runtime"] is torch_xla.runtime
+
+
+def test_profiler_regions_and_the_xla_rendezvous():
+    import torch.distributed as dist
+    import torch_xla.debug.profiler as xp
+
+    with xp.StepTrace("train_step", step_num=0):  # JAX's step annotation; the step runs at its end
+        with xp.Trace("forward"):
+            y = torch.ones(4, device="xla") * 2
+    assert not y.pending
+    torch.testing.assert_close(y.cpu(), torch.full((4,), 2.0))
+    with pytest.raises(NotImplementedError, match="another host's server"):
+        xp.trace("10.1.2.3:9012", "/nonexistent", duration_ms=1)
+    dist.init_process_group("gloo", init_method="xla://")  # (registered by torch_xla.distributed.xla_backend)
+    try:
+        assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+    finally:
+        dist.destroy_process_group()

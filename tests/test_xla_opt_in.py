@@ -108,8 +108,15 @@ def test_python_m_runs_a_script_as_python_would(tmp_path):
     assert lines[1] == "device True ShardedTensor"
     assert lines[2].startswith("missing No module named 'torch_xla.experimental.scan': shardtensor's torch_xla face")
     assert "Python loop" in lines[2]
-    usage = _python(["-m", "shardtensor.xla"], tmp_path)
-    assert usage.returncode == 2 and "usage: python -m shardtensor.xla script.py" in usage.stderr
+
+
+def test_python_m_without_a_script_prints_its_usage(capsys):
+    from shardtensor.xla.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main([])
+    assert exit_.value.code == 2 and "usage: python -m shardtensor.xla script.py" in capsys.readouterr().err
+    assert not shardtensor.xla.installed()
 
 
 def test_a_real_torch_xla_is_never_shadowed(tmp_path, monkeypatch):
@@ -148,7 +155,11 @@ def test_the_face_uses_only_the_public_api():
                         wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: st.{node.attr}")
                 continue
             for target in targets:
-                if target.split(".")[0] == "shardtensor" and target not in _PUBLIC and not target.startswith("shardtensor.xla"):
+                if (
+                    target.split(".")[0] == "shardtensor"
+                    and target not in _PUBLIC
+                    and not target.startswith("shardtensor.xla")
+                ):
                     wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: imports {target}")
     assert not wrong, "the face reaches below shardtensor's public API:\n" + "\n".join(wrong)
 
