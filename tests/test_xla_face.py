@@ -364,9 +364,9 @@ def test_profiler_regions_and_the_xla_rendezvous():
     import torch.distributed as dist
     import torch_xla.debug.profiler as xp
 
-    with xp.StepTrace("train_step", step_num=0):  # JAX's step annotation; the step runs at its end
-        with xp.Trace("forward"):
-            y = torch.ones(4, device="xla") * 2
+    # JAX's step annotation (the step runs at its end) around a named region
+    with xp.StepTrace("train_step", step_num=0), xp.Trace("forward"):
+        y = torch.ones(4, device="xla") * 2
     assert not y.pending
     torch.testing.assert_close(y.cpu(), torch.full((4,), 2.0))
     with pytest.raises(NotImplementedError, match="another host's server"):

@@ -150,9 +150,9 @@ def test_the_face_uses_only_the_public_api():
                 if node.module == "shardtensor":
                     targets += [f"shardtensor.{a.name}" for a in node.names if a.name.startswith("_")]
             else:
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "st":
-                    if node.attr.startswith("_"):
-                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: st.{node.attr}")
+                private = isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                if private and isinstance(node.value, ast.Name) and node.value.id == "st":
+                    wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: st.{node.attr}")
                 continue
             for target in targets:
                 if (
