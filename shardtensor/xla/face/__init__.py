@@ -29,8 +29,6 @@ __version__ = "2.13.0+shardtensor"
 def device(index: int | None = None) -> torch.device:
     """The XLA device: ``st.device()``, the one logical device for the whole mesh (PyTorch/XLA's SPMD
     answer, ``xla:0``, for every index)."""
-    if index is not None and (not isinstance(index, int) or index < 0):
-        raise IndexError(f"Device index {index} out of range in {devices()}")
     return st.device()
 
 
