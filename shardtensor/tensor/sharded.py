@@ -243,6 +243,46 @@ class ShardedTensor(torch.Tensor):
         return sh.array_sharding(cell.value, len(cell.shape))[0]
 
     @property
+    def sharding_type(self) -> sh.ShardingType | None:
+        """PyTorch/XLA's sharding type of this tensor: ``REPLICATED``, ``PARTIAL`` (split and
+        replicated), ``TILED`` or ``MAXIMAL``; ``None`` while it has none (a pending result with no
+        annotation, whose layout XLA chooses when it runs, or a view).
+
+        Example: ``st.shard(torch.ones(8, 4), mesh42, ("x", None)).sharding_type == st.ShardingType.PARTIAL``.
+        """
+        cell = self._cell
+        if self._chain:
+            return None
+        if cell.spec is not None:
+            return sh.sharding_type(cell.mesh, cell.spec, len(cell.shape))
+        text = self.sharding_spec
+        if not text:
+            return None
+        parsed = sh.parse_sharding_string(text)
+        if parsed.kind != "tiled":
+            return sh.ShardingType.REPLICATED if parsed.kind == "replicated" else sh.ShardingType.MAXIMAL
+        return sh.ShardingType.PARTIAL if parsed.replicas > 1 else sh.ShardingType.TILED
+
+    @property
+    def global_tensor(self) -> ShardedTensor:
+        """The tensor itself: PyTorch/XLA's ``XLAShardedTensor.global_tensor`` (the whole logical
+        tensor behind a sharded wrapper); a ShardedTensor is already the whole tensor.
+
+        Example: ``st.mark_sharding(t, mesh, ("x", None)).global_tensor is t``.
+        """
+        return self
+
+    @property
+    def pending(self) -> bool:
+        """Whether this tensor's value is recorded but not computed yet (lazy mode, before
+        ``st.sync()``): PyTorch/XLA's "IR value" as against device data. ``mark_sharding`` on a
+        pending tensor adds a sharding constraint; on a computed one it moves the data.
+
+        Example: ``(x + 1).pending`` is True until ``st.sync()``; ``st.shard(t, mesh, spec).pending`` is False.
+        """
+        return self._cell.is_pending()
+
+    @property
     def device_mesh(self) -> Mesh:
         """The mesh this tensor's data is laid out over (DTensor's ``device_mesh``).
 
