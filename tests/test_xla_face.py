@@ -341,17 +341,19 @@ def test_what_the_face_cannot_do_raises_saying_why():
 
     with pytest.raises(NotImplementedError, match="FSDPv2"):
         XlaFullyShardedDataParallel(torch.nn.Linear(2, 2))
-    autocast_supported = True
-    try:
-        with torch.autocast("xla", dtype=torch.bfloat16):
-            a = torch.ones(2, 2, device="xla")
+
+
+def test_xla_autocast_is_autocast_on_the_device_in_bfloat16():
+    import torch_xla.amp
+
+    a = torch.ones(2, 2, device="xla")
+    for region in (torch.autocast("xla"), torch.autocast("xla", dtype=torch.bfloat16), torch_xla.amp.autocast("xla")):
+        with region:
             product = a @ a
-    except NotImplementedError as e:  # TODO(autocast): the autocast branch makes this cast instead
-        assert "autocast on shardtensor's device" in str(e)
-        autocast_supported = False
-    if autocast_supported:
         assert product.dtype == torch.bfloat16
         torch.testing.assert_close(product.cpu(), torch.full((2, 2), 2.0, dtype=torch.bfloat16))
+    with torch.autocast("xla", enabled=False):
+        assert (a @ a).dtype == torch.float32
 
 
 def test_torch_xla_is_the_face_only_while_installed():

@@ -205,7 +205,8 @@ def _openxla_compile(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _xla_autocast_init(original: Callable[..., None]) -> Callable[..., None]:
-    """torch.autocast's ``__init__`` with device type ``'xla'`` meaning shardtensor's device."""
+    """torch.autocast's ``__init__`` with device type ``'xla'`` meaning shardtensor's device (bfloat16
+    unless told: torch's default autocast dtype for 'xla', not for shardtensor's device type)."""
 
     @functools.wraps(original)
     def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
@@ -213,6 +214,8 @@ def _xla_autocast_init(original: Callable[..., None]) -> Callable[..., None]:
             from shardtensor.xla.face.amp import autocast_device_type
 
             device_type = autocast_device_type()
+            if not args and kwargs.get("dtype") is None:
+                kwargs["dtype"] = torch.bfloat16
         original(self, device_type, *args, **kwargs)
 
     return __init__
