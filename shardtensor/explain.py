@@ -3,7 +3,10 @@
 ``explain(t)`` compiles the pending graph that would compute ``t`` (or a list of tensors) and
 reports, for every output, its shape, dtype and the sharding XLA's propagation gave it, and the
 collectives of the compiled program, with the bytes they move. ``explain(fn, *args)`` first calls
-``fn`` in lazy mode, then explains what it recorded. Nothing is executed.
+``fn`` in lazy mode, then explains what it recorded. ``explain(step, *args)``, ``step`` an
+``st.compile``'d function, explains the program a call with these arguments runs (``step.lower``:
+nothing runs, nothing changes), with XLA's memory and flops per device; ``explain(compiled)`` does
+the same for a ``step.lower(...)`` (or its ``.compile()``). Nothing is executed.
 
 What "bytes" means: for each collective instruction of the compiled (per-device, SPMD-partitioned)
 HLO, the size of its result buffer on one device, summed over the instructions of that kind: the
@@ -29,10 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jax.sharding import NamedSharding
 from torch.utils import _pytree as pytree
 
-from shardtensor import debug, runtime
+from shardtensor import debug, runtime, stages
 from shardtensor import sharding as sh
+from shardtensor.compiler import CompiledFunction
 from shardtensor.graph import views
 from shardtensor.graph.capture import capture, lower
 from shardtensor.graph.ir import Cell, Pending
@@ -84,6 +89,11 @@ class Explanation:
     compiled: bool
     ops: list[CollectiveOp] = field(default_factory=list)
     hlo: str = field(default="", repr=False)
+    # a compiled step's (``explain(step, *args)``): XLA's memory and flops per device, what it is
+    memory: stages.Memory | None = None
+    flops: float | None = None
+    step: str | None = None  # "train_step", or "train_step for v5e:2x4"
+    platform: str | None = None  # the devices' platform, when not this process's (a step compiled for a TPU)
 
     @property
     def total_count(self) -> int:
@@ -101,8 +111,18 @@ class Explanation:
         mesh = ""
         if self.mesh is not None:
             axes = ", ".join(f"{k}={v}" for k, v in zip(debug._axis_labels(self.mesh), self.mesh.mesh_shape))
-            mesh = f" on mesh ({axes}), {self.mesh.size()} {runtime.device_type()} devices"
-        return f"st.explain: {n} output{'s' if n != 1 else ''}{mesh} ({what})"
+            mesh = f" on mesh ({axes}), {self.mesh.size()} {self.platform or runtime.device_type()} devices"
+        step = f"{self.step}: " if self.step else ""
+        return f"st.explain: {step}{n} output{'s' if n != 1 else ''}{mesh} ({what})"
+
+    def _costs(self) -> list[str]:
+        """A compiled step's memory and flops lines."""
+        lines = []
+        if self.memory is not None:
+            lines.append(f"memory: {self.memory}")
+        if self.flops is not None:
+            lines.append(f"flops per device: {self.flops:.4g}")
+        return lines
 
     def __str__(self) -> str:
         lines = [self._header()]
@@ -120,6 +140,7 @@ class Explanation:
                 f"  and {hidden} other pending value(s) the call created (gradients, values "
                 "saved for backward, ...): see .outputs"
             )
+        lines += self._costs()
         if not self.total_count:
             lines.append("collectives: none")
             return "\n".join(lines)
@@ -153,6 +174,7 @@ class Explanation:
             f"<div><b>{e(self._header())}</b></div>",
             f'<table style="border-collapse:collapse"><tr>{head}</tr>{rows}</table>',
         ]
+        parts += [f"<div>{e(line)}</div>" for line in self._costs()]
         if self.total_count:
             crow = "".join(
                 f"<tr><td {cell}>{e(k)}</td><td {cell}>{c.count}</td><td {cell}>{e(format_bytes(c.bytes))}</td></tr>"
@@ -197,12 +219,29 @@ def explain(
     ``PersistentCacheHit``. A replicated input living on another mesh is copied onto the graph's
     mesh (``ReplicateToGraphMesh``), as a run would do; nothing else moves.
 
+    ``explain(step, *args, **kwargs)``, ``step`` an ``st.compile``'d function: the program a call
+    with these arguments runs, as ``step.lower(*args, **kwargs).compile()`` gives it (a frozen
+    call's program, else the function recorded once and everything it changed taken back: no
+    tensor, gradient or optimizer state changes), with XLA's memory and flops per device
+    (``.memory``, ``.flops``). ``explain(lowered)`` / ``explain(compiled)`` take what
+    ``step.lower(...)`` and its ``.compile(...)`` return (a program compiled for a TPU topology too).
+
     Example::
 
         ex = st.explain(F.cross_entropy, logits, targets)
         ex.collectives["all-gather"].count    # 0: the batch-sharded loss stays local
         print(ex)                              # outputs, shardings, collectives and bytes
+        print(st.explain(train_step, x, y))    # a compiled step: its program, memory and collectives
     """
+    if isinstance(t_or_fn, CompiledFunction):
+        return _explain_compiled(t_or_fn.lower(*args, **kwargs).compile())
+    if isinstance(t_or_fn, (stages.Lowered, stages.Compiled)):
+        if args or kwargs:
+            raise TypeError(
+                "st.explain(lowered or compiled step) takes no further arguments: its arguments were "
+                "given to step.lower(...)"
+            )
+        return _explain_compiled(t_or_fn.compile() if isinstance(t_or_fn, stages.Lowered) else t_or_fn)
     if callable(t_or_fn) and not isinstance(t_or_fn, torch.Tensor):
         return _explain_call(t_or_fn, args, kwargs)
     if args or kwargs:
@@ -277,6 +316,36 @@ def _explain(tensors: list, effect_cells: list) -> Explanation:
         outputs.append(OutputSharding(label, shape, dtype, string, spec, pending=True))
     ops = collective_ops(hlo)
     return Explanation(outputs, collectives_in_hlo(hlo), mesh, compiled=bool(cells), ops=ops, hlo=hlo)
+
+
+def _explain_compiled(compiled: stages.Compiled) -> Explanation:
+    """The explanation of a compiled step's program (``stages.Compiled``)."""
+    mesh = compiled.mesh
+    recorded = mesh.get_jax_mesh()
+    outputs = []
+    for out, sharding in zip(compiled.outputs, compiled.output_shardings):
+        ndim = len(out.shape)
+        if isinstance(sharding, NamedSharding) and sharding.mesh != recorded:  # (compiled for other devices)
+            sharding = NamedSharding(recorded, sharding.spec)
+        string, _, spec = debug.array_sharding(sharding, ndim)
+        if spec is None:
+            spec = _find_spec(string, mesh, ndim)
+        outputs.append(OutputSharding(out.label, out.shape, out.dtype, string, spec, pending=True))
+    hlo = compiled.as_text()
+    cost = compiled.cost_analysis() or {}
+    target = compiled.target
+    return Explanation(
+        outputs,
+        collectives_in_hlo(hlo),
+        mesh,
+        compiled=True,
+        ops=collective_ops(hlo),
+        hlo=hlo,
+        memory=compiled.memory(),
+        flops=cost.get("flops"),
+        step=compiled.name + (f" for {target.description}" if target is not None else ""),
+        platform=target.platform.upper() if target is not None else None,
+    )
 
 
 def _compile(cells: list[Cell]) -> tuple[list, str, Mesh]:

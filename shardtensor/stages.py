@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as JaxSpec
@@ -55,9 +56,9 @@ from torch.utils import _pytree as pytree
 
 from shardtensor import optim_steps, runtime
 from shardtensor.dtypes import to_torch
+from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
 from shardtensor.graph.capture import lower as lower_cells
-from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.execute import run_cells
 from shardtensor.graph.program import SCALAR_DTYPES
 from shardtensor.graph.state import (
@@ -119,19 +120,23 @@ class Lowered:
         lowered.compile().memory()
     """
 
-    def __init__(self, name: str, jax_lowered, program, outputs: list[Output], frozen: bool):
+    def __init__(self, name: str, jax_lowered, program, outputs: list[Output], frozen: bool, call=None, target=None):
         self.name = name
         self.jax_lowered = jax_lowered
         self.outputs = outputs
         self.frozen = frozen
         self.ops = len(program.steps)
+        self.target: Target | None = target  # the devices it was lowered for, when not the mesh's own
+        self._program = program
         self._checks = program.checks  # (the program returns its on-device check rows too)
         self._jax_mesh = program.mesh
+        self._call = call  # (the jitted replay, its abstract arguments): what ``retarget`` exports
         self._compiled: Compiled | None = None
 
     @property
     def mesh(self) -> Mesh:
-        """The mesh the program runs on."""
+        """The mesh the program was recorded on (``target.mesh``: the devices it was lowered for
+        instead, same shape and axes, after ``retarget``)."""
         return mesh_for_jax_mesh(self._jax_mesh)
 
     def as_text(self, dialect: str = "stablehlo") -> str:
@@ -143,23 +148,49 @@ class Lowered:
         """XLA's cost estimate of the program before optimization (``flops``, ``bytes accessed``, ...).
 
         Example: ``step.lower(x).cost_analysis()["flops"]``."""
-        return self.jax_lowered.cost_analysis()
+        return _one_dict(self.jax_lowered.cost_analysis())
 
     @runtime.with_x64
-    def compile(self) -> Compiled:
-        """The program compiled by XLA (not run; compiled once per ``Lowered``).
+    def compile(self, topology=None, *, devices=None) -> Compiled:
+        """The program compiled by XLA (not run; compiled once per ``Lowered``). With ``topology``
+        or ``devices``: ``retarget(topology, devices=devices).compile()``, compiled for those devices.
 
-        Example: ``step.lower(x).compile().as_text()``."""
+        Example: ``step.lower(x).compile().as_text()``; ``step.lower(x).compile("v5e:2x4").memory()``."""
+        if topology is not None or devices is not None:
+            return self.retarget(topology, devices=devices).compile()
         if self._compiled is None:
             with _donation_warnings_off():
                 self._compiled = Compiled(self, self.jax_lowered.compile())
         return self._compiled
 
+    def retarget(self, topology=None, *, devices=None) -> Lowered:
+        """This program lowered for other devices, which need not be attached: ``topology``, a TPU
+        topology (a name such as ``"v5e:2x4"`` for ``jax.experimental.topologies.get_topology_desc``,
+        which needs libtpu installed but no TPU, or a ``TopologyDescription``), or ``devices``, jax
+        devices (or a ``jax.sharding.Mesh`` of them), as many as the program's mesh has.
+
+        The program keeps its mesh's shape and axis names and every sharding; it is exported
+        (``jax.export``, lowered with the target platform's rules) and called on a mesh of the new
+        devices, laid out as ``jax.experimental.mesh_utils.create_device_mesh`` lays them out. So a
+        step recorded on simulated CPU devices (``SHARDTENSOR_CPU_DEVICES=16``) shows the memory
+        and collectives each chip of a 4x4 v5e slice would have. (A shardtensor lowering with a
+        variant for the recording platform keeps it: one, ``optimization_barrier`` on CPU.)
+
+        Example::
+
+            compiled = train_step.lower(x, y).retarget("v5e:4x4").compile()
+            compiled.memory().total, compiled.collectives()   # per chip of the slice
+        """
+        if self._call is None:
+            raise ValueError(f"{self.name}: this Lowered has no program to export again")
+        return _retargeted(self, _target(self._jax_mesh, topology, devices, self.name))
+
     def __repr__(self) -> str:
         source = "a frozen replay's program" if self.frozen else "recorded"
+        where = f", for {self.target.description}" if self.target is not None else ""
         return (
-            f"<Lowered {self.name}: {self.ops} ops, {len(self.outputs)} outputs, mesh {_mesh_text(self.mesh)}, "
-            f"{source}>"
+            f"<Lowered {self.name}: {self.ops} ops, {len(self.outputs)} outputs, mesh {_mesh_text(self.mesh)}"
+            f"{where}, {source}>"
         )
 
 
@@ -180,11 +211,12 @@ class Compiled:
         self.lowered = lowered
         self.jax_compiled = jax_compiled
         self.name, self.outputs = lowered.name, lowered.outputs
+        self.target: Target | None = lowered.target  # the devices it was compiled for, if not the mesh's
         self._text: str | None = None
 
     @property
     def mesh(self) -> Mesh:
-        """The mesh the program runs on."""
+        """The mesh the program was recorded on (as ``Lowered.mesh``)."""
         return self.lowered.mesh
 
     def as_text(self) -> str:
@@ -212,7 +244,7 @@ class Compiled:
 
     def cost_analysis(self) -> dict | None:
         """XLA's cost analysis of the compiled program (``flops``, ``bytes accessed``, ...; per device)."""
-        return self.jax_compiled.cost_analysis()
+        return _one_dict(self.jax_compiled.cost_analysis())
 
     def collectives(self) -> dict[str, Collective]:
         """kind -> ``Collective(count, bytes)``: the collectives of the compiled program (each
@@ -234,7 +266,8 @@ class Compiled:
     def __str__(self) -> str:
         memory = self.memory()
         cost = self.cost_analysis() or {}
-        lines = [f"{self.name}: {self.lowered.ops} ops on mesh {_mesh_text(self.mesh)}, compiled (not run)"]
+        where = f" for {self.target.description}" if self.target is not None else ""
+        lines = [f"{self.name}: {self.lowered.ops} ops on mesh {_mesh_text(self.mesh)}, compiled{where} (not run)"]
         lines.append(f"  memory: {memory}" if memory is not None else "  memory: (no analysis on this backend)")
         if "flops" in cost:
             lines.append(f"  flops per device: {cost['flops']:.4g}")
@@ -246,7 +279,15 @@ class Compiled:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"<Compiled {self.name}: {self.lowered.ops} ops, mesh {_mesh_text(self.mesh)}>"
+        where = f", for {self.target.description}" if self.target is not None else ""
+        return f"<Compiled {self.name}: {self.lowered.ops} ops, mesh {_mesh_text(self.mesh)}{where}>"
+
+
+def _one_dict(cost) -> dict | None:
+    """XLA's cost analysis as one dict (some jax versions give a list of one per program)."""
+    if isinstance(cost, (list, tuple)):
+        return cost[0] if cost else None
+    return cost
 
 
 def _mesh_text(mesh: Mesh) -> str:
@@ -310,11 +351,14 @@ def _from_frozen(frozen, name: str) -> Lowered:
         sizes[kind] = max(sizes.get(kind, 0), position + 1)
     replicated = NamedSharding(program.mesh, JaxSpec())
     vectors = {k: jax.ShapeDtypeStruct((n,), SCALAR_DTYPES[k], sharding=replicated) for k, n in sizes.items()}
+    arguments = ([avals[i] for i in program.donated], [avals[i] for i in program.kept], vectors)
     with _donation_warnings_off():
-        jax_lowered = executable.lower([avals[i] for i in program.donated], [avals[i] for i in program.kept], vectors)
+        jax_lowered = executable.lower(*arguments)
     targets = getattr(frozen, "targets", None) or [("new", None)] * len(program.outputs)
     labels = [f"output {t[1]}" if t[0] == "ret" else _TARGET_LABELS.get(t[0], NEW_VALUE) for t in targets]
-    return Lowered(name, jax_lowered, program, _outputs(program, jax_lowered, labels), frozen=True)
+    jitted = executable if hasattr(executable, "trace") else program.make_executable()  # (a stored one: again)
+    outputs = _outputs(program, jax_lowered, labels)
+    return Lowered(name, jax_lowered, program, outputs, frozen=True, call=(jitted, arguments))
 
 
 def _outputs(program, jax_lowered, labels) -> list[Output]:
@@ -366,15 +410,17 @@ def _record(fn, args, kwargs, flat, name: str) -> Lowered:
 
 @runtime.with_x64
 def _lower_recorded(lowered, labels, name: str) -> Lowered:
+    jitted, arguments = lowered.jitted(), lowered.abstract_arguments()
     with _donation_warnings_off():
-        jax_lowered = lowered.jitted().lower(*lowered.abstract_arguments())
+        jax_lowered = jitted.lower(*arguments)
     program = lowered.program
-    return Lowered(name, jax_lowered, program, _outputs(program, jax_lowered, labels), frozen=False)
+    outputs = _outputs(program, jax_lowered, labels)
+    return Lowered(name, jax_lowered, program, outputs, frozen=False, call=(jitted, arguments))
 
 
 def _labels(cells, flat, out, seen) -> list[str]:
     """What each computed cell is to the call: a value it returns, one it updates, one it makes."""
-    returned = {}
+    returned: dict[int, int] = {}
     for i, x in enumerate(pytree.tree_leaves(out)):
         if isinstance(x, ShardedTensor) and not x._chain:
             returned.setdefault(id(x._cell), i)
@@ -457,3 +503,123 @@ def _put_back(target: dict, contents: dict) -> None:
         return
     target.clear()
     target.update(contents)
+
+
+# --------------------------------------------------------------------------- other devices
+
+
+class Target(NamedTuple):
+    """The devices a program was lowered for when they are not its mesh's own (``Lowered.retarget``):
+    ``mesh``, a ``jax.sharding.Mesh`` of them with the program mesh's shape and axis names; their
+    ``platform``; ``description``, e.g. ``"v5e:2x4"`` or ``"8 cpu devices"``."""
+
+    mesh: jax.sharding.Mesh
+    platform: str
+    description: str
+
+
+def _target(jax_mesh, topology, devices, name: str) -> Target:
+    """The ``Target`` for ``Lowered.retarget``'s arguments, the program running on ``jax_mesh``."""
+    if (topology is None) == (devices is None):
+        raise TypeError(
+            f"{name}: retarget(...) takes a TPU topology (topology='v5e:2x4', or a "
+            "jax.experimental.topologies.TopologyDescription) or devices=[jax devices], one of the two"
+        )
+    description = None
+    if topology is not None:
+        if isinstance(topology, str):
+            description, topology = topology, _topology(topology, name)
+        if not hasattr(topology, "devices"):
+            raise TypeError(
+                f"{name}: topology= takes a topology's name ('v5e:2x4') or a TopologyDescription, "
+                f"not a {type(topology).__name__}"
+            )
+        devices = topology.devices
+    shape, axes = tuple(jax_mesh.devices.shape), tuple(jax_mesh.axis_names)
+    if isinstance(devices, jax.sharding.Mesh):
+        if tuple(devices.devices.shape) != shape:
+            raise ValueError(
+                f"{name}: the program runs on a mesh of shape {shape} ({dict(jax_mesh.shape)}); the mesh given "
+                f"has shape {tuple(devices.devices.shape)}"
+            )
+        grid = devices.devices
+    else:
+        devices = list(devices)
+        if not devices or not all(isinstance(d, jax.Device) for d in devices):
+            raise TypeError(f"{name}: devices= takes jax devices (or a jax.sharding.Mesh of them)")
+        if len(devices) != jax_mesh.devices.size:
+            raise ValueError(
+                f"{name}: the program runs on a mesh of {jax_mesh.devices.size} devices {dict(jax_mesh.shape)}; "
+                f"{description or 'devices='} has {len(devices)}. Record the step on a mesh of "
+                f"{len(devices)} devices (on CPU: SHARDTENSOR_CPU_DEVICES={len(devices)}) to compile it for them"
+            )
+        grid = _device_grid(shape, devices)
+    platform = grid.flat[0].platform
+    if description is None:
+        description = f"{grid.size} {platform} devices"
+    return Target(jax.sharding.Mesh(grid, axes), platform, description)
+
+
+def _device_grid(shape, devices):
+    """``devices`` laid out as ``shape``: as jax lays out a mesh on a TPU's torus, else in order."""
+    from jax.experimental import mesh_utils  # noqa: PLC0415  (jax's experimental module, read when used)
+
+    try:
+        return mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+    except Exception:  # noqa: BLE001  (no physical layout for this shape: the devices in order)
+        return np.array(devices, dtype=object).reshape(shape)
+
+
+def _topology(topology_name: str, name: str):
+    """``jax.experimental.topologies.get_topology_desc(topology_name, "tpu")``, or a clear error."""
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    try:
+        return topologies.get_topology_desc(topology_name, "tpu")
+    except RuntimeError as error:
+        if "not installed" in str(error):
+            raise RuntimeError(
+                f"{name}: compiling for the TPU topology {topology_name!r} needs libtpu on this machine (no TPU "
+                "needs to be attached: pip install 'jax[tpu]'), and it is not installed here. On any machine, "
+                "devices=[...] compiles for other devices of an attached platform."
+            ) from error
+        raise ValueError(f"{name}: no TPU topology {topology_name!r}: {error}") from error
+    except Exception as error:  # noqa: BLE001  (libtpu's errors: a name it does not know, options it needs)
+        raise ValueError(
+            f"{name}: no TPU topology {topology_name!r} ({error}). Make one with "
+            "jax.experimental.topologies.get_topology_desc(...) and pass it as topology="
+        ) from error
+
+
+@runtime.with_x64
+def _retargeted(lowered: Lowered, target: Target) -> Lowered:
+    """``lowered``'s program exported for ``target``'s platform and lowered on its mesh."""
+    jitted, arguments = lowered._call
+    try:
+        exported = jax.export.export(jitted, platforms=(target.platform,))(*arguments)
+    except Exception as error:
+        raise RuntimeError(
+            f"{lowered.name}: its program could not be lowered for {target.description}: {error}"
+        ) from error
+
+    def on_target(aval):
+        sharding = aval.sharding
+        if isinstance(sharding, NamedSharding):
+            spec = sharding.spec
+        elif sharding is None or sharding.is_fully_replicated:
+            spec = JaxSpec()
+        else:  # (every input of a shardtensor program is laid out over its mesh)
+            raise ValueError(f"{lowered.name}: an input's sharding is not over the program's mesh: {sharding}")
+        return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=NamedSharding(target.mesh, spec))
+
+    with _donation_warnings_off():
+        jax_lowered = jax.jit(exported.call, donate_argnums=(0,)).lower(*jax.tree.map(on_target, arguments))
+    return Lowered(
+        lowered.name,
+        jax_lowered,
+        lowered._program,
+        lowered.outputs,
+        lowered.frozen,
+        call=lowered._call,
+        target=target,
+    )

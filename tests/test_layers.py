@@ -32,6 +32,8 @@ LAYERS = [
             "trace_reads",
             "exporter",
             "explain",
+            "stages",
+            "hlo_collectives",
             "debug",
             "nn_utils",
             "optim_prime",

@@ -99,8 +99,9 @@ class _State(threading.local):
     execution_guard: str | None = None  # set by compile(full_graph=True): a message to raise on any execution
     trace_start: int | None = None  # perf_counter_ns() of the first op recorded since a graph last ran
     # while set (``undo_journal``): id(cell) -> (cell, value, version, layout, leaf, owned) as each cell
-    # was before this thread first gave it a new value, so the block's updates can be taken back
-    journal: dict | None = None
+    # made before the block was before this thread first gave it a new value, so the block's updates
+    # can be taken back
+    journal: _Journal | None = None
 
     def __init__(self):
         self.pending = _PendingCells()
@@ -184,10 +185,20 @@ def _set_pending_each(cells, refs, pending, unless_done=False) -> None:
         cell.value = ref  # (last: what ``unless_done`` looks at)
 
 
+class _Journal(dict):
+    """``undo_journal``'s entries; ``since``: the first serial of the cells made inside the block
+    (those are not noted: nothing held them before, and a note would keep them alive)."""
+
+    def __init__(self):
+        super().__init__()
+        self.since = Cell.serial_mark()
+
+
 def _note_before(cell: Cell) -> None:
-    """Keep what ``cell`` holds now in this thread's journal, unless it is there already."""
+    """Keep what ``cell`` holds now in this thread's journal, unless it is there already or the cell
+    was made inside the block."""
     journal = STATE.journal
-    if journal is not None and id(cell) not in journal:
+    if journal is not None and cell.serial < journal.since and id(cell) not in journal:
         journal[id(cell)] = (cell, cell.value, cell.version, cell.layout, cell._leaf, cell.owned)
 
 
@@ -202,7 +213,7 @@ def undo_journal():
             model(x).sum().backward()      # recorded, nothing run
         take_back(journal)                  # every tensor holds its value from before again
     """
-    outer, STATE.journal = STATE.journal, {}
+    outer, STATE.journal = STATE.journal, _Journal()
     journal = STATE.journal
     try:
         yield journal
@@ -210,7 +221,8 @@ def undo_journal():
         STATE.journal = outer
         if outer is not None:  # (the outer block takes back what this one changed too)
             for key, entry in journal.items():
-                outer.setdefault(key, entry)
+                if entry[0].serial < outer.since:
+                    outer.setdefault(key, entry)
 
 
 def take_back(journal: dict) -> None:
