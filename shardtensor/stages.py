@@ -56,6 +56,7 @@ from torch.utils import _pytree as pytree
 
 from shardtensor import optim_steps, runtime
 from shardtensor.dtypes import to_torch
+from shardtensor.graph import rng
 from shardtensor.graph.aliasing import param_aliasing_enabled
 from shardtensor.graph.capture import capture
 from shardtensor.graph.capture import lower as lower_cells
@@ -435,7 +436,8 @@ def _labels(cells, flat, out, seen) -> list[str]:
 
 class _StateBefore:
     """The Python state a recorded step may change, as it is now: each tensor that requires grad and
-    its ``.grad``, each optimizer's attributes, ``state`` and ``param_groups``, torch's CPU generator;
+    its ``.grad``, each optimizer's attributes, ``state`` and ``param_groups``, torch's CPU generator,
+    the random key's cell and the seed last given (``graph.rng``);
     ``restore()`` puts back what changed. (Tensors' values are taken back by ``graph.state``'s journal.)"""
 
     def __init__(self):
@@ -450,6 +452,7 @@ class _StateBefore:
                 elif issubclass(kind, torch.optim.Optimizer):
                     self.optimizers.append(_OptimizerBefore(obj))
         self.cpu_rng = torch.get_rng_state()
+        self.key = rng.saved()
 
     def restore(self) -> None:
         with torch._C.DisableTorchFunctionSubclass():
@@ -459,6 +462,7 @@ class _StateBefore:
         for optimizer in self.optimizers:
             optimizer.restore()
         torch.set_rng_state(self.cpu_rng)
+        rng.restore(self.key)
 
 
 class _OptimizerBefore:

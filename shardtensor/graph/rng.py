@@ -125,3 +125,20 @@ def get_state() -> np.ndarray:
     if cell.is_pending():
         run_cells([cell])
     return np.asarray(cell.value)
+
+
+def saved() -> tuple:
+    """The key's cell and the seed requests as they are now, for ``restore`` (``stages`` records a
+    step and then takes back what it changed; the cell's value is taken back with the others).
+
+    Example::
+
+        before = saved(); record_something(); restore(before)
+    """
+    return _CELL, _REQUESTED, _APPLIED[0]
+
+
+def restore(before: tuple) -> None:
+    """Put back what ``saved`` returned: a seed given before is applied at the next draw again."""
+    global _CELL, _REQUESTED
+    _CELL, _REQUESTED, _APPLIED[0] = before
