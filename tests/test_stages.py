@@ -6,6 +6,11 @@ collectives with their bytes; ``st.explain(step, *args)`` prints them; a frozen 
 program is the one its replays run; ``retarget``/``compile(devices=...)`` compiles it for other
 devices (a TPU topology where libtpu is installed); bad input raises clear errors."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -244,3 +249,21 @@ def test_bad_input_raises_clear_errors():
             lowered.compile("v5e:2x4")
     except Exception:  # noqa: BLE001  (libtpu here, wanting more than a name: nothing to check on CPU)
         pass
+
+
+def test_tpu_aot_bench_runs_on_cpu_devices():
+    """bench/tpu_aot.py (the chip's ahead-of-time comparison) at tiny sizes, one simulated slice:
+    a failure there costs a chip call."""
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root))
+    env["XLA_FLAGS"] = os.environ.get("SHARDTENSOR_TEST_COMPILE_FLAGS", "")
+    result = subprocess.run(
+        [sys.executable, str(root / "bench" / "tpu_aot.py"), "--cpu-smoke", "--slice", "cpu4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "== cpu4: 4 chips" in result.stdout and "within 1.05x of JAX" in result.stdout
