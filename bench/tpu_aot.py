@@ -48,10 +48,13 @@ _devices = (SMOKE_CHIPS if SMOKE else CHIPS).get(SLICE or "", 1)
 # the step is recorded on simulated CPU devices, whatever machine this is (libtpu, when installed,
 # is loaded for the compile-only topology alone: no TPU is opened)
 os.environ["SHARDTENSOR_PLATFORM"] = "cpu"
+os.environ.pop("PJRT_DEVICE", None)  # (PyTorch/XLA's variable: TPU on the machine would contradict cpu)
 os.environ["SHARDTENSOR_CPU_DEVICES"] = str(_devices)
 os.environ["JAX_PLATFORMS"] = "cpu"
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--xla_force_host_platform_device_count={_devices}"])
+
+sys.stdout.reconfigure(line_buffering=True)  # (each line as it comes: a run cut short still shows how far it got)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -118,6 +121,7 @@ def shardtensor_compiled(c, cfg, chips: int, batch: int, target, random_init: bo
         torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, capturable=True)
     )
     times["build"] = time.perf_counter() - t0
+    _progress(f"built and sharded over {chips} CPU devices, optimizer state made ({times['build']:.0f}s); recording")
 
     @st.compile
     def train_step(ids, labels):
@@ -133,6 +137,7 @@ def shardtensor_compiled(c, cfg, chips: int, batch: int, target, random_init: bo
     t0 = time.perf_counter()
     lowered = train_step.lower(on(ids), on(ids.clone()))
     times["record+lower"] = time.perf_counter() - t0
+    _progress(f"recorded and lowered ({times['record+lower']:.0f}s); compiling for the slice")
     t0 = time.perf_counter()
     compiled = lowered.compile(**target)
     times["compile"] = time.perf_counter() - t0
@@ -195,6 +200,10 @@ def jax_step(params, m, v, count, ids, labels, cfg, batch_sharding):
     return new_p, new_m, new_v, count, loss
 
 
+def _progress(text: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {text}")
+
+
 def jax_compiled(c, cfg, shapes: dict, batch: int, mesh):
     """(jax.stages.Compiled, seconds): the same step in JAX on ``mesh`` (the compile-only devices)."""
     t0 = time.perf_counter()
@@ -248,8 +257,10 @@ def _topology(name: str):
 def compare(name: str, chips: int, c: dict, smoke: bool) -> bool:
     cfg = _config(c)
     batch = chips  # one sequence per chip
+    _progress(f"{name} ({chips} chips): building the Llama")
     target = dict(devices=jax.devices()[:chips][::-1]) if smoke else dict(topology=_topology(name))
     st_compiled, n_params, times = shardtensor_compiled(c, cfg, chips, batch, target, c["hidden"] < 1024)
+    _progress(f"shardtensor's step compiled ({times['compile']:.0f}s); JAX's step")
     model_shapes = _shapes(cfg)
     jx, jax_seconds = jax_compiled(c, cfg, model_shapes, batch, st_compiled.target.mesh)
     times["jax lower+compile"] = jax_seconds
