@@ -14,13 +14,17 @@ Where the program comes from:
 - otherwise the function runs once, recording (as a call that traces does: the same program), and
   anything that would need a value computed on the devices (``.item()``, printing) raises instead
   of running. Then everything the recording changed is taken back: every tensor's value (parameters,
-  buffers, optimizer state, the random key), the gradients of tensors that require grad, optimizers'
-  ``state`` and ``param_groups`` and attributes, torch's CPU random generator. Other Python state the
+  buffers, optimizer state, the random key and the seed last given), the gradients of tensors that
+  require grad, optimizers' ``state`` and ``param_groups`` and attributes, torch's CPU random
+  generator. Other Python state the
   function changes (a counter of its own, a scheduler it steps) stays changed, as after a call.
   Lazy work pending before the call is computed first, as a call would.
 
 Memory and collectives are per device; ``Compiled.memory()`` sums XLA's analysis as shardtensor's
 out-of-memory check does (arguments + outputs + temporaries - outputs written into donated inputs).
+``Lowered.retarget(topology=...)`` / ``.compile(topology=...)`` compile the program for devices that
+need not be attached (a TPU slice, through libtpu's compile-only topology): the program is exported
+with ``jax.export`` and called on a mesh of those devices of the same shape.
 
 Example::
 
@@ -28,7 +32,7 @@ Example::
     def train_step(x, y):
         loss = F.cross_entropy(model(x), y)
         loss.backward(); opt.step(); opt.zero_grad()
-        return loss
+        return loss.detach()
 
     lowered = train_step.lower(x, y)          # nothing runs; no tensor changes
     print(lowered.as_text()[:300])            # StableHLO: func.func public @main(%arg0: ... sdy.sharding ...
@@ -36,6 +40,7 @@ Example::
     compiled.memory().total                   # bytes per device
     compiled.collectives()["all-gather"]      # Collective(count=..., bytes=...)
     compiled.cost_analysis()["flops"]
+    lowered.compile(topology="v5e:4x4").memory()   # per chip of a 4x4 slice (recorded on 16 devices)
 """
 
 from __future__ import annotations

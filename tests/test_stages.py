@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from jax.experimental import topologies
 
 import shardtensor as st
 from _training_helpers import MLP, MLP_SPECS, Traces, make_pair, mesh_8, mlp_batches, reset_state, shard_params
@@ -204,6 +205,8 @@ def test_retarget_to_other_devices():
     assert there.memory() == here.memory() and there.collectives() == here.collectives()
     assert "for 8 cpu devices" in str(there) and "for 8 cpu devices" in repr(lowered.retarget(devices=devices))
     assert "mm for 8 cpu devices" in str(st.explain(there))
+    described = topologies.TopologyDescription(devices)  # (what get_topology_desc returns)
+    assert lowered.compile(topology=described).collectives() == here.collectives()
     grid = jax.sharding.Mesh(there.target.mesh.devices, ("a", "b"))  # a mesh of them: its layout, our names
     assert lowered.compile(devices=grid).target.mesh.axis_names == ("data", "model")
 
@@ -241,8 +244,6 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(TypeError, match="no further arguments"):
         st.explain(lowered, x)
     try:
-        from jax.experimental import topologies
-
         topologies.get_topology_desc("v5e:2x4", "tpu")
     except RuntimeError:  # no libtpu here: the error says what is missing and the way round
         with pytest.raises(RuntimeError, match="needs libtpu.*devices="):
