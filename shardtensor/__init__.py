@@ -40,6 +40,7 @@ from shardtensor.tensor.device import device, devices, xla_devices  # noqa: F401
 from shardtensor.tensor.autocast import autocast  # noqa: F401  (torch.autocast on the device: its op lists)
 from shardtensor import dispatch as _dispatch  # noqa: F401  (installs the op handler and factory kernels)
 from shardtensor.annotate import shard, mark_sharding, clear_sharding  # noqa: F401
+from shardtensor.device_alias import alias_device, DeviceAlias  # noqa: F401
 from shardtensor.compiler import compile, CompiledFunction  # noqa: F401
 from shardtensor.jax_ops import call_jax, jax_op  # noqa: F401
 from shardtensor import manual  # noqa: F401  (st.manual.all_reduce ...: collectives inside a manual region)
@@ -152,6 +153,8 @@ __all__ = [
     "autocast",
     "devices",
     "xla_devices",
+    "alias_device",
+    "DeviceAlias",
     "shard",
     "mark_sharding",
     "clear_sharding",

@@ -69,7 +69,7 @@ class Trace:
             for leaf_i, cell in enumerate(execution.leaf_cells):
                 array = execution.arrays[leaf_i]
                 if cell is not None and id(cell) in hosts:  # (uploaded anew by each replay)
-                    sources.append(("host", *hosts[id(cell)]))
+                    sources.append(("host", *hosts[id(cell)], array.sharding))
                     continue
                 sources.append(_source(cell, array, arg_cells, first_serial, leaf_i in donated))
             if any(s[0] == "const" and s[1] for s in sources):
@@ -164,7 +164,7 @@ class Frozen:
         self._consts = [sources[i][2] if sources[i][0] == "const" else None for i in consts]
         # CPU tensor arguments moved to the devices inside: (position among the constants, the
         # argument's position, how it was uploaded); each replay uploads the argument again
-        self._hosts = [(k, sources[i][1], sources[i][2]) for k, i in enumerate(consts) if sources[i][0] == "host"]
+        self._hosts = [(k, *sources[i][1:]) for k, i in enumerate(consts) if sources[i][0] == "host"]
         self._cells_read = len(args) + len(olds)
         # the same, for the C++ pass (``replay_gather``): argument positions, old cells, constants
         self._gather_plan = (tuple(sources[i][1] for i in args), tuple(self._old_refs), tuple(self._consts))
@@ -293,9 +293,10 @@ class Frozen:
         return self._result(results)
 
     def _refresh_uploads(self, flat) -> None:
-        for k, source, how in self._hosts:
-            # (an argument by its position, or an optimizer's live hyperparameter: optim_steps.LiveValue)
-            self._consts[k] = how.array(flat[source]) if type(source) is int else source.array(how)
+        for k, source, how, sharding in self._hosts:
+            # (an argument by its position, or an optimizer's live hyperparameter: optim_steps.LiveValue),
+            # placed as the traced call's input was (on the program's mesh)
+            self._consts[k] = how.array(flat[source], sharding) if type(source) is int else source.array(how, sharding)
         self._gather_plan = (*self._gather_plan[:2], tuple(self._consts))
 
     def _find_written_fit(self, outs, program) -> list:

@@ -152,7 +152,7 @@ class LiveValue:
     def __init__(self, optimizer: torch.optim.Optimizer, index: int, key: str):
         self._optimizer = weakref.ref(optimizer)
         self.index, self.key = index, key
-        self._last: tuple = (None, None)  # (the number, its array)
+        self._last: tuple = (None, None, None)  # (the number, the sharding, its array)
 
     def group(self) -> dict | None:
         opt = self._optimizer()
@@ -169,15 +169,18 @@ class LiveValue:
         STATE.trace_uploads.append((self, how, uploaded._cell))
         return uploaded
 
-    def array(self, how: Upload):
-        """The value now, uploaded (the last array again while the number is the same)."""
+    def array(self, how: Upload, sharding=None):
+        """The value now, uploaded (the last array again while the number is the same), placed with
+        ``sharding`` (the traced call's)."""
         group = self.group()
         value = group.get(self.key) if group is not None else None
         if type(value) is not float:
             raise RuntimeError(f"the optimizer {self.key} a compiled step reads is gone or no longer a float")
-        if self._last[0] is None or self._last[0].hex() != value.hex():
-            self._last = (value, how.array(torch.tensor(value)))
-        return self._last[1]
+        last, placed, array = self._last
+        if last is None or last.hex() != value.hex() or placed is not sharding:
+            array = how.array(torch.tensor(value, dtype=how.dtype), sharding)
+            self._last = (value, sharding, array)
+        return array
 
 
 def _counts_on_host(optimizer: torch.optim.Optimizer, group: dict) -> bool:

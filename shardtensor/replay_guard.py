@@ -49,6 +49,7 @@ import numpy as np
 import torch
 import torch.optim.optimizer as torch_optimizer
 
+from shardtensor.ops import jax_call
 from shardtensor.tensor import device as torch_device
 from shardtensor.trace_reads import LIBRARY, USER, available, file_kind, library_namespace, library_object
 
@@ -510,14 +511,18 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 def _opaque(o, library: bool) -> bool:
     """Whether ``o`` is compared by identity only, not looked into: shardtensor's own objects (a
-    compiled function, a mesh: their state is the engine's), a library's modules, and, under a
-    library's global, a library's own objects (not containers, the user's functions or objects)."""
+    compiled function, a mesh: their state is the engine's), a function given to ``call_jax`` (its
+    program is keyed by the function, as ``jax.jit``'s; its host callbacks run in every replay), a
+    library's modules, and, under a library's global, a library's own objects (not containers, the
+    user's functions or objects)."""
     if isinstance(o, (torch.Tensor, type)) or _is_atom(o):
         return False
     if isinstance(o, types.ModuleType):
         return library or library_object(o)
     module = getattr(type(o), "__module__", "") or ""
     if module == "shardtensor" or module.startswith("shardtensor."):
+        return True
+    if jax_call.is_registered_function(o):  # call_jax's contract is jax.jit's: a function is its program
         return True
     if not library or isinstance(o, _CONTAINERS):
         return False

@@ -364,3 +364,24 @@ def test_failed_step_keeps_values_overwritten_after_the_last_check(monkeypatch, 
     torch.testing.assert_close(a.cpu(), a1)
     torch.testing.assert_close(b.cpu(), b1)
     torch.testing.assert_close(b1, a1)  # (both got the same value before)
+
+
+def test_a_ctrl_c_while_the_checks_are_read_loses_no_failed_check(monkeypatch):
+    """A Ctrl-C while a run's check rows are read (waiting for the run) leaves them unread: the next
+    read raises the failed check, and the tensors it computed raise it (before, they were dropped)."""
+    x = st.shard(X, MESH, ("x", "y"))
+    bad = x.index_select(0, st.shard(_t(0, 1, 2, 3, 4, 6), MESH, ("x",)))
+    st.sync()
+    read = graph_checks.host_rows
+
+    def interrupted(rows):
+        monkeypatch.setattr(graph_checks, "host_rows", read)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(graph_checks, "host_rows", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        graph_checks.verify()
+    with pytest.raises(IndexError, match="out of range"):
+        st.sync()
+    with pytest.raises(IndexError, match="out of range"):
+        bad.cpu()

@@ -16,6 +16,7 @@ from _training_helpers import (
     CNN_SPECS,
     MLP,
     MLP_SPECS,
+    Traces,
     cnn_batches,
     fresh_executable_cache,
     make_pair,
@@ -34,17 +35,6 @@ def _clean():
     st.clear_counters()
     yield
     reset_state()
-
-
-class Traces:
-    """How many times compiled bodies ran their Python since it was made (``CompileTrace``): a body
-    that counted its runs in a list it can reach would change Python state, and never freeze."""
-
-    def __init__(self):
-        self._start = n("CompileTrace")
-
-    def __len__(self):
-        return n("CompileTrace") - self._start
 
 
 def n(name):

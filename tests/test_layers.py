@@ -25,6 +25,7 @@ LAYERS = [
         "L6",
         {
             "annotate",
+            "device_alias",
             "compiler",
             "frozen_replay",
             "replay_guard",
@@ -44,7 +45,7 @@ LAYERS = [
             "integrations",
         },
     ),
-    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "decode_loop", "kernels"}),
+    ("L7", {"fsdp", "data", "tensor_parallel", "demo", "generation", "decode_loop", "kernels", "xla"}),
 ]
 PUBLIC_API = "<the package: import shardtensor>"
 

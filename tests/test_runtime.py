@@ -95,7 +95,9 @@ def test_is_spmd_follows_use_spmd_and_environment(monkeypatch):
     assert not rt.is_spmd()
     rt.use_spmd()
     assert rt.is_spmd()
-    monkeypatch.delenv("SHARDTENSOR_USE_SPMD")  # as in PyTorch/XLA: the variable is the state
+    assert os.environ["XLA_USE_SPMD"] == "1"  # as PyTorch/XLA's use_spmd sets it (scripts read it)
+    monkeypatch.delenv("SHARDTENSOR_USE_SPMD")  # as in PyTorch/XLA: the variables are the state
+    monkeypatch.delenv("XLA_USE_SPMD")
     assert not rt.is_spmd()
     monkeypatch.setenv("XLA_USE_SPMD", "1")
     assert rt.is_spmd()

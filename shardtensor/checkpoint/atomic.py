@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from shardtensor import runtime
+from shardtensor.checkpoint.lazy_imports import import_dcp
 from shardtensor.checkpoint.safe_reading import check_value_savable, record_checksums
 from shardtensor.graph.interrupts import deferred_interrupts
 
@@ -36,6 +37,7 @@ def save(state_dict: dict, checkpoint_id: str | os.PathLike, *, process_group: A
 
         st.checkpoint.save({"model": model.state_dict()}, "ckpt/step_100")
     """
+    import_dcp()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 

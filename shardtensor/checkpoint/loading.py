@@ -6,7 +6,9 @@ import os
 from typing import Any
 
 from shardtensor.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError, CheckpointNotFoundError
+from shardtensor.checkpoint.lazy_imports import import_dcp
 from shardtensor.checkpoint.safe_reading import UnsafeCheckpointError, read_metadata, safe_reader
+from shardtensor.graph.interrupts import deferred_interrupts
 
 _OWN_ERRORS = (CheckpointMismatchError, CheckpointCorruptError, CheckpointNotFoundError)
 
@@ -46,6 +48,7 @@ def load(
         st.checkpoint.load(state, "ckpt/step_100")
         model.load_state_dict(state["model"])
     """
+    import_dcp()
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
@@ -80,15 +83,16 @@ def load(
         if own:
             raise own[0] from failure
         raise
-    planner.commit()  # (every process has read its part: dcp.load raises everywhere if one failed)
-    # dcp.load loaded into a copy of the top level and copied it back before the commit: again
     from torch.distributed.checkpoint.stateful import Stateful
 
-    for key, value in planner.original_state_dict.items():
-        if isinstance(state_dict.get(key), Stateful):
-            state_dict[key].load_state_dict(value)
-        elif key in state_dict:
-            state_dict[key] = value
+    with deferred_interrupts():  # (all or nothing: a Ctrl-C lands once every target has its value)
+        planner.commit()  # (every process has read its part: dcp.load raises everywhere if one failed)
+        # dcp.load loaded into a copy of the top level and copied it back before the commit: again
+        for key, value in planner.original_state_dict.items():
+            if isinstance(state_dict.get(key), Stateful):
+                state_dict[key].load_state_dict(value)
+            elif key in state_dict:
+                state_dict[key] = value
 
 
 def _local_problem(path: str) -> Exception | None:

@@ -21,8 +21,10 @@ import warnings
 from typing import Any
 
 from shardtensor import runtime
+from shardtensor.checkpoint.lazy_imports import import_dcp
 from shardtensor.checkpoint.staging import host_state_dict
 from shardtensor.graph import sync
+from shardtensor.graph.interrupts import deferred_interrupts
 
 METADATA_NAME = ".manager_metadata"
 
@@ -67,6 +69,7 @@ class CheckpointManager:
         async_queue_size: int = 1,
         process_group: Any = None,
     ) -> None:
+        import_dcp()  # (what its calls import, whole: a Ctrl-C cannot leave it half imported)
         import fsspec  # type: ignore[import-untyped]  # (a dependency of torch)
 
         _check_int("save_interval", save_interval, minimum=1)
@@ -137,19 +140,27 @@ class CheckpointManager:
         from shardtensor.checkpoint.atomic import check_values
 
         check_values(state_dict, "")  # (here, not in the background: the error reaches the caller)
-        self._slots.acquire()  # (a slot frees when a pending write ends)
+        # A slot taken is given back unless a write took it over, whatever interrupts this (a Ctrl-C
+        # between taking it and noting it would leave one slot fewer: later saves would wait for ever)
+        taken = handed = False
         try:
+            while not taken:  # (a slot frees when a pending write ends; a Ctrl-C lands within 50 ms)
+                with deferred_interrupts():
+                    taken = self._slots.acquire(timeout=0.05)
             self._raise_background_error()
             sync()
             host_copy = host_state_dict(state_dict)  # (this process's distinct shards, on the host)
             if self._writer is None:
                 self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardtensor-checkpoint")
-            future = self._writer.submit(self._write_in_background, step, host_copy)
+            with deferred_interrupts():  # (a write submitted is a write join() waits for)
+                future = self._writer.submit(self._write_in_background, step, host_copy)
+                handed = True
+                with self._lock:
+                    self._pending = [f for f in self._pending if not f.done()] + [future]
         except BaseException:
-            self._slots.release()
+            if taken and not handed:
+                self._slots.release()
             raise
-        with self._lock:
-            self._pending = [f for f in self._pending if not f.done()] + [future]
         return True
 
     def load(self, step: int, state_dict: dict, *, strict: bool = True, **kwargs: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 from shardtensor.checkpoint.errors import CheckpointMismatchError
 from shardtensor.checkpoint.safe_reading import decode_value
 from shardtensor.checkpoint.shard_load import ShardLoad
+from shardtensor.graph.interrupts import deferred_interrupts
 from shardtensor.tensor.sharded import ShardedTensor
 
 _LISTED = 8  # keys named per kind of problem in an error (then "and N more")
@@ -130,19 +131,20 @@ def staged_load_planner_class() -> type:
                     f"the checkpoint's chunks do not cover all of {_listed(unread)}; nothing was loaded "
                     "(the checkpoint's metadata is inconsistent: write it again)"
                 )
-            self._committed = True
-            with torch.no_grad():
+            # (all or nothing: a Ctrl-C lands once every target has its value)
+            with deferred_interrupts(), torch.no_grad():
+                self._committed = True
                 for fqn in self._fqns:
                     if fqn in self._loads:
                         self._loads[fqn].install()
                     elif fqn in self._staging:
                         self.state_dict[fqn].detach().copy_(self._staging[fqn])
-            for read_item, value in self._loaded_bytes:
-                fqn = read_item.dest_index.fqn
-                if self.flatten_state_dict:
-                    set_element(self.original_state_dict, self.mappings[fqn], value)
-                else:
-                    self.state_dict[fqn] = value
+                for read_item, value in self._loaded_bytes:
+                    fqn = read_item.dest_index.fqn
+                    if self.flatten_state_dict:
+                        set_element(self.original_state_dict, self.mappings[fqn], value)
+                    else:
+                        self.state_dict[fqn] = value
             self._loads.clear()
             self._staging.clear()
             self._loaded_bytes.clear()

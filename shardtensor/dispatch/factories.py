@@ -101,20 +101,27 @@ def _factory_kernel(op):
     return kernel
 
 
-def _register() -> torch.library.Library:
+def register_factory_kernels(dispatch_key: str = "PrivateUse1") -> torch.library.Library:
+    """Register the factory kernels for ``dispatch_key`` and return the ``Library`` holding them
+    (the registrations last until its ``_destroy()``). ``"PrivateUse1"`` is st.device()'s own key,
+    registered at import; another backend's key (``"XLA"``) makes ``torch.zeros(..., device='xla')``
+    give a ShardedTensor on st.device() (``shardtensor.device_alias``).
+
+    Example: ``lib = register_factory_kernels("XLA"); ...; lib._destroy()``.
+    """
     lib = torch.library.Library("aten", "IMPL")
     for name in _FACTORIES:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(aten, packet), overload or "default")
         if name == "_copy_from":
-            lib.impl(name, _copy_from_kernel, "PrivateUse1")
+            lib.impl(name, _copy_from_kernel, dispatch_key)
         elif name in ("empty.memory_format", "empty_strided"):
-            lib.impl(name, _empty_kernel, "PrivateUse1")
+            lib.impl(name, _empty_kernel, dispatch_key)
         elif lookup(op) is not None:
-            lib.impl(name, _factory_kernel(op), "PrivateUse1")
+            lib.impl(name, _factory_kernel(op), dispatch_key)
     for name in _CHECKED_COMPOSITES:
-        lib.impl(name, _factory_kernel(getattr(aten, name).default), "PrivateUse1")
+        lib.impl(name, _factory_kernel(getattr(aten, name).default), dispatch_key)
     return lib
 
 
-_LIB = _register()  # kept: the registrations last as long as the Library object
+_LIB = register_factory_kernels()  # kept: the registrations last as long as the Library object

@@ -21,6 +21,10 @@ def as_meta(value):
 def _meta_leaf(value):
     if isinstance(value, ShardedTensor):
         return meta_like(value)
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device.type == "cpu":
+        # a CPU scalar, which torch's kernels take beside any device's tensors (``masked_fill(mask,
+        # torch.tensor(0.))``, copysign); some meta kernels insist on one device for all
+        return value.to("meta")
     if isinstance(value, torch.device) and value.type != "cpu":
         return torch.device("meta")
     return value
@@ -41,6 +45,56 @@ def meta_outputs(func, args, kwargs):
         return tuple(None if o is None else describe(o) for o in flat), grouping
     structure = "list" if isinstance(out, list) else "tuple"
     return tuple(None if o is None else describe(o) for o in out), structure
+
+
+# elements of the zero tensors ``torch_cpu_error`` may make: its probe runs on small or empty tensors
+_PROBE_ELEMENTS = 1 << 20
+
+
+def has_empty_tensor(args, kwargs) -> bool:
+    """Whether a ShardedTensor among the arguments has no element (torch's kernels check such inputs
+    where its meta kernels often do not: ``max()`` of an empty tensor)."""
+    return any(isinstance(v, ShardedTensor) and v.numel() == 0 for v in pytree.tree_leaves((args, kwargs)))
+
+
+def torch_cpu_error(func, args, kwargs):
+    """The exception torch's CPU kernel raises for the aten op ``func`` on zero tensors shaped and
+    typed like the arguments' ShardedTensors, or None (it raises nothing, has no CPU kernel for them,
+    or they hold more than ``_PROBE_ELEMENTS`` elements).
+
+    For a mistake that depends on shapes, dtypes and arguments only (not on values), that is the
+    exception torch gives the user: torch's meta kernels raise another type for some of them
+    (RuntimeError where the CPU kernel raises IndexError) and skip others.
+
+    Example::
+
+        torch_cpu_error(aten.max.default, (empty_sharded,), {})   # RuntimeError('max(): Expected ...')
+    """
+    if func.namespace != "aten":  # (a library's or a collective's kernel may need more than tensors)
+        return None
+    leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, ShardedTensor)]
+    if sum(v.numel() for v in leaves) > _PROBE_ELEMENTS:
+        return None
+
+    def on_cpu(value):
+        if isinstance(value, ShardedTensor):
+            return torch.zeros(tuple(value.shape), dtype=value.dtype)
+        if isinstance(value, torch.device) and value.type != "cpu":
+            return torch.device("cpu")
+        return value
+
+    cpu_args, cpu_kwargs = map_leaves(on_cpu, (args, kwargs))
+    # (its random draws must not move torch's generator; its warnings are those torch would give)
+    with torch._C._DisableTorchDispatch(), torch.random.fork_rng(devices=[]):
+        try:
+            func(*cpu_args, **cpu_kwargs)
+        except NotImplementedError:  # no CPU kernel for these: nothing learned
+            return None
+        except Exception as error:  # noqa: BLE001  (returned: the caller raises it)
+            if "not implemented for" in str(error):  # a dtype CPU kernels lack and devices have
+                return None
+            return error
+    return None
 
 
 def regroup(values, structure):

@@ -14,7 +14,14 @@ from jax._src.lax.lax import _convert_element_type
 
 from shardtensor import metrics as counters
 from shardtensor import runtime
-from shardtensor.dispatch.meta import flat_results, meta_outputs, outputs_from_lowering, regroup
+from shardtensor.dispatch.meta import (
+    flat_results,
+    has_empty_tensor,
+    meta_outputs,
+    outputs_from_lowering,
+    regroup,
+    torch_cpu_error,
+)
 from shardtensor.dtypes import to_jax
 from shardtensor.graph import rng, views
 from shardtensor.graph.execute import run_cells, run_single_node
@@ -209,13 +216,21 @@ def plan_for(func, template, args, kwargs, lowering) -> Plan:
 
 
 def _make_plan(func, template, args, kwargs, lowering) -> Plan:
-    if lowering.meta_from_lowering:  # torch's meta kernel follows another device's rules
-        outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
-    else:
-        try:
-            outs, structure = meta_outputs(func, args, kwargs)
-        except NotImplementedError:  # no meta kernel in torch
-            outs, structure = outputs_from_lowering(func, lowering, args, kwargs)
+    if lowering.validate is not None:
+        lowering.validate(*args, **kwargs)
+    if has_empty_tensor(args, kwargs):  # torch's CPU kernels check empty inputs its meta kernels pass
+        error = torch_cpu_error(func, args, kwargs)
+        if error is not None:
+            raise error
+    try:
+        outs, structure = _output_metadata(func, args, kwargs, lowering)
+    except Exception as error:
+        # a mistake in the arguments: raised as torch's CPU kernel raises it (the meta kernel's or the
+        # lowering's exception type may differ: RuntimeError for IndexError, ValueError...)
+        cpu_error = torch_cpu_error(func, args, kwargs)
+        if cpu_error is None or type(cpu_error) is type(error):
+            raise
+        raise cpu_error from None
     if lowering.dtypes_from_lowering:
         # torch's CPU kernel gives other dtypes than its meta kernel (bf16 norms' statistics)
         mine, _ = outputs_from_lowering(func, lowering, args, kwargs)
@@ -248,6 +263,16 @@ def _make_plan(func, template, args, kwargs, lowering) -> Plan:
     sigs = tuple(_contiguous_sig(o) for o in outs)
     sig = sigs[0] if single else None
     return Plan(caller, (func, template), outs, structure, random, single, sigs=sigs, sig=sig)
+
+
+def _output_metadata(func, args, kwargs, lowering):
+    """(output metadata, structure) of ``func`` on these arguments (see ``meta.meta_outputs``)."""
+    if lowering.meta_from_lowering:  # torch's meta kernel follows another device's rules
+        return outputs_from_lowering(func, lowering, args, kwargs)
+    try:
+        return meta_outputs(func, args, kwargs)
+    except NotImplementedError:  # no meta kernel in torch
+        return outputs_from_lowering(func, lowering, args, kwargs)
 
 
 def _contiguous_sig(meta):

@@ -152,21 +152,26 @@ def verify(wait_late: bool = True) -> None:
         taken = {id(r) for r in runs}
         _UNREAD[:older] = [r for r in _UNREAD[:older] if id(r) not in taken]
     first = None
-    for entry in runs:
-        try:
-            values = host_rows(entry.rows)
-        except Exception:  # noqa: BLE001  (jax raises a failed result as several types)
-            continue  # the run failed on the devices: graph.inflight raises that, with what it left
-        if entry.run is not None:  # (its one device finished it: nothing left for settle to look at)
-            inflight.done(entry.run)
-        error = _error(values, entry.program, entry.sites)
-        if error is None:
-            continue
-        if entry.partner is not None:  # (the run's own rows say the same: not read again)
-            with contextlib.suppress(ValueError):
-                _UNREAD.remove(entry.partner)
-        _poison(entry.suspects, error)
-        first = first or error
+    at = 0
+    try:
+        for at, entry in enumerate(runs):  # noqa: B007  (the handler below reads `at`)
+            try:
+                values = host_rows(entry.rows)
+            except Exception:  # noqa: BLE001  (jax raises a failed result as several types)
+                continue  # the run failed on the devices: graph.inflight raises that, with what it left
+            if entry.run is not None:  # (its one device finished it: nothing left for settle to look at)
+                inflight.done(entry.run)
+            error = _error(values, entry.program, entry.sites)
+            if error is None:
+                continue
+            if entry.partner is not None:  # (the run's own rows say the same: not read again)
+                with contextlib.suppress(ValueError):
+                    _UNREAD.remove(entry.partner)
+            _poison(entry.suspects, error)
+            first = first or error
+    except BaseException:
+        _UNREAD[:0] = runs[at:]  # (a Ctrl-C while reading: the rows not looked at are read next time)
+        raise
     if first is not None:
         raise first
 

@@ -72,7 +72,7 @@ class ConsumedInputError(ExecutionFailedError):
 class Run:
     """One dispatched program: what it is, its results, and for each output cell its value before."""
 
-    __slots__ = ("computed", "entries", "outputs", "site", "waits", "what")
+    __slots__ = ("computed", "entries", "outputs", "probe_at", "site", "waits", "what")
 
     def __init__(self, what, site, entries, outputs, computed, waits):
         self.what, self.site = what, site
@@ -81,6 +81,7 @@ class Run:
         # the results the program computed (not inputs passed through): any one is ready when the
         # program has finished on every device, and holds the error if it failed (XLA fails them all)
         self.computed = computed
+        self.probe_at = 0  # computed results before this one are known consumed by later runs
         self.waits = waits  # it keeps buffers only to give them back: the next run waits for it
 
     def describe(self) -> str:
@@ -236,31 +237,62 @@ def settle(wait_for=None) -> None:
     first = None
     crowded = len(_RUNS) + 1 - max_in_flight()  # this many of the oldest are waited for (the next run counts)
     polling = True  # runs finish in order: past the first unfinished one, only waits are worth it
+    # Runs whose every result a later run consumed (a step that returns nothing donates all it computed
+    # to the next one) cannot be looked at: they stay in flight, and count, until a later run that can
+    # be is seen finished (it waited for them); one that must be waited for waits for that later run.
+    answered: list[Run] = []
+    owed = False
     for run in list(_RUNS):
         crowded -= 1
         wait = run.waits or crowded >= 0 or (wait_for is not None and any(o is wait_for for o in run.outputs))
-        if not (wait or polling):
+        if not (wait or polling or owed):
+            continue
+        probe = _probe(run)
+        if probe is None:
+            answered.append(run)
+            owed = owed or wait
             continue
         try:
-            if wait:
+            if wait or owed:
                 wait_until_ready(run.outputs)
-            elif not _finished(run):
+            elif not finished_live(probe):
                 polling = False
+                answered.clear()  # (they stay in flight: this run answers for them once it finished)
                 continue
         except ExecutionFailedError as error:
             _RUNS.remove(run)
             failure = resolve(run, error, remove=False)
             first = first or failure
-            continue
+        else:
+            _RUNS.remove(run)
+        for earlier in answered:  # (it ran after them: they are done, their failure is its own)
+            _RUNS.remove(earlier)
+        answered.clear()
+        owed = False
+    for run in answered:  # (the newest runs, and no later one to answer for them: nothing to look at)
         _RUNS.remove(run)
     if first is not None:
         raise first
 
 
+def _probe(run: Run):
+    """A result of ``run`` that no later run has consumed (donated), or None: later runs answer for it.
+    (Consumed results stay consumed: the search starts where the last one ended.)"""
+    computed = run.computed
+    at = run.probe_at
+    while at < len(computed):
+        if not computed[at].is_deleted():
+            run.probe_at = at
+            return computed[at]
+        at += 1
+    run.probe_at = at
+    return None
+
+
 def _finished(run: Run) -> bool:
     """Whether ``run`` finished, by one result that a later run has not consumed (none: the later
     runs answer for it); raises ``ExecutionFailedError`` if it failed. Never waits."""
-    probe = next((o for o in run.computed if not o.is_deleted()), None)
+    probe = _probe(run)
     return probe is None or finished_live(probe)
 
 

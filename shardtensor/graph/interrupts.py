@@ -1,4 +1,4 @@
-"""Holding Ctrl-C back while a program runs and its results are committed.
+"""Holding Ctrl-C back while a program runs and its results are committed, and while a module imports.
 
 Between calling an executable with donated buffers and giving every output to its cell, the donated
 inputs are gone and the outputs are not stored yet: a ``KeyboardInterrupt`` raised in that window
@@ -6,10 +6,20 @@ loses the parameters. ``deferred_interrupts()`` makes the window atomic: on the 
 the user's SIGINT handler is a Python function (the default raises ``KeyboardInterrupt``), a
 recording handler stands in for it and the user's handler is called, with the same signal, when the
 block ends. Anywhere else (another thread, SIGINT ignored or left to the OS) nothing changes.
+
+A Ctrl-C in the middle of an import leaves the module half imported: Python forgets the module whose
+code was interrupted but keeps the submodules it had finished, so every later import of it fails
+(``module 'sympy' has no attribute 'core'``, an operator "registered multiple times") and the
+process can no longer step or save. ``import_whole`` imports what a first step or a first save
+would import lazily (torch's DTensor and sympy, DCP, fsspec), all of it or none, before the work
+that needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import sys
 import threading
 
 # the C module: ``signal``'s wrappers turn every handler into an enum (5 us a call, twice a step)
@@ -60,3 +70,20 @@ class deferred_interrupts:
         if received is not None:
             handler(*received)  # usually default_int_handler: raises KeyboardInterrupt here
         return False
+
+
+def import_whole(*names: str) -> None:
+    """Import the modules ``names`` that are not imported yet with SIGINT held back (a Ctrl-C that
+    arrives meanwhile is delivered once they are all imported). A module this Python lacks is skipped.
+
+    Example::
+
+        import_whole("torch.distributed.checkpoint", "fsspec")   # then a Ctrl-C cannot split them
+    """
+    missing = [name for name in names if name not in sys.modules]
+    if not missing:
+        return
+    with deferred_interrupts():
+        for name in missing:
+            with contextlib.suppress(ImportError):  # (an optional part: what needs it raises its own error)
+                importlib.import_module(name)

@@ -152,15 +152,27 @@ def set_pending_all(cells, refs) -> None:
     pending = STATE.pending
     if STATE.trace_start is None or not pending:
         STATE.trace_start = time.perf_counter_ns()
+    try:
+        _set_pending_each(cells, refs, pending)
+    except KeyboardInterrupt:
+        # one op (a foreach op) is all or nothing, as torch's kernel is: a Ctrl-C between two of its
+        # targets lands once every target has its value (a target written twice counts two versions)
+        _set_pending_each(cells, refs, pending, unless_done=True)
+        raise
+
+
+def _set_pending_each(cells, refs, pending, unless_done=False) -> None:
     drop = pending.drop
     for cell, ref in zip(cells, refs):
         old = cell.value
+        if unless_done and old is ref:
+            continue
         if _keeps_layout(cell, old):
             cell.layout = old.sharding  # (as set_pending)
-        cell.value = ref
-        cell.version += 1
         cell._leaf = None
         pending[weakref.ref(cell, drop)] = cell.serial
+        cell.version += 1
+        cell.value = ref  # (last: what ``unless_done`` looks at)
 
 
 def new_pending_cell(ref: Pending, shape, dtype) -> Cell:

@@ -226,6 +226,31 @@ def is_python_number(x) -> bool:
     return isinstance(x, numbers.Number) and not isinstance(x, bool)
 
 
+_SCALAR_TYPE_NAMES = {
+    torch.bool: "Bool",
+    torch.uint8: "Byte",
+    torch.int8: "Char",
+    torch.int16: "Short",
+    torch.int32: "Int",
+    torch.int64: "Long",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
+}
+
+
+def scalar_type_name(dt) -> str:
+    """torch's name of a dtype in its messages ('Long', 'Float', 'Bool'...).
+
+    Example: ``scalar_type_name(np.dtype(np.int32)) == "Int"``.
+    """
+    torch_dtype = dt if isinstance(dt, torch.dtype) else to_torch(np.dtype(dt))
+    return _SCALAR_TYPE_NAMES.get(torch_dtype, str(torch_dtype))
+
+
 def dtype_arg(dtype) -> np.dtype | None:
     """A torch.dtype argument (or None) as a numpy dtype (or None)."""
     if dtype is None:

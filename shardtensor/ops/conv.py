@@ -114,7 +114,17 @@ def _bias_shape(nsp):
     return (1, -1) + (1,) * nsp
 
 
-@register(aten.convolution.default, aten._convolution.default, products=True)
+def _conv_params(x, w, bias, stride, padding, dilation, *args):
+    """``validate`` of convolution: torch's CPU checks of its parameters (the meta kernel has none)."""
+    if any(p < 0 for p in padding):
+        raise RuntimeError("negative padding is not supported")
+    if any(s <= 0 for s in stride):
+        raise RuntimeError("non-positive stride is not supported")
+    if any(d <= 0 for d in dilation):
+        raise RuntimeError(f"dilation should be greater than zero, but got {list(dilation)}")
+
+
+@register(aten.convolution.default, aten._convolution.default, products=True, validate=_conv_params)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups, *_flags):
     if x.ndim != w.ndim:
         raise RuntimeError(

@@ -27,9 +27,13 @@ from shardtensor.ops.registry import register
 aten = torch.ops.aten
 
 
-def _norm(diff, p):
-    """The p-norm of ``diff`` over its last axis, as torch's cdist/pdist kernels compute it."""
+def _norm(diff, p, nan_skipped=False):
+    """The p-norm of ``diff`` over its last axis, as torch's cdist/pdist kernels compute it.
+    ``nan_skipped``: p = inf keeps the running maximum where a difference is NaN (torch's cdist
+    kernel compares ``running < diff``; its pdist kernel propagates NaN)."""
     a = jnp.abs(diff)
+    if nan_skipped and math.isinf(p):
+        a = jnp.where(jnp.isnan(a), jnp.zeros_like(a), a)
     if p == 0:
         return jnp.sum((a != 0).astype(diff.dtype), axis=-1)
     if p == 1:
@@ -102,7 +106,7 @@ def cdist_forward(x1, x2, p, compute_mode=None):
         return euclidean_dist(x1, x2)
     acc = acc_dtype(x1.dtype)
     a, b = _batch(x1.astype(acc), x2.astype(acc))
-    return _norm(a[..., :, None, :] - b[..., None, :, :], p).astype(x1.dtype)
+    return _norm(a[..., :, None, :] - b[..., None, :, :], p, nan_skipped=True).astype(x1.dtype)
 
 
 @register(aten._cdist_backward.default, products=True)

@@ -317,20 +317,46 @@ def _scaled(b, alpha, rt, ct):
     return jnp.logical_and(b, a) if ct == BOOL else b * a
 
 
-@register(aten.add.Tensor, aten.add.Scalar)
+def _is_bool_operand(v) -> bool:
+    return type(v) is bool or (isinstance(v, torch.Tensor) and v.dtype == torch.bool)
+
+
+def _alpha_args(self, other, alpha=1):
+    """``validate`` of add: a bool alpha only for a bool result (torch's alpha_check)."""
+    if type(alpha) is bool and not (_is_bool_operand(self) and _is_bool_operand(other)):
+        raise RuntimeError("Boolean alpha only supported for Boolean results.")
+
+
+def _sub_args(self, other, alpha=1):
+    """``validate`` of sub/rsub: torch refuses bool operands (its sub_check), then checks alpha."""
+    bools = _is_bool_operand(self) + _is_bool_operand(other)
+    if bools == 2:
+        raise RuntimeError(
+            "Subtraction, the `-` operator, with two bool tensors is not supported. "
+            "Use the `^` or `logical_xor()` operator instead."
+        )
+    if bools == 1:
+        raise RuntimeError(
+            "Subtraction, the `-` operator, with a bool tensor is not supported. "
+            "If you are trying to invert a mask, use the `~` or `logical_not()` operator instead."
+        )
+    _alpha_args(self, other, alpha)
+
+
+@register(aten.add.Tensor, aten.add.Scalar, validate=_alpha_args)
 def add(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
     b = _scaled(b, alpha, rt, ct)
     return cast(jnp.logical_or(a, b) if ct == BOOL else a + b, rt)
 
 
-@register(aten.sub.Tensor, aten.sub.Scalar)
+@register(aten.sub.Tensor, aten.sub.Scalar, validate=_sub_args)
 def sub(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
     return cast(a - _scaled(b, alpha, rt, ct), rt)
 
 
-@register(aten.rsub.Tensor, aten.rsub.Scalar)
+@register(aten.rsub.Tensor, aten.rsub.Scalar, validate=_sub_args)
 def rsub(self, other, alpha=1):
     rt, ct, a, b = promote(self, other)
     return cast(b - _scaled(a, alpha, rt, ct), rt)

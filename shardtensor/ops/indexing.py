@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from shardtensor.ops._layout import mesh_size
-from shardtensor.ops._promote import acc_dtype
+from shardtensor.ops._promote import acc_dtype, scalar_type_name
 from shardtensor.ops.checks import fail_where, out_of_range
 from shardtensor.ops.registry import register
 from shardtensor.ops.shape import wrap_dim
@@ -157,6 +157,26 @@ def check_indices(x, indices):
             d += 1
 
 
+# Which exception torch's CPU kernel raises for an index out of range depends on the path it takes
+# (by the rank, the dim and the index dtype; shown here for contiguous tensors): its generic loops
+# raise IndexError("index out of range in self"), its vectorised paths RuntimeError with their own
+# message.
+_DATA_BOUNDS = "INDICES element is out of DATA bounds, id={{value}} axis_dim={size}"
+
+
+def index_select_error(ndim: int, d: int):
+    """(exception, message) of index_select: its dim-1 path of a 2-D+ tensor checks with TORCH_CHECK."""
+    return (RuntimeError, _DATA_BOUNDS) if ndim >= 2 and d == 1 else (IndexError, _IN_SELF)
+
+
+def index_add_error(ndim: int, d: int, index_dtype):
+    """(exception, message) of index_add_: an int64 index into the first or last dim of a 2-D+ tensor
+    takes scatter_add's path; others (a 1-D tensor, an int32 index, a middle dim) the generic loop."""
+    if ndim >= 2 and index_dtype == jnp.int64 and d in (0, ndim - 1):
+        return RuntimeError, _BOUNDS
+    return IndexError, _IN_SELF
+
+
 def check_along(x, dim, index, error, message, negative_ok=False):
     """torch's ``error`` when ``index`` leaves dimension ``dim`` of ``x`` (0-d x: one element)."""
     x1 = _as_nd(x)
@@ -199,7 +219,7 @@ def index_put_impl(x, indices, values, accumulate=False, unsafe=False):
 def index_select(x, dim, index):
     if index.ndim > 1:
         raise IndexError("index_select(): Index is supposed to be a vector")
-    check_along(x, dim, index, IndexError, _IN_SELF)
+    check_along(x, dim, index, *index_select_error(x.ndim, wrap_dim(dim, max(x.ndim, 1))))
     if x.ndim == 0:
         return jnp.take(x.reshape(1), index.reshape(-1), axis=0).reshape(())
     d = wrap_dim(dim, x.ndim)
@@ -325,6 +345,41 @@ def scatter_reduce(x, dim, index, src, reduce, *, include_self=True):
 # ------------------------------------------------------------------------------ index_add & co
 
 
+def _source_checked(name):
+    """``validate`` of index_add_ / index_reduce_ (torch's CPU checks): ``source`` shaped like ``x``
+    but in ``dim``, where it has one slice per index."""
+
+    def validate(x, dim, index, source, *args, **kwargs):
+        if not isinstance(source, torch.Tensor) or source.dim() == 0:
+            return
+        xs, ss = tuple(x.shape) or (1,), tuple(source.shape)
+        d = wrap_dim(dim, len(xs))
+        if len(ss) != len(xs) or any(a != b for i, (a, b) in enumerate(zip(xs, ss)) if i != d):
+            raise RuntimeError(
+                "source tensor shape must match self tensor shape, excluding the specified dimension. "
+                f"Got self.shape = {list(x.shape)} source.shape = {list(ss)}"
+            )
+        if ss[d] != index.numel():
+            raise RuntimeError(
+                f"{name}(): Number of indices ({index.numel()}) should be equal to source.size(dim): "
+                f"({ss[d]}), for dim: {dim}"
+            )
+
+    return validate
+
+
+def _long_index(x, dim, index, *args, **kwargs):
+    """``validate`` of index_copy_ (torch's CPU kernel takes int64 indices only)."""
+    if index.dtype != torch.int64:
+        raise RuntimeError(f"index_copy_(): Expected a long tensor for index, but got {scalar_type_name(index.dtype)}")
+
+
+def _int64_index(x, dim, index, *args, **kwargs):
+    """``validate`` of index_fill_ (int64 indices only, an IndexError in torch)."""
+    if index.dtype != torch.int64:
+        raise IndexError("index_fill_(): Expected dtype int64 for index.")
+
+
 def _index_dim_apply(x, dim, index, source, mode):
     """x with ``source`` written at x.select(dim, index[i]) <- source.select(dim, i), by mode."""
     x1 = _as_nd(x)
@@ -335,15 +390,15 @@ def _index_dim_apply(x, dim, index, source, mode):
     return write_at(x1, _along(x1.ndim, d, idx), src, mode).reshape(x.shape)
 
 
-@register(aten.index_add.default, checked=True)
+@register(aten.index_add.default, checked=True, validate=_source_checked("index_add_"))
 def index_add(x, dim, index, source, *, alpha=1):
-    check_along(x, dim, index, RuntimeError, _BOUNDS)
+    check_along(x, dim, index, *index_add_error(x.ndim, wrap_dim(dim, max(x.ndim, 1)), index.dtype))
     if not (isinstance(alpha, (int, float)) and alpha == 1):
         source = source * alpha
     return _index_dim_apply(x, dim, index, source, "add")
 
 
-@register(aten.index_copy.default, checked=True)
+@register(aten.index_copy.default, checked=True, validate=_long_index)
 def index_copy(x, dim, index, source):
     check_along(x, dim, index, IndexError, "index_copy_(): " + _BOUNDS)
     if index.size == 1 and x.ndim > 0:
@@ -357,7 +412,7 @@ def index_copy(x, dim, index, source):
     return _index_dim_apply(x, dim, index, source, "set")
 
 
-@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, checked=True)
+@register(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor, checked=True, validate=_int64_index)
 def index_fill(x, dim, index, value):
     check_along(x, dim, index, IndexError, _BOUNDS, negative_ok=True)
     x1 = _as_nd(x)
@@ -365,7 +420,7 @@ def index_fill(x, dim, index, value):
     return x1.at[_along(x1.ndim, d, index.reshape(-1))].set(jnp.asarray(value).astype(x.dtype)).reshape(x.shape)
 
 
-@register(aten.index_reduce.default, checked=True)
+@register(aten.index_reduce.default, checked=True, validate=_source_checked("index_reduce_"))
 def index_reduce(x, dim, index, source, reduce, *, include_self=True):
     if x.dtype == jnp.bool_:
         raise RuntimeError("\"index_func_\" not implemented for 'Bool'")
@@ -381,7 +436,15 @@ def index_reduce(x, dim, index, source, reduce, *, include_self=True):
 # ---------------------------------------------------------------------------------- masked_scatter
 
 
-@register(aten.masked_scatter.default)
+def _bool_mask(x, mask, source):
+    """``validate`` of masked_scatter (torch's CPU kernel takes bool masks only)."""
+    if mask.dtype != torch.bool:
+        raise RuntimeError(
+            f"masked_scatter_ only supports boolean masks, but got mask with dtype {scalar_type_name(mask.dtype)}"
+        )
+
+
+@register(aten.masked_scatter.default, validate=_bool_mask)
 def masked_scatter(x, mask, source):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     m = jnp.broadcast_to(mask, shape).reshape(-1)

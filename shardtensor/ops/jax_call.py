@@ -113,6 +113,16 @@ _LOCK = threading.Lock()
 _KEYS: dict = {}  # entry -> key
 _ENTRIES: list = []  # key -> entry
 _SINGLE: dict[int, bool] = {}  # key -> the function returns one array (not a tuple)
+_FUNCTION_IDS: set[int] = set()  # id() of every registered function (each kept alive by _ENTRIES)
+
+
+def is_registered_function(obj) -> bool:
+    """Whether ``obj`` was given to ``call_jax``/``jax_op``: like ``jax.jit``, its program is keyed by the
+    function itself, so a frozen replay compares it by identity and does not look into its state.
+
+    Example: ``key_for(JaxCall(jnp.sin)); is_registered_function(jnp.sin) is True``.
+    """
+    return id(obj) in _FUNCTION_IDS
 
 
 def key_for(call) -> int:
@@ -133,6 +143,7 @@ def key_for(call) -> int:
         if key is None:
             key = _KEYS[call] = len(_ENTRIES)
             _ENTRIES.append(call)
+            _FUNCTION_IDS.add(id(call.fn))
         return key
 
 

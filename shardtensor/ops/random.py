@@ -26,6 +26,7 @@ from shardtensor.ops._promote import (
     is_float,
     opmath,
     result_type,
+    scalar_type_name,
 )
 from shardtensor.ops.checks import fail_where
 from shardtensor.ops.registry import register
@@ -61,7 +62,14 @@ def _normal(key, shape, dt):
 # ----------------------------------------------------------------------------------------------
 # uniform / normal
 # ----------------------------------------------------------------------------------------------
-@register(aten.uniform.default, random=True)
+def _uniform_range(self, from_=0.0, to=1.0, *, generator=None, **kw):
+    """``validate`` of uniform: torch's CPU kernel refuses ``from > to``."""
+    from_ = kw.get("from", from_)
+    if from_ > to:
+        raise RuntimeError(f"uniform_ expects to return a [from, to) range, but found from={from_:g} > to={to:g}")
+
+
+@register(aten.uniform.default, random=True, validate=_uniform_range)
 def uniform(key, self, from_=0.0, to=1.0, *, generator=None, **kw):
     from_ = kw.pop("from", from_)
     dt = dtype_of(self)
@@ -163,13 +171,24 @@ def random_(key, self, *, generator=None):
     return _randint(key, jnp.shape(self), 0, _default_random_high(dt), dt)
 
 
-@register(aten.random.to, random=True)
+def _random_range(self, from_=0, to=None, *, generator=None, **kw):
+    """``validate`` of random_(from, to) and random_(to): torch's CPU kernel refuses an empty range."""
+    from_ = kw.get("from", from_)
+    if to is not None and from_ >= to:
+        raise RuntimeError(f"random_ expects 'from' to be less than 'to', but got from={from_} >= to={to}")
+
+
+def _random_to_range(self, to, *, generator=None):
+    _random_range(self, 0, to)
+
+
+@register(aten.random.to, random=True, validate=_random_to_range)
 def random_to(key, self, to, *, generator=None):
     dt = dtype_of(self)
     return _randint(key, jnp.shape(self), 0, to, dt)
 
 
-@register(getattr(aten.random, "from"), random=True)
+@register(getattr(aten.random, "from"), random=True, validate=_random_range)
 def random_from(key, self, from_=None, to=None, *, generator=None, **kw):
     from_ = kw.pop("from", from_)
     dt = dtype_of(self)
@@ -271,7 +290,17 @@ def _standard_gamma(key, self, generator=None):
     return cast(jax.random.gamma(key, cast(self, ct), jnp.shape(self), ct), dt)
 
 
-@register(aten.multinomial.default, random=True, checked=True)
+def _multinomial_args(self, num_samples, replacement=False, *, generator=None):
+    """``validate`` of multinomial: torch's CPU checks of the dtype and the sample count."""
+    if not (self.dtype.is_floating_point or self.dtype.is_complex):
+        raise RuntimeError(
+            f"multinomial only supports floating-point dtypes for input, got: {scalar_type_name(self.dtype)}"
+        )
+    if not replacement and int(num_samples) > (self.shape[-1] if self.dim() else 1):
+        raise RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without replacement")
+
+
+@register(aten.multinomial.default, random=True, checked=True, validate=_multinomial_args)
 def multinomial(key, self, num_samples, replacement=False, *, generator=None):
     ct = _float_draw_dtype(dtype_of(self)) if not is_complex(dtype_of(self)) else FLOAT32
     w = cast(self, ct)

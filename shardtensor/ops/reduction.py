@@ -1,6 +1,6 @@
 """Reductions, scans and softmax, with torch's dtypes: integer/bool sums and products give int64,
-bfloat16/float16 accumulate in float32, max/min/argmax propagate NaN (the first NaN wins), an empty
-``dim`` list reduces over every dimension.
+bfloat16/float16 accumulate in float32, max/min/argmax propagate NaN (the first NaN wins, across
+shards too), an empty ``dim`` list reduces over every dimension.
 """
 
 from __future__ import annotations
@@ -120,24 +120,45 @@ def count_nonzero(self, dim=None):
 # ----------------------------------------------------------------------------------------------
 # max / min / argmax / argmin
 # ----------------------------------------------------------------------------------------------
+def nan_max(x, axis=None, keepdims=False):
+    """``jnp.max`` that returns NaN where the reduced elements hold one, as torch does. XLA's own
+    max keeps NaN within a device, but the all-reduce that combines shards drops it on some platforms
+    (XLA:CPU: a shard's NaN loses to the others' numbers; all NaN gives -inf): whether a NaN was
+    there is reduced on its own (a bool ``any``, exact on every platform)."""
+    return _nan_kept(jnp.max, x, axis, keepdims)
+
+
+def nan_min(x, axis=None, keepdims=False):
+    """``jnp.min`` keeping NaN across shards (see ``nan_max``)."""
+    return _nan_kept(jnp.min, x, axis, keepdims)
+
+
+def _nan_kept(reduce, x, axis, keepdims):
+    out = reduce(x, axis=axis, keepdims=keepdims)
+    if not is_float(x.dtype):
+        return out
+    has_nan = jnp.any(jnp.isnan(x), axis=axis, keepdims=keepdims)
+    return jnp.where(has_nan, jnp.asarray(np.nan, out.dtype), out)
+
+
 @register(aten.amax.default)
 def amax(self, dim=(), keepdim=False):
-    return jnp.max(self, axis=axes(dim, self.ndim), keepdims=keepdim)
+    return nan_max(self, axis=axes(dim, self.ndim), keepdims=keepdim)
 
 
 @register(aten.amin.default)
 def amin(self, dim=(), keepdim=False):
-    return jnp.min(self, axis=axes(dim, self.ndim), keepdims=keepdim)
+    return nan_min(self, axis=axes(dim, self.ndim), keepdims=keepdim)
 
 
 @register(aten.max.default)
 def max_(self):
-    return jnp.max(self)
+    return nan_max(self)
 
 
 @register(aten.min.default)
 def min_(self):
-    return jnp.min(self)
+    return nan_min(self)
 
 
 def _arg(fn, self, dim, keepdim):
@@ -169,23 +190,23 @@ def _extreme_along(reduce, arg, self, dim, keepdim):
 
 @register(aten.max.dim)
 def max_dim(self, dim, keepdim=False):
-    return _extreme_along(jnp.max, argmax, self, dim, keepdim)
+    return _extreme_along(nan_max, argmax, self, dim, keepdim)
 
 
 @register(aten.min.dim)
 def min_dim(self, dim, keepdim=False):
-    return _extreme_along(jnp.min, argmin, self, dim, keepdim)
+    return _extreme_along(nan_min, argmin, self, dim, keepdim)
 
 
 @register(aten.aminmax.default)
 def aminmax(self, *, dim=None, keepdim=False):
     ax = None if dim is None else (_axis(dim, self.ndim),) if self.ndim else ()
     if ax is None:
-        lo, hi = jnp.min(self), jnp.max(self)
+        lo, hi = nan_min(self), nan_max(self)
         if keepdim:
             lo, hi = jnp.reshape(lo, (1,) * self.ndim), jnp.reshape(hi, (1,) * self.ndim)
         return lo, hi
-    return jnp.min(self, axis=ax, keepdims=keepdim), jnp.max(self, axis=ax, keepdims=keepdim)
+    return nan_min(self, axis=ax, keepdims=keepdim), nan_max(self, axis=ax, keepdims=keepdim)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -250,9 +271,9 @@ def vector_norm(self, ord=2, dim=None, keepdim=False, dtype=None, root=True):
     ax = axes(dim, a.ndim)
     ord = float(ord)
     if ord == float("inf"):
-        out = jnp.max(a, axis=ax, keepdims=keepdim)
+        out = nan_max(a, axis=ax, keepdims=keepdim)
     elif ord == float("-inf"):
-        out = jnp.min(a, axis=ax, keepdims=keepdim)
+        out = nan_min(a, axis=ax, keepdims=keepdim)
     elif ord == 0:
         out = jnp.sum((a != 0).astype(ct), axis=ax, keepdims=keepdim)
     elif ord == 1:
@@ -336,10 +357,16 @@ def logsumexp(self, dim, keepdim=False):
     rt = float_type(self)
     x = cast(self, opmath(rt))
     ax = axes(dim, x.ndim)
+    if any(x.shape[a] == 0 for a in ax):  # the log of an empty sum
+        return cast(jnp.full(_reduced_shape(x.shape, ax, keepdim), -np.inf, x.dtype), rt)
     m = jnp.max(x, axis=ax, keepdims=True)
     m = jnp.where(jnp.isinf(m), jnp.zeros_like(m), m)
     out = jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True)) + m
     return cast(out if keepdim else jnp.squeeze(out, axis=ax), rt)
+
+
+def _reduced_shape(shape, ax, keepdim):
+    return tuple(1 if i in ax else n for i, n in enumerate(shape) if keepdim or i not in ax)
 
 
 def _scan(fn, self, dim, rt):
@@ -347,7 +374,10 @@ def _scan(fn, self, dim, rt):
     x = cast(self, ct)
     if x.ndim == 0:
         return fresh(cast(x, rt))
-    return cast(fn(x, axis=_axis(dim, x.ndim)), rt)
+    # XLA's SPMD partitioner reuses one halo exchange for every reduce_window (a cumulative op) of the
+    # same value along the same sharded dim, padding included: a cumsum and a cumprod of ``x`` in one
+    # program both padded with 0 (the cumprod all zeros). A barrier makes each scan's input its own.
+    return cast(fn(lax.optimization_barrier(x), axis=_axis(dim, x.ndim)), rt)
 
 
 @register(aten.cumsum.default)
@@ -409,6 +439,8 @@ def _softmax_out_dtype(self, half_to_float):
 def _softmax_compute(x, dim):
     if x.ndim == 0:
         return jnp.ones_like(x)
+    if x.size == 0:
+        return x
     ax = _axis(dim, x.ndim)
     e = jnp.exp(x - jnp.max(x, axis=ax, keepdims=True))
     return e / jnp.sum(e, axis=ax, keepdims=True)
@@ -426,6 +458,8 @@ def _log_softmax(self, dim, half_to_float):
     x = cast(self, opmath(rt))
     if x.ndim == 0:
         return cast(jnp.zeros_like(x), rt)
+    if x.size == 0:
+        return cast(x, rt)
     ax = _axis(dim, x.ndim)
     m = jnp.max(x, axis=ax, keepdims=True)
     lse = m + jnp.log(jnp.sum(jnp.exp(x - m), axis=ax, keepdims=True))  # torch's CPU kernel's order

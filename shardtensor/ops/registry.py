@@ -49,6 +49,11 @@ class Lowering:
     # the lowering's dots/convolutions follow torch's float32 matmul precision (ops.precision): the
     # dispatcher reads it when the op is recorded and keys the op on it
     products: bool = False
+    # validate(*args, **kwargs): raises torch's exception for arguments torch's CPU kernel refuses and
+    # its meta kernel lets pass (shapes, dtypes, static values); called with the op's own arguments
+    # (tensors as torch tensors: read their shape and dtype) when the op is first recorded with them,
+    # so the mistake is raised at the op, not when the program is built
+    validate: Callable | None = None
 
     def for_platform(self, platform: str) -> Callable:
         """The function to run on ``platform`` ('cpu', 'cuda', 'tpu'): its variant, else ``fn``."""
@@ -133,6 +138,7 @@ def register(
     checked: bool = False,
     runtime_floats: tuple = (),
     products: bool = False,
+    validate: Callable | None = None,
 ):
     """Decorator: register ``fn`` as the lowering of every aten overload in ``ops``.
 
@@ -143,6 +149,8 @@ def register(
     matmul precision when the op was recorded).
     ``static_scalars``: True bakes every ``Scalar`` argument into the program as a Python number; a
     set of values bakes only a Scalar equal to one of them (see the module docstring).
+    ``validate``: a function of the op's arguments that raises torch's exception for bad ones that
+    torch's meta kernel lets pass (see ``Lowering.validate``).
 
     Example::
 
@@ -172,6 +180,7 @@ def register(
                 checked=checked,
                 runtime_floats=frozenset(runtime_floats),
                 products=products,
+                validate=validate,
             )
         return fn
 

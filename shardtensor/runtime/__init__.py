@@ -326,7 +326,9 @@ def use_spmd(auto: bool = False) -> None:
     """Turn on SPMD mode (one process drives all its devices as one logical device).
 
     shardtensor always runs SPMD; this call exists for PyTorch/XLA code and makes `is_spmd()`
-    true by setting ``SHARDTENSOR_USE_SPMD=1``. XLA auto-sharding (``auto=True``) is not supported.
+    true by setting ``SHARDTENSOR_USE_SPMD=1`` and, as PyTorch/XLA's ``use_spmd`` does,
+    ``XLA_USE_SPMD=1`` (which scripts and test bases read). XLA auto-sharding (``auto=True``) is not
+    supported.
 
     Example::
 
@@ -338,7 +340,8 @@ def use_spmd(auto: bool = False) -> None:
             "use_spmd(auto=True): XLA auto-sharding is not supported by shardtensor; "
             "call use_spmd() and give shardings with mark_sharding / shard."
         )
-    os.environ[SPMD_ENVS[0]] = "1"
+    for name in SPMD_ENVS:
+        os.environ[name] = "1"
 
 
 def is_spmd() -> bool:

@@ -25,6 +25,7 @@ from shardtensor import metrics as counters
 from shardtensor import runtime
 from shardtensor import sharding as sh
 from shardtensor.dtypes import numpy_to_torch
+from shardtensor.graph.interrupts import import_whole
 from shardtensor.graph.ir import Cell
 from shardtensor.mesh import Mesh, default_mesh
 from shardtensor.tensor import backward_errors, readback, storage
@@ -47,6 +48,19 @@ _PLACEMENTS_FROM_SPEC: Callable[[Mesh, Any, int], Any] | None = None
 _REDISTRIBUTE: Callable[[Any, Any, Any], Any] | None = None
 _TO_LOCAL: Callable[[Any], torch.Tensor] | None = None
 _FROM_LOCAL: Callable[..., Any] | None = None
+
+
+# What a process's first step imports lazily, made whole before its first ShardedTensor exists (a
+# Ctrl-C in that step would leave it half imported: graph.interrupts): torch imports DTensor (and
+# sympy, ~0.5 s) at the first op on a tensor subclass, JAX its MLIR dialects at the first compile.
+FIRST_IMPORTS = ("torch.distributed.tensor", "jaxlib.mlir.dialects.builtin")
+_first_made = False
+
+
+def _before_the_first_tensor() -> None:
+    global _first_made
+    import_whole(*FIRST_IMPORTS)
+    _first_made = True
 
 
 def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
@@ -131,6 +145,8 @@ class ShardedTensor(torch.Tensor):
         strides: Sequence[int] | None = None,
         storage_offset: int = 0,
     ) -> ShardedTensor:
+        if not _first_made:
+            _before_the_first_tensor()
         shape = tuple(cell.shape if shape is None else shape)
         dtype = dtype or cell.dtype
         # strides are torch's (views report theirs), so .contiguous()/.view() behave as in torch;
@@ -169,6 +185,8 @@ class ShardedTensor(torch.Tensor):
 
         Example: ``ShardedTensor._result(cell, ("T", (2, 3), torch.float32, (3, 1), 0)).shape == (2, 3)``.
         """
+        if not _first_made:
+            _before_the_first_tensor()
         r = torch.Tensor._make_wrapper_subclass(cls, sig[1], dtype=sig[2], device=torch_device._DEVICE)
         r._cell = cell
         r._sig = sig
@@ -223,6 +241,46 @@ class ShardedTensor(torch.Tensor):
         if cell.is_pending():
             return ""
         return sh.array_sharding(cell.value, len(cell.shape))[0]
+
+    @property
+    def sharding_type(self) -> sh.ShardingType | None:
+        """PyTorch/XLA's sharding type of this tensor: ``REPLICATED``, ``PARTIAL`` (split and
+        replicated), ``TILED`` or ``MAXIMAL``; ``None`` while it has none (a pending result with no
+        annotation, whose layout XLA chooses when it runs, or a view).
+
+        Example: ``st.shard(torch.ones(8, 4), mesh42, ("x", None)).sharding_type == st.ShardingType.PARTIAL``.
+        """
+        cell = self._cell
+        if self._chain:
+            return None
+        if cell.spec is not None:
+            return sh.sharding_type(cell.mesh, cell.spec, len(cell.shape))
+        text = self.sharding_spec
+        if not text:
+            return None
+        parsed = sh.parse_sharding_string(text)
+        if parsed.kind != "tiled":
+            return sh.ShardingType.REPLICATED if parsed.kind == "replicated" else sh.ShardingType.MAXIMAL
+        return sh.ShardingType.PARTIAL if parsed.replicas > 1 else sh.ShardingType.TILED
+
+    @property
+    def global_tensor(self) -> ShardedTensor:
+        """The tensor itself: PyTorch/XLA's ``XLAShardedTensor.global_tensor`` (the whole logical
+        tensor behind a sharded wrapper); a ShardedTensor is already the whole tensor.
+
+        Example: ``st.mark_sharding(t, mesh, ("x", None)).global_tensor is t``.
+        """
+        return self
+
+    @property
+    def pending(self) -> bool:
+        """Whether this tensor's value is recorded but not computed yet (lazy mode, before
+        ``st.sync()``): PyTorch/XLA's "IR value" as against device data. ``mark_sharding`` on a
+        pending tensor adds a sharding constraint; on a computed one it moves the data.
+
+        Example: ``(x + 1).pending`` is True until ``st.sync()``; ``st.shard(t, mesh, spec).pending`` is False.
+        """
+        return self._cell.is_pending()
 
     @property
     def device_mesh(self) -> Mesh:

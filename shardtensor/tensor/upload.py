@@ -18,15 +18,16 @@ from shardtensor.tensor.sharded import ShardedTensor
 
 
 @with_x64  # without 64-bit types jax would store int64 / float64 hosts as int32 / float32
-def upload(host: np.ndarray, mesh, spec):
-    """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims."""
+def upload(host: np.ndarray, mesh, spec, sharding=None):
+    """A jax array holding ``host`` laid out as (mesh, spec), padded at the end of uneven dims
+    (``sharding``: the jax sharding to place it with, when the layout is known as one already)."""
     check_not_forked("move data to the devices")
     warn_float64_on_tpu(host.dtype)
     shape = tuple(host.shape)
     padded = tuple(sh.padded_shape(shape, mesh, spec))
     if padded != shape:
         host = np.pad(host, [(0, p - n) for n, p in zip(shape, padded)])
-    return upload_as(host, sh.named_sharding(mesh, spec, len(shape)))
+    return upload_as(host, sharding if sharding is not None else sh.named_sharding(mesh, spec, len(shape)))
 
 
 @with_x64
@@ -105,10 +106,11 @@ class Upload:
     def host(self, t: torch.Tensor) -> np.ndarray:
         return torch_to_numpy(t.to(self.dtype).expand(self.shape).contiguous())
 
-    def array(self, t: torch.Tensor):
-        """The jax array ``t`` uploads to."""
+    def array(self, t: torch.Tensor, sharding=None):
+        """The jax array ``t`` uploads to (placed with ``sharding``: the one the program was traced
+        with, which may be another mesh's when the upload was moved onto the program's mesh)."""
         host = self.host(t)
-        return upload(host, self.mesh, self.spec if self.spec is not None else (None,) * host.ndim)
+        return upload(host, self.mesh, self.spec if self.spec is not None else (None,) * host.ndim, sharding)
 
     def tensor(self, t: torch.Tensor) -> ShardedTensor:
         return ShardedTensor(cell_from_host(self.host(t), self.mesh, self.spec, self.dtype))
