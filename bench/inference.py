@@ -147,8 +147,9 @@ def build_model(name, args):
     return make_model(name, args.batch, args.image, args.seq, width=width, layers=layers, heads=heads)
 
 
-def make_model(name, batch, image, seq, *, width=768, layers=12, heads=12, vocab=None):
-    """``build_model`` with the sizes given: the vision models at ``image``; BERT (``BertModel``, no
+def make_model(name, batch, image, seq, *, width=768, layers=12, heads=12, vocab=None, width_mult=1.0):
+    """``build_model`` with the sizes given: the vision models at ``image``, their channels scaled by
+    ``width_mult`` (1.0: torchvision's), BatchNorm statistics random; BERT (``BertModel``, no
     pooler; ``vocab`` tokens, default BertConfig's) and ViT (``ViTModel``, patch 16, no pooler) of
     ``layers`` layers ``width`` wide with ``heads`` heads and an MLP 4x wide. Random weights, seed 0.
 
@@ -161,7 +162,7 @@ def make_model(name, batch, image, seq, *, width=768, layers=12, heads=12, vocab
     if name in ("resnet18", "resnet50", "mobilenet_v2"):
         import vision_models
 
-        model = getattr(vision_models, name)()
+        model = vision_models.randomize_batchnorm(getattr(vision_models, name)(width_mult=width_mult), g)
         x = torch.randn(batch, 3, image, image, generator=g)
         return model.eval(), x, lambda m, x: m(x)
     import transformers
