@@ -105,9 +105,9 @@ def _conv_bn(params, prefix, x, stride, *, layout, precision):
     channels = (1, 1, 1, -1) if layout == "NHWC" else (1, -1, 1, 1)
     bn = prefix + "1."
     scale = params[bn + "weight"] * lax.rsqrt(params[bn + "running_var"] + _BN_EPS)
-    return (y - params[bn + "running_mean"].reshape(channels)) * scale.reshape(channels) + params[
-        bn + "bias"
-    ].reshape(channels)
+    return (y - params[bn + "running_mean"].reshape(channels)) * scale.reshape(channels) + params[bn + "bias"].reshape(
+        channels
+    )
 
 
 def _max_pool_3x3_s2(x, layout):

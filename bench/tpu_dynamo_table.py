@@ -54,12 +54,16 @@ Timing: ``--warmup`` calls (compiles; ``st.compile`` traces, then freezes), then
 ``--calls`` calls back to back ending with one read of the last output to the host; the time per call
 of the fastest repetition (the chip runs ahead of the host as far as each mode lets it). "host" is
 the time until the calls had returned, per call (on a busy chip bounded by the device's time).
-"check" is the largest |difference| from eager torch on the CPU (float32), relative to the
-reference's largest magnitude.
+The read copies the output to the host once per repetition (the same copy in every mode, JAX's
+too), so the time per call includes 1/``--calls`` of it. "check" is the largest |difference| from
+eager torch on the CPU (float32 at ``set_float32_matmul_precision("highest")``), relative to the
+reference's largest magnitude; ✓ within 1e-3 (float32 products throughout: ``--precision highest``)
+or 5e-2 (products with a bf16 pass, or ``--dtype bfloat16``), and a ✗ is listed under the table's
+failures.
 
 Usage::
 
-    source bench/tpu_setup.sh; TPU_SETUP_HF=1 source bench/tpu_setup.sh   # on the TPU machine
+    TPU_SETUP_HF=1 source bench/tpu_setup.sh                   # on the TPU machine (transformers too)
     python3 bench/tpu_dynamo_table.py                          # all five models
     python3 bench/tpu_dynamo_table.py --models resnet50 bert   # some of them
     python bench/tpu_dynamo_table.py --cpu-smoke               # tiny sizes, 8 simulated CPU devices
@@ -104,13 +108,16 @@ SIZES = {
     "vit": (32, 224, 0, dict(width=384, layers=12, heads=6)),
 }
 SMOKE_SIZES = {
-    "resnet18": (8, 32, 0, {}),
-    "resnet50": (8, 32, 0, {}),
-    "mobilenet_v2": (8, 32, 0, {}),
+    "resnet18": (8, 32, 0, dict(width_mult=0.125)),
+    "resnet50": (8, 32, 0, dict(width_mult=0.125)),
+    "mobilenet_v2": (8, 32, 0, dict(width_mult=0.25)),
     "bert": (8, 0, 16, dict(width=64, layers=2, heads=2, vocab=1000)),
     "vit": (8, 32, 0, dict(width=64, layers=2, heads=2)),
 }
 TARGETS = {"st.compile/JAX": 1.05, "torch.compile/st.compile": 1.05, "lazy/st.compile": 1.3}
+# the largest "check" (max |diff| / max |reference|) each run may show: float32 products throughout, or
+# products with one bf16 pass (float32 at 'medium' on a TPU, XLA's Precision.DEFAULT) or bf16 weights
+TOLERANCE = {"float32": 1e-3, "bf16": 5e-2}
 RESULT_TAG = "@@dynamo-table "
 
 
@@ -127,7 +134,7 @@ def parse_args(argv=None):
         help="torch.set_float32_matmul_precision (JAX at the matching Precision); default medium: XLA's default",
     )
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 5; 3 with --cpu-smoke)")
-    p.add_argument("--calls", type=int, default=None, help="calls per timed repetition (default 20; 2 with --cpu-smoke)")
+    p.add_argument("--calls", type=int, default=None, help="calls per timed repetition (default 20; 2 smoke)")
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions, the fastest kept (default 3; 2 smoke)")
     p.add_argument("--save-outputs", metavar="PATH", help="torch.save each mode's last output and eager torch's")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
@@ -161,6 +168,15 @@ def timed(call, read, args):
         if seconds < best:
             best, best_host = seconds, t1 - t0
     return best / args.calls, best_host / args.calls, value
+
+
+def tolerance(args) -> float:
+    """The largest relative difference from eager float32 torch a mode's output may show in this run.
+
+    Example: ``tolerance(parse_args(["--precision", "highest"])) == TOLERANCE["float32"]``.
+    """
+    exact = args.dtype == "float32" and args.precision == "highest"
+    return TOLERANCE["float32" if exact else "bf16"]
 
 
 def _relative_diff(got, want) -> float:
@@ -210,15 +226,20 @@ def torch_modes(name, model, x, forward, mesh, args, log):
                 call = lambda dynamo=dynamo: dynamo(xs)  # noqa: E731
             warm = {}
 
-            def read(out, warm=warm):
+            def read(out, warm=warm, compiles=compiles):
                 warm.setdefault("compiles", (st.counter_value("UncachedCompile") or 0) - compiles)
                 return out.cpu()
 
             secs, host, value = timed(call, read, args)
             timed_compiles = (st.counter_value("UncachedCompile") or 0) - compiles - warm["compiles"]
-            rows[mode] = dict(ms=1e3 * secs, host_ms=1e3 * host, compiles=warm["compiles"], timed_compiles=timed_compiles)
+            rows[mode] = dict(
+                ms=1e3 * secs, host_ms=1e3 * host, compiles=warm["compiles"], timed_compiles=timed_compiles
+            )
             outputs[mode] = value
-            log(f"{name:13s} {mode:14s} {1e3 * secs:9.2f} ms/call  host {1e3 * host:8.2f} ms  programs {warm['compiles']}")
+            log(
+                f"{name:13s} {mode:14s} {1e3 * secs:9.2f} ms/call  host {1e3 * host:8.2f} ms ",
+                f"programs {warm['compiles']}",
+            )
         except Exception as e:  # one failing mode must not end the table: its cell shows it
             rows[mode] = dict(error=inference._short(e))
             log(f"{name:13s} {mode:14s} FAILED {rows[mode]['error']}")
@@ -262,8 +283,13 @@ def bench_model(name, mesh, n_devices, args, log):
 
     batch, image, seq, sizes = args.sizes[name]
     model, x, forward = inference.make_model(name, batch, image, seq, **sizes)
-    with torch.no_grad():
-        reference = forward(model, x)  # eager torch on the CPU, float32
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")  # (torch's CPU convolutions honour "medium" too)
+    try:
+        with torch.no_grad():
+            reference = forward(model, x)  # eager torch on the CPU, float32 throughout
+    finally:
+        torch.set_float32_matmul_precision(before)
     rows, outputs = {}, {}
     if name in JAX_MODELS and "jax" in args.modes:  # (before the model moves to the device)
         rows, outputs = jax_modes(model, x, n_devices, args, log)
@@ -296,6 +322,16 @@ def jax_anchor(rows):
     return min(timed_, key=lambda t: t[1]) if timed_ else None
 
 
+def _bad(row, args) -> bool:
+    return "diff" in row and not row["diff"] <= tolerance(args)  # (a NaN is bad)
+
+
+def _check_cell(row, args) -> str:
+    if "diff" not in row:
+        return f"{'':>13s}"
+    return f"{row['diff']:11.1e} " + ("✗" if _bad(row, args) else "✓")
+
+
 def print_table(results, args):
     n = results["devices"]
     print(
@@ -303,7 +339,7 @@ def print_table(results, args):
         f"('{args.precision}'), torchbench's {'sizes' if not args.cpu_smoke else 'models at tiny sizes'}; "
         f"ms per batch: fastest of {args.repeats} runs of {args.calls} calls + one read, after {args.warmup} "
         "warm-up calls. host: ms per call until the calls returned. check: max |diff| from eager torch "
-        "(CPU, float32) / its max |value|."
+        f"(CPU, float32) / its max |value|, within {tolerance(args):.0e}."
     )
     columns = list(MODES) + [f"JAX {lay}" for lay in JAX_LAYOUTS]
     print(f"{'model':13s} {'input':>14s}  " + "  ".join(f"{c:>13s}" for c in columns))
@@ -326,8 +362,13 @@ def print_table(results, args):
             f"{row['host_ms']:10.2f} ms" if "host_ms" in (row := rows.get(c, {})) else f"{'':>13s}" for c in columns
         )
         print(f"{'  host':13s} {'':>14s}  " + hosts)
-        checks = "  ".join(f"{row['diff']:13.1e}" if "diff" in (row := rows.get(c, {})) else f"{'':>13s}" for c in columns)
+        checks = "  ".join(_check_cell(rows.get(c, {}), args) for c in columns)
         print(f"{'  check':13s} {'':>14s}  " + checks)
+        failures += [
+            (name, c, f"output differs: {rows[c]['diff']:.1e} > {tolerance(args):.0e}")
+            for c in columns
+            if _bad(rows.get(c, {}), args)
+        ]
         recompiled = [c for c in columns if rows.get(c, {}).get("timed_compiles")]
         if recompiled:
             print(f"  (compiled during the timed calls: {', '.join(recompiled)})")
@@ -353,8 +394,7 @@ def print_table(results, args):
             f"{name:13s} {_cell_ratio(vs_jax, TARGETS['st.compile/JAX']):>15s} "
             f"{_cell_ratio(_ratio(rows, 'torch.compile', 'st.compile'), TARGETS['torch.compile/st.compile']):>17s} "
             f"{_cell_ratio(_ratio(rows, 'lazy', 'st.compile'), TARGETS['lazy/st.compile']):>16s} "
-            f"{_cell_ratio(speedup):>18s} {PUBLISHED[name]:12.2f}"
-            + (f"   (JAX anchor: {anchor[0]})" if anchor else "")
+            f"{_cell_ratio(speedup):>18s} {PUBLISHED[name]:12.2f}" + (f"   (JAX anchor: {anchor[0]})" if anchor else "")
         )
     if ours:
         print(
@@ -383,8 +423,8 @@ def run(args):
     mesh = st.Mesh(range(n), (n,), ("d",))
     st.set_global_mesh(mesh)  # the weights live on the batch's mesh: nothing is copied per call
 
-    def log(msg):
-        print(f"[{n} dev] {msg}", file=sys.stderr, flush=True)
+    def log(*parts):
+        print(f"[{n} dev]", *parts, file=sys.stderr, flush=True)
 
     for name in args.models:
         if args.sizes[name][0] % n:
@@ -395,7 +435,10 @@ def run(args):
     torch.set_float32_matmul_precision(args.precision)
     try:
         for name in args.models:
+            t0 = time.perf_counter()
             results["models"][name], saved[name] = bench_model(name, mesh, n, args, log)
+            results["models"][name]["seconds"] = time.perf_counter() - t0
+            log(f"{name:13s} done in {results['models'][name]['seconds']:.0f} s (compiles included)")
             torch._dynamo.reset()
     finally:
         torch.set_float32_matmul_precision(before)
