@@ -67,6 +67,12 @@ Usage::
     python3 bench/tpu_dynamo_table.py                          # all five models
     python3 bench/tpu_dynamo_table.py --models resnet50 bert   # some of them
     python bench/tpu_dynamo_table.py --cpu-smoke               # tiny sizes, 8 simulated CPU devices
+
+Each model compiles its programs once (lazy mode's two; ``st.compile`` and ``torch.compile`` find the
+same programs in the cache; JAX's two layouts two more), so the compiles are most of the run; the
+per-model times go to stderr as it runs. ``--deadline`` (default 420 s) starts no model that the
+longest one so far says would end past it, so the table prints within one device call's 10 minutes;
+the models left out are named under the table (run them with ``--models``).
 """
 
 from __future__ import annotations
@@ -138,12 +144,21 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None, help="timed repetitions, the fastest kept (default 3; 2 smoke)")
     p.add_argument("--save-outputs", metavar="PATH", help="torch.save each mode's last output and eager torch's")
     p.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    p.add_argument(
+        "--deadline",
+        type=float,
+        default=420,
+        help="seconds from the start after which no further model starts: one is skipped when the longest "
+        "model so far would end past it (default 420: the table prints within a device call's 10 minutes; "
+        "0: no deadline)",
+    )
     args = p.parse_args(argv)
     smoke = args.cpu_smoke
     args.warmup = args.warmup if args.warmup is not None else (3 if smoke else 5)
     args.calls = args.calls if args.calls is not None else (2 if smoke else 20)
     args.repeats = args.repeats if args.repeats is not None else (2 if smoke else 3)
     args.sizes = SMOKE_SIZES if smoke else SIZES
+    args.start = time.perf_counter()  # (main restarts it)
     return args
 
 
@@ -401,6 +416,8 @@ def print_table(results, args):
             f"{'geomean':13s} {'':>15s} {'':>17s} {'':>16s} {_cell_ratio(inference._geomean(ours)):>18s} "
             f"{inference._geomean(theirs):12.2f}   (PyTorch/XLA over its ten models: {PUBLISHED_GEOMEAN})"
         )
+    if results.get("skipped"):
+        print(f"\nNot run (past --deadline {args.deadline:.0f} s): {', '.join(results['skipped'])}")
     if failures:
         print("\nFailures:")
         for name, mode, err in failures:
@@ -433,11 +450,17 @@ def run(args):
     saved = {}
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(args.precision)
+    longest = 0.0
     try:
         for name in args.models:
             t0 = time.perf_counter()
+            if args.deadline and t0 - args.start + longest > args.deadline:
+                results["skipped"] = args.models[args.models.index(name) :]
+                log(f"skipped {' '.join(results['skipped'])}: past --deadline {args.deadline:.0f} s")
+                break
             results["models"][name], saved[name] = bench_model(name, mesh, n, args, log)
             results["models"][name]["seconds"] = time.perf_counter() - t0
+            longest = max(longest, results["models"][name]["seconds"])
             log(f"{name:13s} done in {results['models'][name]['seconds']:.0f} s (compiles included)")
             torch._dynamo.reset()
     finally:
@@ -452,7 +475,7 @@ def main(argv=None):
     if args.cpu_smoke:
         os.environ["SHARDTENSOR_PLATFORM"] = "cpu"
         _set_device_count(8)
-    start = time.perf_counter()
+    start = args.start = time.perf_counter()
     import jax
     import torch
 
