@@ -143,6 +143,18 @@ def _run_all(argv):
 
 def build_model(name, args):
     """(model in eval mode, example CPU input, forward(model, x) -> one tensor)."""
+    width, layers, heads = (768, 12, 12) if args.full else (256, 4, 4)
+    return make_model(name, args.batch, args.image, args.seq, width=width, layers=layers, heads=heads)
+
+
+def make_model(name, batch, image, seq, *, width=768, layers=12, heads=12, vocab=None, width_mult=1.0):
+    """``build_model`` with the sizes given: the vision models at ``image``, their channels scaled by
+    ``width_mult`` (1.0: torchvision's), BatchNorm statistics random; BERT (``BertModel``, no
+    pooler; ``vocab`` tokens, default BertConfig's) and ViT (``ViTModel``, patch 16, no pooler) of
+    ``layers`` layers ``width`` wide with ``heads`` heads and an MLP 4x wide. Random weights, seed 0.
+
+    Example: ``model, x, forward = make_model("bert", 2, 0, 16, width=64, layers=2, heads=2)``.
+    """
     import torch
 
     torch.manual_seed(0)
@@ -150,21 +162,20 @@ def build_model(name, args):
     if name in ("resnet18", "resnet50", "mobilenet_v2"):
         import vision_models
 
-        model = getattr(vision_models, name)()
-        x = torch.randn(args.batch, 3, args.image, args.image, generator=g)
+        model = vision_models.randomize_batchnorm(getattr(vision_models, name)(width_mult=width_mult), g)
+        x = torch.randn(batch, 3, image, image, generator=g)
         return model.eval(), x, lambda m, x: m(x)
     import transformers
 
-    width, layers, heads = (768, 12, 12) if args.full else (256, 4, 4)
     sizes = dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * width)
     if name == "bert":
-        config = transformers.BertConfig(**sizes)
+        config = transformers.BertConfig(**sizes, **({"vocab_size": vocab} if vocab else {}))
         model = transformers.BertModel(config, add_pooling_layer=False)
-        x = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=g)
+        x = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
     else:
-        config = transformers.ViTConfig(image_size=args.image, patch_size=16, **sizes)
+        config = transformers.ViTConfig(image_size=image, patch_size=16, **sizes)
         model = transformers.ViTModel(config, add_pooling_layer=False)
-        x = torch.randn(args.batch, 3, args.image, args.image, generator=g)
+        x = torch.randn(batch, 3, image, image, generator=g)
     return model.eval(), x, lambda m, x: m(x).last_hidden_state
 
 

@@ -58,14 +58,25 @@ class Bottleneck(nn.Module):
 
 
 class ResNet(nn.Module):
-    """ResNet: 7x7 stem, max-pool, four stages of blocks, global average pool, linear head."""
+    """ResNet: 7x7 stem, max-pool, four stages of blocks, global average pool, linear head.
 
-    def __init__(self, block: type[BasicBlock] | type[Bottleneck], depths: list[int], num_classes: int = 1000) -> None:
+    ``width_mult`` scales every channel count (64, 128, 256, 512 times the block's expansion at 1.0,
+    torchvision's) for tiny test models; 1.0 is the published architecture.
+    """
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        depths: list[int],
+        num_classes: int = 1000,
+        width_mult: float = 1.0,
+    ) -> None:
         super().__init__()
-        self.stem = _conv_bn(3, 64, 7, 2)
-        stages, cin = [], 64
+        base = max(1, round(64 * width_mult))
+        self.stem = _conv_bn(3, base, 7, 2)
+        stages, cin = [], base
         for i, depth in enumerate(depths):
-            width = 64 * 2**i
+            width = base * 2**i
             for j in range(depth):
                 stages.append(block(cin, width, 2 if (j == 0 and i > 0) else 1))
                 cin = width * block.expansion
@@ -77,14 +88,14 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(self.stages(x), 1), 1))
 
 
-def resnet18(num_classes: int = 1000) -> ResNet:
+def resnet18(num_classes: int = 1000, width_mult: float = 1.0) -> ResNet:
     """ResNet-18 (11.7M parameters). Example: ``resnet18()(torch.randn(1, 3, 64, 64)).shape == (1, 1000)``."""
-    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes)
+    return ResNet(BasicBlock, [2, 2, 2, 2], num_classes, width_mult)
 
 
-def resnet50(num_classes: int = 1000) -> ResNet:
+def resnet50(num_classes: int = 1000, width_mult: float = 1.0) -> ResNet:
     """ResNet-50 (25.6M parameters). Example: ``resnet50()(torch.randn(1, 3, 64, 64)).shape == (1, 1000)``."""
-    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes)
+    return ResNet(Bottleneck, [3, 4, 6, 3], num_classes, width_mult)
 
 
 class InvertedResidual(nn.Module):
@@ -104,28 +115,59 @@ class InvertedResidual(nn.Module):
         return x + self.body(x) if self.residual else self.body(x)
 
 
+def _round_channels(channels: float, divisor: int = 8) -> int:
+    """MobileNetV2's channel rounding: to the nearest multiple of ``divisor`` (at least ``divisor``),
+    one up when rounding down would lose more than a tenth."""
+    rounded = max(divisor, int(channels + divisor / 2) // divisor * divisor)
+    return rounded + divisor if rounded < 0.9 * channels else rounded
+
+
 class MobileNetV2(nn.Module):
-    """MobileNetV2 at width 1.0 (3.5M parameters): torchvision's stage table, dropout 0.2 before the head."""
+    """MobileNetV2 (3.5M parameters at width 1.0): torchvision's stage table, dropout 0.2 before the head.
+
+    ``width_mult`` scales the channel counts (rounded to multiples of 8, as the paper's and
+    torchvision's models do); the last 1x1 convolution keeps 1280 channels below 1.0, as theirs.
+    """
 
     # (expansion, output channels, blocks, first stride)
     STAGES = [(1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)]
 
-    def __init__(self, num_classes: int = 1000) -> None:
+    def __init__(self, num_classes: int = 1000, width_mult: float = 1.0) -> None:
         super().__init__()
-        layers: list[nn.Module] = [_conv_bn(3, 32, 3, 2), nn.ReLU6()]
-        cin = 32
+        cin = _round_channels(32 * width_mult)
+        last = _round_channels(1280 * max(1.0, width_mult))
+        layers: list[nn.Module] = [_conv_bn(3, cin, 3, 2), nn.ReLU6()]
         for expand, cout, n, stride in self.STAGES:
+            cout = _round_channels(cout * width_mult)
             for j in range(n):
                 layers.append(InvertedResidual(cin, cout, stride if j == 0 else 1, expand))
                 cin = cout
-        layers += [_conv_bn(cin, 1280, 1), nn.ReLU6()]
+        layers += [_conv_bn(cin, last, 1), nn.ReLU6()]
         self.features = nn.Sequential(*layers)
-        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, num_classes))
+        self.head = nn.Sequential(nn.Dropout(0.2), nn.Linear(last, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 1), 1))
 
 
-def mobilenet_v2(num_classes: int = 1000) -> MobileNetV2:
+def mobilenet_v2(num_classes: int = 1000, width_mult: float = 1.0) -> MobileNetV2:
     """MobileNetV2. Example: ``mobilenet_v2()(torch.randn(1, 3, 64, 64)).shape == (1, 1000)``."""
-    return MobileNetV2(num_classes)
+    return MobileNetV2(num_classes, width_mult)
+
+
+def randomize_batchnorm(model: nn.Module, generator: torch.Generator | None = None) -> nn.Module:
+    """Give every BatchNorm random running statistics and affine parameters (freshly built ones
+    normalize by mean 0, variance 1, scale 1, shift 0: an identity at inference that a wrong
+    reading of them would not show). Returns ``model``.
+
+    Example: ``randomize_batchnorm(resnet18().eval(), torch.Generator().manual_seed(0))``.
+    """
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                c = m.num_features
+                m.running_mean.copy_(0.1 * torch.randn(c, generator=generator))
+                m.running_var.copy_(0.5 + torch.rand(c, generator=generator))
+                m.weight.copy_(0.5 + torch.rand(c, generator=generator))
+                m.bias.copy_(0.1 * torch.randn(c, generator=generator))
+    return model

@@ -11,19 +11,26 @@ it, before any update, and the parameters get those fresh copies, laid out like 
 devices; the stand-ins' update is never computed.
 
 Exact for the optimizers whose first step creates state from shapes alone (``SUPPORTED``): the
-following steps equal eager torch's. ``SGD`` with momentum copies its first gradient into its buffer
-and is refused, as is any optimizer not listed.
+following steps equal eager torch's. A first ``step()`` without it does the same for the parameters
+that have a gradient (``prime_for_step``, from the step pre-hook of ``optim_steps``): their state is
+computed in a small program before the step records, so step 1 runs step 2's program. ``SGD``
+with momentum copies its first gradient into its buffer and is refused, as is any optimizer not
+listed.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import threading
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from shardtensor.annotate import shard
 from shardtensor.graph import sync
+from shardtensor.graph.execute import run_cells
 from shardtensor.tensor import ShardedTensor
 
 # torch optimizers whose first step creates state that depends on shapes only, never on gradients
@@ -101,19 +108,59 @@ def prime_optimizer(optimizer: _Optimizer) -> _Optimizer:
         for i, p in enumerate(g["params"])
         if p.requires_grad and not target.state.get(p)  # (a frozen parameter never gets a gradient)
     ]
-    if not pending:
-        sync()
-        return optimizer
     sync()  # the parameters' values are read below (their layouts)
+    if pending:
+        _create_state(target, pending, target.step)
+        sync()
+    return optimizer
+
+
+def prime_for_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Before ``optimizer.step()`` (its pre-hook): create the state torch's step would create for the
+    parameters that have a gradient and no state yet, as ``prime_optimizer`` does, without running
+    the step's hooks; returns the new state tensors (those on the devices pending: the caller
+    computes them in a program of their own, so that the step reads them as it reads them on every
+    later step). Nothing for an optimizer not listed in ``SUPPORTED`` (by exact type: a subclass may step
+    otherwise), nor for parameters off shardtensor's device.
+
+    Example: ``fresh = prime_for_step(opt)`` (then ``run_cells([t._cell for t in fresh])``).
+    """
+    if type(optimizer) not in SUPPORTED or getattr(_LOCAL, "priming", False):
+        return []
+    pending = [
+        (g, i, p)
+        for g in optimizer.param_groups
+        for i, p in enumerate(g["params"])
+        if p.grad is not None and not optimizer.state.get(p)
+    ]
+    on_devices = all(isinstance(p, ShardedTensor) and isinstance(p.grad, ShardedTensor) for _, _, p in pending)
+    if not pending or not on_devices:
+        return []
+    # (a parameter still pending, e.g. just moved to the devices, is computed alone: its layout is read)
+    run_cells([p._cell for _, _, p in pending if p._cell.is_pending()], note_read=False)
+    unhooked = getattr(type(optimizer).step, "__wrapped__", None)  # (torch's hooks: they run for the real step)
+    step = functools.partial(unhooked, optimizer) if unhooked is not None else optimizer.step
+    _create_state(optimizer, pending, step)
+    return [v for _, _, p in pending for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+
+
+_LOCAL = threading.local()  # .priming: a stand-in step runs (the step pre-hook must not prime again)
+
+
+def _create_state(target: torch.optim.Optimizer, pending: list, step: Callable[[], Any]) -> None:
+    """Run ``step`` with stand-ins for the ``pending`` (group, index, parameter) and give each parameter
+    the state entries the optimizer created for its stand-in, as first stored."""
     stand_ins = {id(p): _stand_in(p) for _, _, p in pending}
     saved_state, saved_groups = target.state, [list(g["params"]) for g in target.param_groups]
     recording: collections.defaultdict = collections.defaultdict(_FreshState)
+    _LOCAL.priming = True
     try:
         target.state = recording
         for g, i, p in pending:
             g["params"][i] = stand_ins[id(p)]
-        target.step()
+        step()
     finally:
+        _LOCAL.priming = False
         target.state = saved_state
         for g, params in zip(target.param_groups, saved_groups):
             g["params"] = params
@@ -121,9 +168,6 @@ def prime_optimizer(optimizer: _Optimizer) -> _Optimizer:
         created = recording.get(stand_ins[id(p)])
         if created is not None and created.fresh:
             target.state[p] = {k: _laid_out_like(p, v) for k, v in created.fresh.items()}
-    del recording, stand_ins
-    sync()
-    return optimizer
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:

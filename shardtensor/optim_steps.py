@@ -44,9 +44,12 @@ from typing import Any
 import torch
 from torch.optim import optimizer as torch_optimizer
 
+from shardtensor import optim_prime
+from shardtensor.graph.execute import run_cells
 from shardtensor.graph.state import STATE
 from shardtensor.mesh import default_mesh
 from shardtensor.tensor import ShardedTensor
+from shardtensor.tensor.sharded import FIRST_TENSOR_CALLBACKS
 from shardtensor.tensor.upload import Upload
 
 _INSTALLED: list = []  # the global step pre- and post-hook, once installed
@@ -56,12 +59,15 @@ _NO_TENSOR_LR: weakref.WeakSet = weakref.WeakSet()  # optimizers whose step read
 
 
 def install() -> None:
-    """Install the global optimizer step hooks (once; ``st.compile``'s first trace calls it)."""
+    """Install the global optimizer step hooks (once: when the process makes its first ShardedTensor)."""
     if _INSTALLED:
         return
     pre = torch_optimizer.register_optimizer_step_pre_hook(_before_step)
     post = torch_optimizer.register_optimizer_step_post_hook(_after_step)
     _INSTALLED.extend((pre, post))
+
+
+FIRST_TENSOR_CALLBACKS.append(install)
 
 
 def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -77,6 +83,7 @@ def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore_groups(optimizer)  # (left switched by a step of it that raised)
+    fresh = optim_prime.prime_for_step(optimizer)
     switched = []
     for index, group in enumerate(optimizer.param_groups):
         key = _device_path(optimizer, group)
@@ -91,12 +98,18 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
             for name, value in list(entries.items()):
                 if type(value) is torch.Tensor and value.dim() == 0 and value.is_floating_point():
                     entries[name] = value.to(p.device)  # (torch's device paths keep these beside the parameter)
+                    fresh.append(entries[name])  # (moved once: before the call, as the next calls find it)
         switched.append((optimizer, group, key, group.get(key)))
         group[key] = True
         live = STATE.trace_uploads is not None and type(group.get("lr")) is float
         if live and optimizer not in _NO_TENSOR_LR:
             switched.append((optimizer, group, "lr", group["lr"]))
             group["lr"] = LiveValue(optimizer, index, "lr").tensor(group["params"])
+    if fresh:  # made in a small program of its own, as if before the call: read as every later step reads it
+        cells = [t._cell for t in fresh if isinstance(t, ShardedTensor)]
+        run_cells(cells, note_read=False)
+        for cell in cells:
+            cell.mark_earlier()
     if switched and optimizer not in _HOOKED:
         optimizer.register_state_dict_post_hook(_counters_on_host)
         _HOOKED.add(optimizer)

@@ -80,3 +80,66 @@ def test_existing_state_is_kept_and_unsupported_optimizers_raise():
         st.prime_optimizer(torch.optim.SGD(dev.parameters(), lr=0.1, momentum=0.9))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         st.prime_optimizer(dev)
+
+
+# --- without st.prime_optimizer: the first step creates the state in a small program of its own ---
+FIRST_STEP_OPTIMIZERS = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1),  # torch's default: capturable=False
+    "Adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=0.05, amsgrad=True),
+    "NAdam": lambda ps: torch.optim.NAdam(ps, lr=0.05),
+    "RMSprop-momentum": lambda ps: torch.optim.RMSprop(ps, lr=0.01, momentum=0.5),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),  # (its state is made by its constructor)
+    "Adadelta": lambda ps: torch.optim.Adadelta(ps, lr=0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(FIRST_STEP_OPTIMIZERS))
+def test_a_compiled_first_step_compiles_the_steady_program(name):
+    """Step 1 of an st.compile'd loop creates the optimizer's state, as torch's step does; the state
+    is computed first, in a program of its own, so the step's program is the one step 2 replays: no
+    compile after step 1, and the results are eager torch's."""
+    mesh = mesh_8()
+    batches = mlp_batches(4, torch.Generator().manual_seed(0))
+    ref, dev = make_pair(MLP)
+    shard_params(dev, mesh, MLP_SPECS)
+    make = FIRST_STEP_OPTIMIZERS[name]
+    ref_opt, dev_opt = make(ref.parameters()), make(dev.parameters())
+    dev_batches = shard_batches(batches, mesh, ("d", None), ("d",))
+    st.sync()
+    fresh_executable_cache()
+    st.clear_counters()
+    ref_losses = train(ref, ref_opt, batches, F.cross_entropy, "cpu")
+    compiles: list = []
+    dev_losses = train(dev, dev_opt, dev_batches, F.cross_entropy, "compile", compiles)
+    assert_trained_alike(ref, dev, ref_losses, dev_losses, rtol=1e-4, atol=1e-5)  # (float32 bias corrections)
+    assert compiles[0] >= 1 and compiles == [compiles[0]] * 4, compiles  # nothing compiled after step 1
+    assert st.counter_value("CompileFrozen") == 1
+    assert dev_opt.param_groups[0].get("capturable", False) is False  # what the user set, as eager torch
+    for p_ref, p_dev in zip(ref.parameters(), dev.parameters()):
+        for key, want in ref_opt.state[p_ref].items():
+            got = dev_opt.state[p_dev][key]
+            assert got.shape == want.shape and got.dtype == want.dtype, key
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_a_lazy_first_step_compiles_the_steady_program_and_hooks_stay_once():
+    """The same in lazy mode (the model's values computed before the loop), and the optimizer's own
+    step hooks run once per step: the state is made without them."""
+    mesh = mesh_8()
+    batches = mlp_batches(3, torch.Generator().manual_seed(1))
+    ref, dev = make_pair(MLP)
+    shard_params(dev, mesh, MLP_SPECS)
+    ref_opt, dev_opt = _adamw(ref.parameters(), False), _adamw(dev.parameters(), False)
+    calls = []
+    dev_opt.register_step_pre_hook(lambda *a: calls.append("pre"))
+    dev_opt.register_step_post_hook(lambda *a: calls.append("post"))
+    dev_batches = shard_batches(batches, mesh, ("d", None), ("d",))
+    st.sync()
+    fresh_executable_cache()
+    st.clear_counters()
+    ref_losses = train(ref, ref_opt, batches, F.cross_entropy, "cpu")
+    compiles: list = []
+    dev_losses = train(dev, dev_opt, dev_batches, F.cross_entropy, "lazy", compiles)
+    assert_trained_alike(ref, dev, ref_losses, dev_losses)
+    assert compiles[0] >= 1 and compiles == [compiles[0]] * 3, compiles
+    assert calls == ["pre", "post"] * 3

@@ -55,8 +55,11 @@ _LAZY_TRACING = counters.metric("LazyTracing")
 
 
 @locked
-def run_cells(cells, wait: bool = False):
+def run_cells(cells, wait: bool = False, note_read: bool = True):
     """Compute the pending values of ``cells`` (and nothing that no cell needs).
+
+    ``note_read=False``: inside an ``st.compile`` trace, the run is not a read of the trace's values
+    (values made from shapes alone, such as an optimizer's fresh state: the trace reads them after).
 
     Returns the ``Execution`` that ran (None when nothing was pending). A failed on-device check of
     an earlier run, or an earlier run that failed on the devices, raises first: nothing new runs on
@@ -64,7 +67,7 @@ def run_cells(cells, wait: bool = False):
     with JAX's 64-bit types on.
     """
     param_aliasing_enabled()  # a bad XLA_ENABLE_PARAM_ALIASING raises here, with nothing changed
-    return _run_cells(cells, wait)
+    return _run_cells(cells, wait, note_read)
 
 
 def _settle_earlier_runs(wait_late: bool = True) -> None:
@@ -76,12 +79,12 @@ def _settle_earlier_runs(wait_late: bool = True) -> None:
     inflight.settle()
 
 
-def _run_cells(cells, wait):
+def _run_cells(cells, wait, note_read=True):
     cells = [c for c in cells if c.is_pending()]
     if not cells:
         _settle_earlier_runs()
         return None
-    if STATE.tracing:
+    if STATE.tracing and note_read:
         note_host_read()
     execution = None
     try:

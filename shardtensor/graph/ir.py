@@ -119,6 +119,7 @@ class Cell:
         "__weakref__",
     )
     _serials = itertools.count()  # next() is atomic: threads creating cells never share a serial
+    _earlier = itertools.count(-1, -1)  # serials below every other, for cells made "before" (mark_earlier)
 
     def __init__(self, value, shape, dtype, sharding: ShardingSpec | None = None, owned=False):
         self.value = value
@@ -133,6 +134,15 @@ class Cell:
         # resize_): those of the first tensor made without a view chain; None means contiguous
         self.root: tuple[tuple[int, ...], int] | None = None
         self.serial = next(Cell._serials)  # creation order: compile() tells old cells from new ones
+
+    def mark_earlier(self) -> None:
+        """Give this cell a serial below every cell's: a value made for a call as if before it (an
+        optimizer's first state, ``optim_prime``), which the call then reads as an old value and the
+        programs of it and of later calls list in the same place.
+
+        Example: ``cell.mark_earlier(); cell.serial < Cell.serial_mark()``.
+        """
+        self.serial = next(Cell._earlier)
 
     @staticmethod
     def serial_mark() -> int:

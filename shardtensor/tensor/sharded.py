@@ -55,12 +55,16 @@ _FROM_LOCAL: Callable[..., Any] | None = None
 # sympy, ~0.5 s) at the first op on a tensor subclass, JAX its MLIR dialects at the first compile.
 FIRST_IMPORTS = ("torch.distributed.tensor", "jaxlib.mlir.dialects.builtin")
 _first_made = False
+# what higher layers set up once a process uses shardtensor (its optimizer step hooks): not at import
+FIRST_TENSOR_CALLBACKS: list[Callable[[], None]] = []
 
 
 def _before_the_first_tensor() -> None:
     global _first_made
     import_whole(*FIRST_IMPORTS)
     _first_made = True
+    for callback in FIRST_TENSOR_CALLBACKS:
+        callback()
 
 
 def set_op_handler(handler: Callable[[Any, tuple, dict], Any]) -> None:
