@@ -4,8 +4,10 @@
 program a call with these arguments runs, as StableHLO with the shardings of its inputs and
 outputs. ``.compile()`` gives a ``Compiled``: the optimized, SPMD-partitioned HLO XLA makes of it,
 XLA's memory and cost analysis (per device), and the collectives it runs with the bytes they move
-(``hlo_collectives``). ``st.explain(step, *args)`` prints the same for a step. Nothing runs on the
-devices and no tensor changes.
+(``hlo_collectives``). ``st.explain(step, *args)`` prints the same for a step. The step does not run
+on the devices and no tensor changes. (Lazy work pending before is computed first, as a call
+would; a first optimizer step's state, made from shapes, is computed in a small program of its own
+before the step records, as a call does it: ``optim_prime``.)
 
 Where the program comes from:
 
@@ -16,9 +18,8 @@ Where the program comes from:
   of running. Then everything the recording changed is taken back: every tensor's value (parameters,
   buffers, optimizer state, the random key and the seed last given), the gradients of tensors that
   require grad, optimizers' ``state`` and ``param_groups`` and attributes, torch's CPU random
-  generator. Other Python state the
-  function changes (a counter of its own, a scheduler it steps) stays changed, as after a call.
-  Lazy work pending before the call is computed first, as a call would.
+  generator. Other Python state the function changes (a counter of its own, a scheduler it steps)
+  stays changed, as after a call.
 
 Memory and collectives are per device; ``Compiled.memory()`` sums XLA's analysis as shardtensor's
 out-of-memory check does (arguments + outputs + temporaries - outputs written into donated inputs).
@@ -396,6 +397,9 @@ def _record(fn, args, kwargs, flat, name: str) -> Lowered:
                     out = fn(*args, **kwargs)
                 finally:
                     optim_steps.restore_groups()
+                    # (a first step's priming put stand-ins into its groups' lists, then replaced the
+                    # lists: given back now, the stand-ins and their updates die, as after a call)
+                    before.restore_lists()
             cells = seen.pending()
             if not cells:
                 raise ValueError(
@@ -469,16 +473,23 @@ class _StateBefore:
         torch.set_rng_state(self.cpu_rng)
         rng.restore(self.key)
 
+    def restore_lists(self) -> None:
+        """Each optimizer's ``restore_lists`` (``_OptimizerBefore``)."""
+        for optimizer in self.optimizers:
+            optimizer.restore_lists()
+
 
 class _OptimizerBefore:
     """An optimizer's attributes, ``state`` (each parameter's dict and its entries) and
-    ``param_groups`` (each group's entries), as they are now."""
+    ``param_groups`` (each group's entries, and the items of those that are lists: its ``params``,
+    which a first step's priming swaps for stand-ins in place, ``optim_prime``), as they are now."""
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self.attributes = dict(vars(optimizer))
         self.state = {key: (entry, dict(entry)) for key, entry in optimizer.state.items()}
         self.groups = [(group, dict(group)) for group in optimizer.param_groups]
+        self.lists = [(v, list(v)) for group in optimizer.param_groups for v in group.values() if type(v) is list]
         self.group_list = list(optimizer.param_groups)
 
     def restore(self) -> None:
@@ -501,6 +512,13 @@ class _OptimizerBefore:
             groups[:] = self.group_list
         for group, contents in self.groups:
             _put_back(group, contents)
+        self.restore_lists()
+
+    def restore_lists(self) -> None:
+        """Give the lists among the groups' items (``params``) their items again."""
+        for items, before in self.lists:
+            if len(items) != len(before) or any(a is not b for a, b in zip(items, before)):
+                items[:] = before
 
 
 _MISSING = object()

@@ -90,10 +90,12 @@ def _assert_same(before, model, opt):
 def test_lower_changes_nothing_and_calls_still_match_eager():
     ref, dev, ref_opt, opt, train_step, batches, mesh = _setup()
     cpu_rng = torch.get_rng_state()
+    texts = []
     for i, (x, y) in enumerate(batches):
         xs, ys = _on(mesh, x, y)
         before = _snapshot(dev, opt)
         lowered = train_step.lower(xs, ys)
+        texts.append(lowered.as_text())
         compiled = lowered.compile()
         _assert_same(before, dev, opt)  # no parameter, gradient or optimizer state changed
         assert torch.equal(torch.get_rng_state(), cpu_rng)
@@ -108,6 +110,7 @@ def test_lower_changes_nothing_and_calls_still_match_eager():
             torch.testing.assert_close(q.detach().cpu(), p.detach(), rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=1e-4, atol=1e-5)
     assert st.counter_value("CompileFrozen") == 1  # lowering did not keep the step from freezing
+    assert texts[0] == texts[1]  # (Adam's first state made before the step records: step 2's program)
     # the frozen program: no Python runs, and it is the program a recording gives in the same state
     lowered = train_step.lower(xs, ys)
     assert lowered.frozen and "frozen" in repr(lowered)
