@@ -30,7 +30,6 @@ import torch
 
 from shardtensor.annotate import shard
 from shardtensor.graph import sync
-from shardtensor.graph.execute import run_cells
 from shardtensor.tensor import ShardedTensor
 
 # torch optimizers whose first step creates state that depends on shapes only, never on gradients
@@ -136,20 +135,21 @@ def prime_for_step(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     on_devices = all(isinstance(p, ShardedTensor) and isinstance(p.grad, ShardedTensor) for _, _, p in pending)
     if not pending or not on_devices:
         return []
-    # (a parameter still pending, e.g. just moved to the devices, is computed alone: its layout is read)
-    run_cells([p._cell for _, _, p in pending if p._cell.is_pending()], note_read=False)
     unhooked = getattr(type(optimizer).step, "__wrapped__", None)  # (torch's hooks: they run for the real step)
     step = functools.partial(unhooked, optimizer) if unhooked is not None else optimizer.step
-    _create_state(optimizer, pending, step)
+    _create_state(optimizer, pending, step, read_layouts=False)
     return [v for _, _, p in pending for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
 
 
 _LOCAL = threading.local()  # .priming: a stand-in step runs (the step pre-hook must not prime again)
 
 
-def _create_state(target: torch.optim.Optimizer, pending: list, step: Callable[[], Any]) -> None:
+def _create_state(
+    target: torch.optim.Optimizer, pending: list, step: Callable[[], Any], read_layouts: bool = True
+) -> None:
     """Run ``step`` with stand-ins for the ``pending`` (group, index, parameter) and give each parameter
-    the state entries the optimizer created for its stand-in, as first stored."""
+    the state entries the optimizer created for its stand-in, as first stored (laid out like their
+    parameter; one whose layout XLA chooses is read back when ``read_layouts``, else left free)."""
     stand_ins = {id(p): _stand_in(p) for _, _, p in pending}
     saved_state, saved_groups = target.state, [list(g["params"]) for g in target.param_groups]
     recording: collections.defaultdict = collections.defaultdict(_FreshState)
@@ -167,7 +167,7 @@ def _create_state(target: torch.optim.Optimizer, pending: list, step: Callable[[
     for _, _, p in pending:
         created = recording.get(stand_ins[id(p)])
         if created is not None and created.fresh:
-            target.state[p] = {k: _laid_out_like(p, v) for k, v in created.fresh.items()}
+            target.state[p] = {k: _laid_out_like(p, v, read_layouts) for k, v in created.fresh.items()}
 
 
 def _stand_in(param: torch.Tensor) -> torch.Tensor:
@@ -178,11 +178,15 @@ def _stand_in(param: torch.Tensor) -> torch.Tensor:
     return s
 
 
-def _laid_out_like(param: torch.Tensor, value: Any) -> Any:
-    """A fresh state entry: on the devices with ``param``'s layout when it has ``param``'s shape."""
+def _laid_out_like(param: torch.Tensor, value: Any, read_layout: bool = True) -> Any:
+    """A fresh state entry: on the devices with ``param``'s layout when it has ``param``'s shape (a
+    layout XLA chose is read back with ``read_layout``; without, the entry is left free, as the
+    parameter: inside a step the gradient may live on another mesh than the parameter's value)."""
     if not (isinstance(param, ShardedTensor) and isinstance(value, ShardedTensor)) or value.shape != param.shape:
         return value
     mesh, spec = param.mesh, param.partition_spec
     if mesh is None or spec is None:  # XLA chose the parameter's layout: read it back
+        if not read_layout:
+            return value
         mesh, spec = param._layout()
     return shard(value, mesh, tuple(spec))

@@ -83,7 +83,7 @@ def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
 
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore_groups(optimizer)  # (left switched by a step of it that raised)
-    fresh = optim_prime.prime_for_step(optimizer)
+    fresh = optim_prime.prime_for_step(optimizer) if not STATE.eager else []  # (eager: each op is its own program)
     switched = []
     for index, group in enumerate(optimizer.param_groups):
         key = _device_path(optimizer, group)

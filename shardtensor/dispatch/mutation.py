@@ -88,6 +88,7 @@ def mutating_op(func, f: OpFacts, args, kwargs):
         for name in f.out_names
         for x in (bound[name] if isinstance(bound[name], (list, tuple)) else [bound[name]])
     }
+    to_write = []  # (target, value): written together (a fused optimizer op updates all or none)
     for t, ref, meta in zip(flat_targets, written, written_metas):
         if t is None:  # a result torch does not write back (see schema._written)
             continue
@@ -112,8 +113,8 @@ def mutating_op(func, f: OpFacts, args, kwargs):
             resize_to(func, t, shape, meta[2] if len(meta) > 2 and meta[2] else contiguous_strides(shape), 0)
         if meta[1] != t.dtype:
             ref = cast(ref, t.dtype)
-        views.write(t, ref)
-        cells.append(t._cell)
+        to_write.append((t, ref))
+    cells += _write_all(to_write)
     returned = []
     if functional_variant:
         new_cells, returned = new_tensors(refs[:n_returned], metas[:n_returned])
@@ -284,10 +285,12 @@ def _inplace_list(func, shape: _CallShape, args, kwargs):
     return _write_list(written, targets, shape)
 
 
-def _write_list(written, targets, shape):
-    """The end of ``_inplace_list``: each (target, value reference) written."""
+def _write_all(written) -> list:
+    """Each (target, value reference) written; the cells written. Targets without a view chain given
+    pending values are set at once (``set_pending_all``: a Ctrl-C lands before or after all of them,
+    as torch runs one op whole)."""
     cells = []
-    plain, plain_refs = [], []  # targets without a view chain, given pending values: set at once
+    plain, plain_refs = [], []
     for t, ref in written:
         if not t._chain and type(ref) is Pending:
             plain.append(t._cell)
@@ -296,6 +299,12 @@ def _write_list(written, targets, shape):
             views.write(t, ref)
         cells.append(t._cell)
     set_pending_all(plain, plain_refs)
+    return cells
+
+
+def _write_list(written, targets, shape):
+    """The end of ``_inplace_list``: each (target, value reference) written."""
+    cells = _write_all(written)
     if STATE.eager:  # one run: a second would find the rng key donated by the first
         run_cells(cells + rng.pending_cells())
     return None if not shape.returns else targets

@@ -143,7 +143,8 @@ def key_for(call) -> int:
         if key is None:
             key = _KEYS[call] = len(_ENTRIES)
             _ENTRIES.append(call)
-            _FUNCTION_IDS.add(id(call.fn))
+            if isinstance(call, JaxCall):  # (a backward entry holds its forward's key, no function)
+                _FUNCTION_IDS.add(id(call.fn))
         return key
 
 
