@@ -156,8 +156,8 @@ def _create_state(
     _LOCAL.priming = True
     try:
         target.state = recording
-        for g, i, p in pending:
-            g["params"][i] = stand_ins[id(p)]
+        for g in target.param_groups:  # (only the stand-ins step: the other parameters keep their values)
+            g["params"] = [stand_ins[id(p)] for g_, _, p in pending if g_ is g]
         step()
     finally:
         _LOCAL.priming = False
