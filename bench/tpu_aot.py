@@ -51,6 +51,8 @@ os.environ["SHARDTENSOR_PLATFORM"] = "cpu"
 os.environ.pop("PJRT_DEVICE", None)  # (PyTorch/XLA's variable: TPU on the machine would contradict cpu)
 os.environ["SHARDTENSOR_CPU_DEVICES"] = str(_devices)
 os.environ["JAX_PLATFORMS"] = "cpu"
+# (each slice's process may be lost: try the TPU compile shardtensor refuses in a user's process)
+os.environ.setdefault("SHARDTENSOR_TRY_TPU_EXPORT", "1")
 _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
 os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--xla_force_host_platform_device_count={_devices}"])
 

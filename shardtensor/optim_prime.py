@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from shardtensor.annotate import shard
 from shardtensor.graph import sync
@@ -158,7 +159,9 @@ def _create_state(
         target.state = recording
         for g in target.param_groups:  # (only the stand-ins step: the other parameters keep their values)
             g["params"] = [stand_ins[id(p)] for g_, _, p in pending if g_ is g]
-        step()
+        # (without the dispatch modes: its host work on its own fresh counters is not the call's)
+        with _disable_current_modes():
+            step()
     finally:
         _LOCAL.priming = False
         target.state = saved_state

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -166,6 +167,7 @@ class Lowered:
         if topology is not None or devices is not None:
             return self.retarget(topology, devices=devices).compile()
         if self._compiled is None:
+            _check_tpu_export(self)
             with _donation_warnings_off():
                 self._compiled = Compiled(self, self.jax_lowered.compile())
         return self._compiled
@@ -533,6 +535,25 @@ def _put_back(target: dict, contents: dict) -> None:
 
 
 # --------------------------------------------------------------------------- other devices
+
+
+# libtpu (with JAX 0.10.2) aborts the process compiling an exported shardtensor step for a TPU
+# topology: "import_shardy_attrs.cc:184 Check failed: funcResultSharding.getNumOperands() == 1" in
+# Shardy's round-trip import (seen 6 Dec 2026 on v5e 2x4 and 4x4, with and without donation). A
+# CHECK failure cannot be caught: refuse first, unless asked to try (a newer libtpu may compile it).
+TRY_TPU_EXPORT = "SHARDTENSOR_TRY_TPU_EXPORT"
+
+
+def _check_tpu_export(lowered: Lowered) -> None:
+    target = lowered.target
+    if target is None or target.platform != "tpu" or os.environ.get(TRY_TPU_EXPORT) == "1":
+        return
+    raise RuntimeError(
+        f"{lowered.name}: compiling for {target.description} is refused: libtpu aborts the whole process "
+        "compiling an exported shardtensor program for a TPU topology (a CHECK failure in Shardy's import, "
+        f"funcResultSharding.getNumOperands() == 1). Compile on the slice itself, or set {TRY_TPU_EXPORT}=1 "
+        "to try with this libtpu in a process you can lose (lowered.as_text() works without compiling)."
+    )
 
 
 class Target(NamedTuple):

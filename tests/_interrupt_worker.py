@@ -429,7 +429,9 @@ def no_read_loops(calls: int) -> dict:
             twin_opt.step()
             twin_opt.zero_grad()
         for got, expected in ((model.weight, twin.weight), (model.bias, twin.bias)):
-            if not torch.allclose(got.cpu(), expected, rtol=1e-4, atol=1e-5):  # (Adam over many steps)
+            # (Adam over many steps: an element whose gradient is near zero moves by up to lr either way, so
+            # kernels that round differently (XLA, torch per CPU ISA) give differences of a fraction of lr)
+            if not torch.allclose(got.cpu(), expected, rtol=1e-4, atol=1e-4):
                 report["differs"].append(f"{kind}: {float((got.cpu() - expected).abs().max())}")
         report["took"][kind] = time.perf_counter() - start
     return report

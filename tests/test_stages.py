@@ -255,6 +255,21 @@ def test_bad_input_raises_clear_errors():
         pass
 
 
+def test_a_tpu_topology_compile_is_refused_rather_than_abort_the_process(monkeypatch):
+    """libtpu aborts the process compiling an exported step for a TPU topology (a CHECK failure in
+    Shardy's import): a user's process gets an exception instead, unless it asks to try."""
+    mesh = mesh_8()
+    x = st.shard(torch.randn(16, 4), mesh, ("d", None))
+    lowered = st.compile(lambda t: t * 2, name="double").lower(x)
+    on_tpu = lowered.retarget(devices=list(jax.devices()))
+    on_tpu.target = on_tpu.target._replace(platform="tpu")  # (as a topology's target says)
+    monkeypatch.delenv(stages.TRY_TPU_EXPORT, raising=False)
+    with pytest.raises(RuntimeError, match=r"double: compiling for 8 cpu devices is refused: libtpu aborts.*TRY_TPU"):
+        on_tpu.compile()
+    monkeypatch.setenv(stages.TRY_TPU_EXPORT, "1")  # (here the devices are CPUs: it compiles)
+    assert on_tpu.compile().memory().total > 0
+
+
 def test_tpu_aot_bench_runs_on_cpu_devices():
     """bench/tpu_aot.py (the chip's ahead-of-time comparison) at tiny sizes, one simulated slice:
     a failure there costs a chip call."""
