@@ -83,7 +83,17 @@ def _worker(config: str, tiny: bool, steps: int) -> dict:
                     loss = trainer.step(*data[i])
                 return loss.item()
 
-    out = {"config": config, "steps": [], "programs": []}
+    import logging  # noqa: PLC0415
+
+    compiles: list = []  # shardtensor's INFO line for each compile of 2 s or more (its op count and time)
+
+    class _Collect(logging.Handler):
+        def emit(self, record):
+            compiles.append(record.getMessage().split(";")[0])
+
+    logging.getLogger("shardtensor").addHandler(_Collect())
+    logging.getLogger("shardtensor").setLevel(logging.INFO)
+    out = {"config": config, "steps": [], "programs": [], "compiles": compiles}
     for i in range(steps):
         before = st.counter_value("UncachedCompile") or 0
         t0 = time.perf_counter()
@@ -127,6 +137,9 @@ def main() -> None:
             f"  loss {r['loss']:.4f}"
         )
     print("(start-up: steps 1 + 2 for shardtensor, JAX's first call for jax; target: at most 1.3x)")
+    for config, r in results.items():
+        for line in r.get("compiles", []):
+            print(f"  {config}: {line}")
 
 
 if __name__ == "__main__":
