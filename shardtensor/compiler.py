@@ -6,7 +6,7 @@ program; or, once frozen, feeds the current values to the program and writes the
 running no Python of ``fn``. A traced call freezes when a replay could repeat it and it left the
 Python state it could read as it found it (``replay_guard.Snapshot`` on entry and on exit:
 ``trace_reads`` notes the code it ran and the globals that code loads). A replay runs while that
-state is unchanged (``replay_guard.Guard``); otherwise the call traces again (one cached executable
+state is unchanged (``replay_check.Guard``); otherwise the call traces again (one cached executable
 per program: no recompile).
 
 A replay could not repeat a call that reads a device value on the host, seeds or draws CPU random

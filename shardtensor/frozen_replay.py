@@ -31,7 +31,7 @@ from shardtensor.graph.ir import Cell, Failed
 from shardtensor.graph.program import to_mesh
 from shardtensor.graph.state import STATE, locked, others_pending, set_failed
 from shardtensor.ops.checks import checks_enabled
-from shardtensor.replay_guard import Guard, picker
+from shardtensor.replay_check import Guard, picker
 from shardtensor.tensor import ShardedTensor
 from shardtensor.tensor import device as torch_device
 from shardtensor.tensor.geometry import contiguous_strides

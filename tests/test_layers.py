@@ -29,6 +29,7 @@ LAYERS = [
             "compiler",
             "frozen_replay",
             "replay_guard",
+            "replay_check",
             "trace_reads",
             "exporter",
             "explain",
