@@ -84,7 +84,7 @@ def restore_groups(optimizer: torch.optim.Optimizer | None = None) -> None:
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore_groups(optimizer)  # (left switched by a step of it that raised)
     # (inside an st.compile trace: lazy and eager steps record as they did, Dynamo inlines the step)
-    fresh = optim_prime.prime_for_step(optimizer) if STATE.tracing and not _dynamo_compiling() else []
+    fresh = optim_prime.prime_for_step(optimizer) if STATE.tracing and not torch.compiler.is_compiling() else []
     switched = []
     for index, group in enumerate(optimizer.param_groups):
         key = _device_path(optimizer, group)
@@ -116,11 +116,6 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         _HOOKED.add(optimizer)
     _LOCAL.switched = getattr(_LOCAL, "switched", []) + switched
     _LOCAL.reads_before = STATE.host_reads
-
-
-def _dynamo_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return compiler is not None and compiler.is_compiling()
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
